@@ -1,0 +1,493 @@
+"""The wire contract: every request and response body of the REST API.
+
+This module imports nothing but pydantic (and the standard library) so that a worker-only
+install and the Python client can use it without the server's dependencies. Field names are
+the JSON names. Byte counts are plain integers; every float is finite.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+API_PREFIX = "/api/v1"
+
+EXABYTE = 10**18
+Bytes = Annotated[int, Field(ge=0, le=EXABYTE, description="A byte count, 0 to 10**18.")]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+Name = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="Letters, digits, '.', '_' and '-', starting with a letter or digit.",
+    ),
+]
+ShortText = Annotated[str, Field(max_length=4096)]
+Direction = Literal["minimize", "maximize"]
+ParamValue = str | int | float | bool | None
+
+MAX_PARAMS = 64
+MAX_CHOICES = 256
+
+
+class Wire(BaseModel):
+    """Base of every wire model: unknown fields are an error, not silently dropped."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---------------------------------------------------------------- search space
+
+
+class FloatParam(Wire):
+    """A float in [low, high], optionally on a log scale or a step grid."""
+
+    type: Literal["float"] = "float"
+    low: Finite
+    high: Finite
+    log: bool = False
+    step: Finite | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> FloatParam:
+        _check_range(self.low, self.high, self.log, self.step)
+        return self
+
+
+class IntParam(Wire):
+    """An integer in [low, high], optionally on a log scale or a step grid."""
+
+    type: Literal["int"] = "int"
+    low: int = Field(ge=-(2**53), le=2**53)
+    high: int = Field(ge=-(2**53), le=2**53)
+    log: bool = False
+    step: int = Field(default=1, ge=1)
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> IntParam:
+        _check_range(self.low, self.high, self.log, None if self.step == 1 else self.step)
+        return self
+
+
+class CategoricalParam(Wire):
+    """One of a list of choices (strings, numbers, booleans or null)."""
+
+    type: Literal["categorical"] = "categorical"
+    choices: list[Annotated[ParamValue, Field(union_mode="left_to_right")]] = Field(
+        min_length=1, max_length=MAX_CHOICES
+    )
+
+    @field_validator("choices")
+    @classmethod
+    def _check_choices(cls, choices: list[ParamValue]) -> list[ParamValue]:
+        for choice in choices:
+            if isinstance(choice, float) and choice != choice:
+                raise ValueError("choices must not contain NaN")
+            if isinstance(choice, str) and len(choice) > 256:
+                raise ValueError("a choice is at most 256 characters")
+        return choices
+
+
+def _check_range(low: float, high: float, log: bool, step: float | None) -> None:
+    if low > high:
+        raise ValueError(f"low ({low}) must not exceed high ({high})")
+    if log and low <= 0:
+        raise ValueError(f"a log-scale parameter needs low > 0 (got {low})")
+    if log and step is not None:
+        raise ValueError("step and log cannot be combined")
+
+
+Param = Annotated[FloatParam | IntParam | CategoricalParam, Field(discriminator="type")]
+SearchSpace = Annotated[
+    dict[Annotated[str, Field(min_length=1, max_length=128)], Param],
+    Field(min_length=1, max_length=MAX_PARAMS),
+]
+
+
+# ---------------------------------------------------------------- study
+
+
+Resize = Literal["micro_batch", "checkpointing", "bf16"]
+
+
+class MemoryPolicy(Wire):
+    """What a worker may do to a configuration that does not fit its card."""
+
+    allow_resize: bool = Field(True, description="May a worker run a trial resized?")
+    resizes: list[Resize] = Field(
+        default_factory=lambda: ["micro_batch", "checkpointing"],
+        description="Resizes allowed, tried in this order; add 'bf16' to allow precision changes.",
+    )
+    margin: Finite = Field(
+        0.10, ge=0.0, le=0.9, description="Fraction of the card's free memory held back."
+    )
+    allow_packing: bool = Field(False, description="May a card run two trials at once?")
+
+
+class SamplerSpec(Wire):
+    """An Optuna sampler by name with its keyword arguments."""
+
+    name: Literal["tpe", "random", "nsga2", "cmaes", "gp", "qmc", "grid"] = "tpe"
+    args: dict[str, Any] = Field(default_factory=dict)
+
+
+class PrunerSpec(Wire):
+    """An Optuna pruner by name with its keyword arguments."""
+
+    name: Literal[
+        "none", "median", "percentile", "hyperband", "successive_halving", "threshold", "patient"
+    ] = "median"
+    args: dict[str, Any] = Field(default_factory=dict)
+
+
+class TrainBudget(Wire):
+    """How long one trial trains: steps, seconds, or both (whichever ends first)."""
+
+    max_steps: int | None = Field(200, ge=1, le=10**7)
+    max_seconds: Finite | None = Field(None, gt=0, le=7 * 24 * 3600)
+    eval_every: int = Field(50, ge=1, le=10**7, description="Steps between reported values.")
+
+    @model_validator(mode="after")
+    def _some_limit(self) -> TrainBudget:
+        if self.max_steps is None and self.max_seconds is None:
+            raise ValueError("set max_steps, max_seconds or both")
+        return self
+
+
+class StudyCreate(Wire):
+    """A new study: what to tune, how, and within which memory policy."""
+
+    name: Name
+    task: Name = Field(description="A task name that workers advertise.")
+    search_space: SearchSpace
+    directions: list[Direction] = Field(default=["minimize"], min_length=1, max_length=2)
+    minimize_peak_memory: bool = Field(
+        False, description="Add the measured peak memory as an extra objective (minimized)."
+    )
+    task_config: dict[str, ParamValue] = Field(
+        default_factory=dict, max_length=64, description="Fixed task settings, not tuned."
+    )
+    sampler: SamplerSpec = Field(default_factory=SamplerSpec)
+    pruner: PrunerSpec = Field(default_factory=PrunerSpec)
+    n_trials: int = Field(100, ge=1, le=10**6, description="Trial budget of the study.")
+    budget: TrainBudget = Field(default_factory=TrainBudget)
+    memory_policy: MemoryPolicy = Field(default_factory=MemoryPolicy)
+    max_attempts: int = Field(3, ge=1, le=20, description="Attempts per trial before FAIL.")
+
+    @model_validator(mode="after")
+    def _objectives(self) -> StudyCreate:
+        if self.minimize_peak_memory and len(self.directions) > 1:
+            raise ValueError("minimize_peak_memory takes a study with one direction")
+        return self
+
+    @property
+    def objective_directions(self) -> list[Direction]:
+        """The Optuna study's directions, with peak memory appended when asked for."""
+        extra: list[Direction] = ["minimize"] if self.minimize_peak_memory else []
+        return [*self.directions, *extra]
+
+
+StudyState = Literal["running", "paused", "done"]
+
+
+class StudySummary(Wire):
+    """A study as listed: its spec, state and trial counts."""
+
+    id: int
+    name: str
+    task: str
+    state: StudyState
+    directions: list[Direction]
+    n_trials: int
+    counts: dict[str, int] = Field(description="Trials by Optuna TrialState name.")
+    best_value: float | None = None
+    created_at: datetime
+    spec: StudyCreate
+
+
+class StudyList(Wire):
+    """A page of studies."""
+
+    studies: list[StudySummary]
+
+
+class PlanOut(Wire):
+    """How a trial was run (see Plan)."""
+
+    micro_batch: int | None = None
+    accumulation: int = 1
+    checkpointing: bool = False
+    bf16: bool = False
+    reason: str = ""
+
+
+class TrialOut(Wire):
+    """One trial with what vramtune knows about its memory."""
+
+    id: int
+    number: int
+    state: str
+    values: list[float] | None = None
+    params: dict[str, ParamValue]
+    intermediate: dict[int, float] = Field(default_factory=dict)
+    datetime_start: datetime | None = None
+    datetime_complete: datetime | None = None
+    duration_s: float | None = None
+    attempt: int = 0
+    plan: PlanOut | None = None
+    worker: str | None = None
+    card_model: str | None = None
+    predicted_peak_bytes: int | None = None
+    measured_peak_bytes: int | None = None
+    outcome: str | None = Field(
+        None, description="as_asked, resized, routed, infeasible, oom, failed, pruned."
+    )
+    user_attrs: dict[str, Any] = Field(default_factory=dict)
+
+
+class TrialPage(Wire):
+    """A page of trials, newest last."""
+
+    trials: list[TrialOut]
+    total: int
+    offset: int
+    limit: int
+
+
+class ParetoFront(Wire):
+    """The best trial(s): one for a single objective, the Pareto front otherwise."""
+
+    trials: list[TrialOut]
+
+
+# ---------------------------------------------------------------- workers
+
+
+class CardInfo(Wire):
+    """The card a worker drives (a simulated one for --device cpu)."""
+
+    model: str = Field(min_length=1, max_length=256, description="e.g. 'NVIDIA H200'.")
+    total_bytes: Bytes
+    free_bytes: Bytes
+    device_index: int = Field(0, ge=0, le=1024)
+    uuid: str | None = Field(None, max_length=128)
+    driver_version: str | None = Field(None, max_length=64)
+    cuda_version: str | None = Field(None, max_length=64)
+    torch_version: str | None = Field(None, max_length=64)
+    simulated: bool = False
+
+
+class CardConstants(Wire):
+    """Memory a trace cannot see, measured by the worker on its own card at start."""
+
+    cuda_context_bytes: Bytes = 0
+    cublas_workspace_bytes: Bytes = 0
+    other_bytes: Bytes = 0
+
+
+class WorkerRegister(Wire):
+    """A worker announcing itself and its card."""
+
+    name: Name
+    device: str = Field(pattern=r"^(cpu|cuda(:\d{1,4})?)$", description="'cpu' or 'cuda:N'.")
+    card: CardInfo
+    tasks: list[Name] = Field(min_length=1, max_length=256)
+    constants: CardConstants = Field(default_factory=CardConstants)
+
+
+class WorkerRegistered(Wire):
+    """The server's answer to a registration."""
+
+    worker_id: int
+    heartbeat_interval_s: float
+    lease_ttl_s: float
+
+
+class Heartbeat(Wire):
+    """A worker is alive; renews every lease it holds."""
+
+    free_bytes: Bytes | None = None
+
+
+StopReason = Literal["pruned", "paused", "deleted", "lease_lost"]
+
+
+class StopOrder(Wire):
+    """Stop running this trial."""
+
+    trial_id: int
+    reason: StopReason
+
+
+class HeartbeatReply(Wire):
+    """Trials the worker must stop, if any."""
+
+    stop: list[StopOrder] = Field(default_factory=list)
+
+
+class NextRequest(Wire):
+    """A worker asks for work, stating what it can give now."""
+
+    free_bytes: Bytes
+
+
+class Assignment(Wire):
+    """A trial leased to one worker: everything it needs to run it."""
+
+    trial_id: int
+    number: int
+    attempt: int
+    lease: str = Field(description="Fencing token: present it on every call for this trial.")
+    lease_expires_at: datetime
+    study: str
+    task: str
+    params: dict[str, ParamValue]
+    task_config: dict[str, ParamValue]
+    budget: TrainBudget
+    memory_policy: MemoryPolicy
+    n_objectives: int = Field(description="Values the complete call must carry.")
+    minimize_peak_memory: bool = False
+    plans_tried: list[PlanOut] = Field(
+        default_factory=list, description="Plans that already ran out of memory on this card model."
+    )
+
+
+class Plan(Wire):
+    """How a worker runs a trial: the same hyperparameters, maybe a smaller footprint."""
+
+    micro_batch: int | None = Field(None, ge=1, le=10**7, description="None: the whole batch.")
+    accumulation: int = Field(1, ge=1, le=10**7)
+    checkpointing: bool = False
+    bf16: bool = False
+    reason: ShortText = ""
+
+
+class Prediction(Wire):
+    """A predicted peak and how it was reached."""
+
+    peak_allocated_bytes: Bytes
+    peak_reserved_bytes: Bytes
+    breakdown: dict[str, Bytes] = Field(default_factory=dict, max_length=64)
+    constants: dict[str, Bytes] = Field(default_factory=dict, max_length=64)
+    method: Literal["trace", "probe", "none"] = "trace"
+    reason: ShortText = Field("", description="Why tracing was not possible, when it was not.")
+    seconds: Finite = Field(0.0, ge=0)
+
+
+class Measured(Wire):
+    """Peaks measured while the trial ran."""
+
+    peak_allocated_bytes: Bytes
+    peak_reserved_bytes: Bytes | None = None
+    nvml_peak_bytes: Bytes | None = None
+
+
+class LeaseCall(Wire):
+    """Base of every trial call: the lease token that fences it."""
+
+    lease: str = Field(min_length=16, max_length=128)
+
+
+class StartRequest(LeaseCall):
+    """The worker chose a plan and starts running."""
+
+    plan: Plan
+    prediction: Prediction | None = None
+
+
+class ReportRequest(LeaseCall):
+    """An intermediate value at a step."""
+
+    step: int = Field(ge=0, le=10**9)
+    value: Finite
+
+
+class ReportReply(Wire):
+    """Whether the study's pruner prunes the trial now."""
+
+    prune: bool
+
+
+class CompleteRequest(LeaseCall):
+    """The trial finished: its value(s) and what it used."""
+
+    values: list[Finite] = Field(min_length=1, max_length=3)
+    plan: Plan
+    prediction: Prediction | None = None
+    measured: Measured
+    duration_s: Finite = Field(ge=0)
+    samples_per_s: Finite | None = Field(None, ge=0)
+
+
+FailKind = Literal["oom", "error", "interrupted", "pruned"]
+
+
+class FailRequest(LeaseCall):
+    """The trial could not finish (or was pruned)."""
+
+    kind: FailKind
+    message: ShortText = ""
+    plan: Plan | None = None
+    prediction: Prediction | None = None
+    measured: Measured | None = None
+
+
+class HandBackRequest(LeaseCall):
+    """The trial does not fit this card even at its smallest footprint."""
+
+    min_footprint_bytes: Bytes
+    plan: Plan | None = Field(None, description="The smallest plan the worker could reach.")
+    reason: ShortText = ""
+
+
+TrialResolution = Literal["complete", "failed", "retry", "waiting", "infeasible", "pruned"]
+
+
+class TrialAck(Wire):
+    """What became of the trial after a complete, fail or hand-back."""
+
+    trial_id: int
+    resolution: TrialResolution
+    detail: str = ""
+
+
+class WorkerOut(Wire):
+    """A worker as the fleet page shows it."""
+
+    id: int
+    name: str
+    device: str
+    card: CardInfo
+    tasks: list[str]
+    state: Literal["live", "stale", "stopped"]
+    last_heartbeat: datetime
+    current_trials: list[int]
+    trials_done: int
+
+
+class WorkerList(Wire):
+    """The fleet."""
+
+    workers: list[WorkerOut]
+
+
+class Calibration(Wire):
+    """Correction for one (card model, torch version, task): predicted' = scale·p + offset."""
+
+    card_model: str
+    torch_version: str
+    task: str
+    scale: float = 1.0
+    offset_bytes: int = 0
+    margin_fraction: float = Field(0.05, description="Extra headroom the fit says is needed.")
+    n_observations: int = 0
+
+
+class ErrorOut(BaseModel):
+    """Every error body: {"detail": ...}."""
+
+    detail: str | list[dict[str, Any]]

@@ -1,0 +1,100 @@
+"""One optimizer step under a plan: the code path both the trainer and the predictor run.
+
+The trainer calls `train_step` on real tensors; the predictor calls the very same function
+under a FakeTensorMode, so what it measures is what the trainer will allocate.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from service.wire import Plan
+from worker.task import Batch, Config, Task, TaskConfigError
+
+
+def micro_batch_sizes(batch_size: int, plan: Plan) -> list[int]:
+    """Split the effective batch into the plan's micro-batches (the last may be smaller)."""
+    if batch_size < 1:
+        raise TaskConfigError(f"batch size must be >= 1, got {batch_size}")
+    micro = min(plan.micro_batch or batch_size, batch_size)
+    full, rest = divmod(batch_size, micro)
+    return [micro] * full + ([rest] if rest else [])
+
+
+def plan_for_micro_batch(batch_size: int, micro_batch: int, **flags: bool) -> Plan:
+    """A plan that runs `batch_size` as micro-batches of at most `micro_batch`."""
+    micro = max(1, min(micro_batch, batch_size))
+    return Plan(
+        micro_batch=None if micro == batch_size else micro,
+        accumulation=math.ceil(batch_size / micro),
+        **flags,
+    )
+
+
+def autocast_for(plan: Plan, device: torch.device) -> AbstractContextManager[object]:
+    """bf16 autocast when the plan asks for it, else nothing."""
+    if not plan.bf16:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def apply_checkpointing(task: Task, model: nn.Module) -> int:
+    """Recompute the task's checkpointable blocks in backward; returns how many were wrapped."""
+    modules = list(task.checkpoint_modules(model))
+    for module in modules:
+        forward = module.forward
+        # non-reentrant checkpointing works with kwargs and under FakeTensorMode.
+        module.forward = functools.partial(checkpoint, forward, use_reentrant=False)  # type: ignore[method-assign]
+    return len(modules)
+
+
+def build_for_plan(task: Task, config: Config, plan: Plan, device: torch.device) -> nn.Module:
+    """Build the task's model on `device` with the plan's checkpointing applied."""
+    model = task.build_model(config).to(device)
+    if plan.checkpointing and apply_checkpointing(task, model) == 0:
+        raise TaskConfigError(f"task {task.name!r} marks no modules for checkpointing")
+    return model
+
+
+def train_step(
+    task: Task,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    next_batch: Callable[[int], Batch],
+    batch_size: int,
+    plan: Plan,
+    device: torch.device,
+) -> torch.Tensor:
+    """One optimizer step over `batch_size` examples as the plan's micro-batches.
+
+    Each micro-batch's mean loss is weighted by its share of the effective batch, so the
+    accumulated gradient equals the full batch's. Returns the step's loss (detached).
+    """
+    optimizer.zero_grad(set_to_none=True)
+    total = torch.zeros((), device=device)
+    for size in micro_batch_sizes(batch_size, plan):
+        batch = next_batch(size)
+        with autocast_for(plan, device):
+            loss = task.loss(model, batch) * (size / batch_size)
+        loss.backward()
+        total = total + loss.detach().float()
+        del batch, loss
+    optimizer.step()
+    return total
+
+
+def batch_feeder(batches: Iterator[Batch]) -> Callable[[int], Batch]:
+    """Turn a task's iterator of fixed-size batches into `next_batch(size)`, slicing the tail."""
+
+    def next_batch(size: int) -> Batch:
+        batch = next(batches)
+        return tuple(t[:size] for t in batch)
+
+    return next_batch
