@@ -1,0 +1,147 @@
+"""vramtune's own tables (prefix ``vramtune_``), beside Optuna's, in one database.
+
+Optuna owns and migrates its tables; these are migrated by Alembic from migrations/ with their
+own version table. Trials are referred to by Optuna's ``trial_id`` (no foreign key to Optuna's
+tables: Optuna's schema is not ours to constrain). Datetimes are UTC without tz, as Optuna's.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    """Declarative base of vramtune's tables only."""
+
+
+class StudyRow(Base):
+    """A vramtune study: the spec it was created with and whether it is paused."""
+
+    __tablename__ = "vramtune_studies"
+
+    study_id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    task: Mapped[str] = mapped_column(String(128), index=True)
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    paused: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+
+
+class WorkerRow(Base):
+    """A registered worker and its card."""
+
+    __tablename__ = "vramtune_workers"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128))
+    device: Mapped[str] = mapped_column(String(32))
+    card_model: Mapped[str] = mapped_column(String(256), index=True)
+    total_bytes: Mapped[int] = mapped_column(BigInteger)
+    free_bytes: Mapped[int] = mapped_column(BigInteger)
+    card: Mapped[dict[str, Any]] = mapped_column(JSON)
+    constants: Mapped[dict[str, Any]] = mapped_column(JSON)
+    tasks: Mapped[list[str]] = mapped_column(JSON)
+    registered_at: Mapped[datetime] = mapped_column(DateTime)
+    last_heartbeat: Mapped[datetime] = mapped_column(DateTime, index=True)
+    stopped: Mapped[bool] = mapped_column(Boolean, default=False)
+    trials_done: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class TrialRow(Base):
+    """vramtune's bookkeeping of one Optuna trial while and after it runs.
+
+    ``status``: ``leased`` (a worker holds it), ``pending`` (to be re-offered to any worker
+    that fits ``min_bytes``), ``waiting`` (handed back; waits for a card of at least
+    ``min_bytes``), ``done`` (told to Optuna).
+    """
+
+    __tablename__ = "vramtune_trials"
+
+    trial_id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    study_id: Mapped[int] = mapped_column(Integer, ForeignKey("vramtune_studies.study_id", ondelete="CASCADE"))
+    number: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16))
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    min_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    outcome: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    worker_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    plan: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    plans_tried: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
+    predicted_peak_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    measured_peak_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    message: Mapped[str | None] = mapped_column(Text, nullable=True)
+    updated_at: Mapped[datetime] = mapped_column(DateTime)
+
+    __table_args__ = (Index("ix_vramtune_trials_offer", "status", "study_id", "min_bytes"),)
+
+
+class LeaseRow(Base):
+    """One assignment of a trial to a worker, fenced by its token."""
+
+    __tablename__ = "vramtune_leases"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    token: Mapped[str] = mapped_column(String(128), unique=True)
+    trial_id: Mapped[int] = mapped_column(Integer, index=True)
+    worker_id: Mapped[int] = mapped_column(Integer, ForeignKey("vramtune_workers.id"), index=True)
+    attempt: Mapped[int] = mapped_column(Integer)
+    active: Mapped[bool] = mapped_column(Boolean, default=True)
+    expires_at: Mapped[datetime] = mapped_column(DateTime, index=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+    ended_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    # The answer given when the lease ended, so that a repeated call gets the same answer.
+    resolution: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+
+
+class MemoryObservationRow(Base):
+    """Predicted against measured peak of one run, the calibration's raw material."""
+
+    __tablename__ = "vramtune_memory_observations"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    trial_id: Mapped[int] = mapped_column(Integer, index=True)
+    study_id: Mapped[int] = mapped_column(Integer, index=True)
+    worker_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    card_model: Mapped[str] = mapped_column(String(256))
+    torch_version: Mapped[str] = mapped_column(String(64))
+    task: Mapped[str] = mapped_column(String(128))
+    plan: Mapped[dict[str, Any]] = mapped_column(JSON)
+    outcome: Mapped[str] = mapped_column(String(16))
+    predicted_allocated: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    predicted_reserved: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    measured_allocated: Mapped[int] = mapped_column(BigInteger)
+    measured_reserved: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    nvml_peak: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+
+    __table_args__ = (Index("ix_vramtune_obs_key", "card_model", "torch_version", "task"),)
+
+
+class TokenRow(Base):
+    """An API token: only its hash is stored."""
+
+    __tablename__ = "vramtune_tokens"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128))
+    token_hash: Mapped[str] = mapped_column(String(128), unique=True)
+    scopes: Mapped[list[str]] = mapped_column(JSON)
+    studies: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    last_used_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
