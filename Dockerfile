@@ -1,0 +1,19 @@
+# One image for the service and the worker. The worker target installs a CUDA build of torch
+# from the PyTorch index of your choice (TORCH_INDEX); the service target has no torch at all.
+FROM python:3.11-slim AS base
+WORKDIR /app
+ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
+COPY pyproject.toml README.md ./
+COPY service ./service
+COPY worker ./worker
+COPY migrations ./migrations
+
+FROM base AS service
+RUN pip install ".[server,postgres]"
+EXPOSE 8000
+CMD ["vramtune", "serve", "--host", "0.0.0.0", "--port", "8000"]
+
+FROM base AS worker
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
+RUN pip install --index-url "$TORCH_INDEX" torch && pip install ".[worker]"
+CMD ["vramtune", "worker", "--all-gpus"]

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Sets up everything vramtune's demo and tests need on a fresh Debian machine; idempotent.
+# Creates .venv, installs the CPU build of torch first (a plain `torch` requirement would pull a
+# multi-GB CUDA build), then the project with its dev extras; installs Chromium for the browser
+# tests and makes sure the local PostgreSQL is up when one is installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+.venv/bin/pip install -q --upgrade pip
+.venv/bin/pip install -q "torch==${VRAMTUNE_TORCH_VERSION:-2.13.0}"
+.venv/bin/pip install -q -e ".[dev]"
+
+if [ "${VRAMTUNE_SKIP_SYSTEM:-0}" != 1 ]; then
+  if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null
+  fi
+  if command -v pg_ctlcluster >/dev/null 2>&1 && ! pg_isready -q -h 127.0.0.1 -p 5432; then
+    pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql)" main start
+  fi
+fi
