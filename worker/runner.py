@@ -8,6 +8,7 @@ protocol can be exercised without torch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -15,6 +16,16 @@ from typing import Any, Protocol, runtime_checkable
 from service.wire import CardInfo, Measured, Plan, Prediction, StopReason, TrainBudget
 
 Config = Mapping[str, Any]
+
+
+def plan_for_micro_batch(batch_size: int, micro_batch: int, **flags: bool) -> Plan:
+    """A plan that runs `batch_size` as micro-batches of at most `micro_batch`."""
+    micro = max(1, min(micro_batch, batch_size))
+    return Plan(
+        micro_batch=None if micro == batch_size else micro,
+        accumulation=math.ceil(batch_size / micro),
+        **flags,
+    )
 
 
 @dataclass

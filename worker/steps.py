@@ -7,7 +7,6 @@ under a FakeTensorMode, so what it measures is what the trainer will allocate.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 
@@ -16,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from service.wire import Plan
+from worker.runner import plan_for_micro_batch as plan_for_micro_batch  # torch-free home
 from worker.task import Batch, Config, Task, TaskConfigError
 
 
@@ -26,16 +26,6 @@ def micro_batch_sizes(batch_size: int, plan: Plan) -> list[int]:
     micro = min(plan.micro_batch or batch_size, batch_size)
     full, rest = divmod(batch_size, micro)
     return [micro] * full + ([rest] if rest else [])
-
-
-def plan_for_micro_batch(batch_size: int, micro_batch: int, **flags: bool) -> Plan:
-    """A plan that runs `batch_size` as micro-batches of at most `micro_batch`."""
-    micro = max(1, min(micro_batch, batch_size))
-    return Plan(
-        micro_batch=None if micro == batch_size else micro,
-        accumulation=math.ceil(batch_size / micro),
-        **flags,
-    )
 
 
 def autocast_for(plan: Plan, device: torch.device) -> AbstractContextManager[object]:
