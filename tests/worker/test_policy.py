@@ -1,0 +1,215 @@
+"""The fit policy on the quadratic task, whose footprint is exact: which plan, and why."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from service.wire import CardInfo, MemoryPolicy, Plan, PlanOut, Prediction
+from worker.policy import (
+    HandBack,
+    RunAsPlanned,
+    choose_plan,
+    expected_slowdown,
+    footprint,
+)
+from worker.runner import CardSpec, Config, TrialRunner
+from worker.tasks.quadratic import MIB, QuadraticConfig, QuadraticTask, footprint_bytes
+
+KIB = 1024
+# fixed 16 MiB + weights 4 MiB, then 256 KiB of activations per sample (128 with checkpointing,
+# 64 with checkpointing and bf16).
+CONFIG: dict[str, Any] = {"width": 64, "batch_size": 256, "x": 0.5}
+STATIC = 20 * MIB
+CARD = CardSpec(info=CardInfo(model="simulated-cpu-1GiB", total_bytes=2**30, free_bytes=2**30))
+NO_MARGIN = MemoryPolicy(margin=0.0)
+EVERYTHING = MemoryPolicy(margin=0.0, resizes=["micro_batch", "checkpointing", "bf16"])
+
+
+def choose(
+    free: int,
+    policy: MemoryPolicy = NO_MARGIN,
+    tried: list[PlanOut] | None = None,
+    runner: TrialRunner | None = None,
+    config: Config = CONFIG,
+) -> RunAsPlanned | HandBack:
+    return choose_plan(runner or QuadraticTask(), config, policy, CARD, free, tried or [])
+
+
+def need(plan: Plan, config: Config = CONFIG) -> int:
+    return footprint_bytes(QuadraticConfig.of(config), plan)
+
+
+def effective_batch(plan: Plan) -> int:
+    return (plan.micro_batch or CONFIG["batch_size"]) * plan.accumulation
+
+
+def test_a_configuration_that_fits_runs_as_asked() -> None:
+    decision = choose(need(Plan()))
+    assert isinstance(decision, RunAsPlanned)
+    assert decision.plan.model_copy(update={"reason": ""}) == Plan()
+    assert decision.plan.reason.startswith("as asked")
+    assert decision.prediction.peak_allocated_bytes == need(Plan())
+
+
+def test_the_margin_is_held_back() -> None:
+    decision = choose(need(Plan()), MemoryPolicy(margin=0.1))
+    assert isinstance(decision, RunAsPlanned)
+    assert decision.plan.micro_batch is not None
+    assert footprint(decision.prediction) <= need(Plan()) * 0.9
+
+
+def test_too_big_runs_as_balanced_micro_batches_with_the_same_effective_batch() -> None:
+    decision = choose(STATIC + 150 * 256 * KIB)  # room for 150 samples: two micro-batches of 128
+    assert isinstance(decision, RunAsPlanned)
+    plan = decision.plan
+    assert (plan.micro_batch, plan.accumulation, plan.checkpointing, plan.bf16) == (
+        128,
+        2,
+        False,
+        False,
+    )
+    assert effective_batch(plan) == CONFIG["batch_size"]
+    assert "effective batch 256 unchanged" in plan.reason
+    assert "micro-batch 128 x 2 accumulation" in plan.reason
+
+
+def test_checkpointing_wins_when_it_is_cheaper_than_tiny_micro_batches() -> None:
+    # 1 MiB of activations: 4 samples per micro-batch plain (64 of them), 8 with checkpointing.
+    decision = choose(STATIC + MIB)
+    assert isinstance(decision, RunAsPlanned)
+    assert decision.plan.checkpointing and not decision.plan.bf16
+    assert decision.plan.micro_batch == 8
+    plain = Plan(micro_batch=4, accumulation=64)
+    assert expected_slowdown(decision.plan, 256) < expected_slowdown(plain, 256)
+    assert "checkpointing" in decision.plan.reason
+
+
+def test_checkpointing_is_not_used_when_the_policy_leaves_it_out() -> None:
+    decision = choose(STATIC + MIB, MemoryPolicy(margin=0.0, resizes=["micro_batch"]))
+    assert isinstance(decision, RunAsPlanned)
+    assert (decision.plan.micro_batch, decision.plan.checkpointing) == (4, False)
+
+
+def test_bf16_only_when_the_study_allows_precision_changes() -> None:
+    free = STATIC + 100 * KIB  # below one checkpointed sample (128 KiB), above a bf16 one (64 KiB)
+    without = choose(free)
+    assert isinstance(without, HandBack)
+    with_bf16 = choose(free, EVERYTHING)
+    assert isinstance(with_bf16, RunAsPlanned)
+    assert with_bf16.plan.bf16 and with_bf16.plan.checkpointing
+    assert with_bf16.plan.micro_batch == 1 and with_bf16.plan.accumulation == 256
+
+
+def test_bf16_is_last_even_when_it_would_be_faster() -> None:
+    decision = choose(STATIC + 150 * 256 * KIB, EVERYTHING)
+    assert isinstance(decision, RunAsPlanned)
+    assert not decision.plan.bf16
+
+
+def test_nothing_fits_hands_back_the_smallest_reachable_footprint() -> None:
+    decision = choose(STATIC)
+    assert isinstance(decision, HandBack)
+    smallest = Plan(micro_batch=1, accumulation=256, checkpointing=True)
+    assert decision.min_footprint_bytes == need(smallest) > STATIC
+    assert decision.plan is not None and decision.plan.micro_batch == 1
+    assert "does not fit" in decision.reason
+
+
+def test_no_resizing_allowed_hands_back_the_configuration_as_asked() -> None:
+    decision = choose(need(Plan()) - 1, MemoryPolicy(margin=0.0, allow_resize=False))
+    assert isinstance(decision, HandBack)
+    assert decision.min_footprint_bytes == need(Plan())
+
+
+def test_a_plan_that_ran_out_of_memory_is_never_chosen_again() -> None:
+    tried: list[PlanOut] = []
+    footprints = []
+    for _ in range(500):
+        decision = choose(need(Plan()), EVERYTHING, tried)
+        if isinstance(decision, HandBack):
+            break
+        assert decision.plan.model_dump(exclude={"reason"}) not in [
+            t.model_dump(exclude={"reason"}) for t in tried
+        ]
+        footprints.append(footprint(decision.prediction))
+        tried.append(PlanOut(**decision.plan.model_dump()))
+    else:
+        pytest.fail("the ladder never ended")
+    assert len(tried) > 3
+    assert footprints == sorted(footprints, reverse=True)
+    assert len(set(footprints)) == len(footprints), "each retry needs strictly less memory"
+
+
+def test_after_an_oom_as_asked_the_next_plan_is_smaller() -> None:
+    decision = choose(2**30, NO_MARGIN, [PlanOut()])
+    assert isinstance(decision, RunAsPlanned)
+    assert decision.plan.micro_batch is not None
+    assert footprint(decision.prediction) < need(Plan())
+    assert effective_batch(decision.plan) == CONFIG["batch_size"]
+
+
+class SolvingQuadratic(QuadraticTask):
+    """A runner with the predictor's solver: the policy must use it instead of bisecting."""
+
+    def __init__(self) -> None:
+        self.solved = 0
+        self.predicted = 0
+
+    def predict(self, config: Config, plan: Plan, card: CardSpec) -> Prediction:
+        self.predicted += 1
+        return super().predict(config, plan, card)
+
+    def largest_micro_batch(
+        self, config: Config, plan: Plan, budget_bytes: int, card: CardSpec
+    ) -> tuple[int, Prediction] | None:
+        self.solved += 1
+        per_sample = need(Plan(micro_batch=2, **_flags(plan)), config) - need(
+            Plan(micro_batch=1, **_flags(plan)), config
+        )
+        micro = (budget_bytes - need(Plan(micro_batch=1, **_flags(plan)), config)) // per_sample + 1
+        if micro < 1:
+            return None
+        return micro, super().predict(config, Plan(micro_batch=micro, **_flags(plan)), card)
+
+
+def _flags(plan: Plan) -> dict[str, bool]:
+    return {"checkpointing": plan.checkpointing, "bf16": plan.bf16}
+
+
+def test_the_predictors_solver_is_used_when_the_runner_has_one() -> None:
+    runner = SolvingQuadratic()
+    decision = choose(STATIC + 150 * 256 * KIB, runner=runner)
+    assert isinstance(decision, RunAsPlanned)
+    assert decision.plan.micro_batch == 128
+    assert runner.solved == 1
+    assert runner.predicted <= 3  # as asked, the balanced plan; no bisection
+
+
+class BlindQuadratic(QuadraticTask):
+    """A runner that cannot trace."""
+
+    def predict(self, config: Config, plan: Plan, card: CardSpec) -> Prediction:
+        return Prediction(
+            peak_allocated_bytes=0, peak_reserved_bytes=0, method="none", reason="uses .item()"
+        )
+
+
+def test_without_a_prediction_it_runs_as_asked_then_halves_after_each_oom() -> None:
+    first = choose(STATIC, runner=BlindQuadratic())
+    assert isinstance(first, RunAsPlanned)
+    assert first.plan.micro_batch is None and "uses .item()" in first.plan.reason
+    second = choose(STATIC, tried=[PlanOut()], runner=BlindQuadratic())
+    assert isinstance(second, RunAsPlanned)
+    assert (second.plan.micro_batch, second.plan.accumulation) == (128, 2)
+
+
+def test_expected_slowdown_grows_with_the_number_of_micro_batches() -> None:
+    slowdowns = [
+        expected_slowdown(Plan(micro_batch=m, accumulation=256 // m), 256) for m in (128, 32, 8, 1)
+    ]
+    assert expected_slowdown(Plan(), 256) == 1.0
+    assert slowdowns == sorted(slowdowns)
+    assert slowdowns[0] > 1.0
+    assert expected_slowdown(Plan(checkpointing=True), 256) == pytest.approx(4 / 3)

@@ -1,0 +1,417 @@
+"""The worker agent: register → heartbeat thread → next → plan → run → report, until stopped.
+
+One agent drives one card. `run_once()` is one cycle (for tests); `run_forever(stop)` loops
+until the Event is set (SIGTERM/SIGINT in the CLI): the running trial then stops at its next
+step and goes back to the server as interrupted, to be re-offered, not failed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from service.wire import (
+    Assignment,
+    Calibration,
+    CompleteRequest,
+    FailKind,
+    FailRequest,
+    HandBackRequest,
+    Heartbeat,
+    Measured,
+    NextRequest,
+    Plan,
+    Prediction,
+    ReportRequest,
+    StartRequest,
+    WorkerRegister,
+    WorkerRegistered,
+)
+from worker import gpu
+from worker.api import LeaseLost, Rejected, ServerClient, ServerUnavailable
+from worker.policy import HandBack, choose_plan, footprint
+from worker.runner import CardSpec, OutOfMemory, RunResult, Stopped, TrialRunner
+
+log = logging.getLogger("vramtune.worker")
+
+# Why a stop order ends a trial, and what the server is told: a paused study gets its trial back
+# to offer again; a deleted study or a lost lease has nobody left to tell.
+_STOP_KINDS: dict[str, FailKind | None] = {
+    "pruned": "pruned",
+    "paused": "interrupted",
+    "interrupted": "interrupted",
+    "deleted": None,
+    "lease_lost": None,
+}
+
+
+@dataclass
+class AgentOptions:
+    """How an agent behaves, beyond the card it drives."""
+
+    name: str
+    device: str = "cpu"
+    memory_limit: int | None = None
+    max_trials: int | None = None
+    exit_when_idle_s: float | None = None
+    idle_poll_s: float = 1.0
+    shutdown_grace_s: float = 30.0
+
+
+@dataclass
+class _Running:
+    """The trial being run now; the heartbeat thread may set `stop_reason`."""
+
+    assignment: Assignment
+    stop_reason: str | None = None
+
+
+@dataclass
+class _TrialReporter:
+    """The `Reporter` a runner gets: intermediate values to the server, stop orders back."""
+
+    agent: Agent
+    running: _Running
+    reported: list[int] = field(default_factory=list)
+
+    def report(self, step: int, value: float) -> bool:
+        """Send one intermediate value; True when the pruner prunes the trial."""
+        if not math.isfinite(value):
+            self.agent.event("report_skipped", self.running.assignment, step=step, value=str(value))
+            return False
+        request = ReportRequest(lease=self.running.assignment.lease, step=step, value=value)
+        try:
+            reply = self.agent.client.report(
+                self.running.assignment.trial_id, request, retry_for_s=self.agent.lease_ttl_s
+            )
+        except LeaseLost:
+            self.running.stop_reason = "lease_lost"
+            return False
+        except (ServerUnavailable, Rejected) as error:
+            # A lost intermediate value only costs the pruner one point; training goes on.
+            self.agent.event("report_lost", self.running.assignment, step=step, error=str(error))
+            return False
+        self.reported.append(step)
+        return reply.prune
+
+    def stop_reason(self) -> str | None:
+        """Why the run must stop now: a stop order, or the agent shutting down."""
+        if self.running.stop_reason is not None:
+            return self.running.stop_reason
+        return "interrupted" if self.agent.stop.is_set() else None
+
+
+class Agent:
+    """Drives one card: pulls trials, chooses plans, runs them, reports what happened."""
+
+    def __init__(
+        self,
+        client: ServerClient,
+        runners: Mapping[str, TrialRunner],
+        card: CardSpec,
+        options: AgentOptions,
+        stop: threading.Event | None = None,
+    ) -> None:
+        if not runners:
+            raise ValueError("a worker needs at least one task")
+        self.client = client
+        self.runners = dict(runners)
+        self.card = card
+        self.options = options
+        self.stop = stop or threading.Event()
+        self.registered: WorkerRegistered | None = None
+        self.trials_run = 0
+        self._running: _Running | None = None
+        self._heartbeats: threading.Thread | None = None
+        self._heartbeats_stop = threading.Event()
+
+    # ------------------------------------------------------------ life cycle
+
+    @property
+    def worker_id(self) -> int:
+        """The server's id for this worker (registers first if needed)."""
+        return self.start().worker_id
+
+    @property
+    def lease_ttl_s(self) -> float:
+        """How long a lease lives without a heartbeat."""
+        return self.start().lease_ttl_s
+
+    def start(self) -> WorkerRegistered:
+        """Register (once) and start the heartbeat thread."""
+        if self.registered is None:
+            self.registered = self.client.register(self._registration(), cancel=self.stop)
+            self.event("registered", card=self.card.info.model, free_bytes=self.free_bytes())
+            self._heartbeats = threading.Thread(
+                target=self._heartbeat_loop, name="vramtune-heartbeat", daemon=True
+            )
+            self._heartbeats.start()
+        return self.registered
+
+    def close(self) -> None:
+        """Stop heartbeating and tell the server this worker leaves."""
+        self._heartbeats_stop.set()
+        if self._heartbeats is not None:
+            self._heartbeats.join(timeout=5.0)
+        if self.registered is not None:
+            try:
+                self.client.stop_worker(self.registered.worker_id)
+            except (ServerUnavailable, LeaseLost, Rejected) as error:
+                self.event("stop_unannounced", error=str(error))
+            self.event("stopped", trials_run=self.trials_run)
+        self.client.close()
+
+    def run_forever(self, stop: threading.Event | None = None) -> None:
+        """Run trials until `stop` is set, the trial cap is reached or the server idles too long."""
+        if stop is not None:
+            self.stop = stop
+        idle_since = time.monotonic()
+        try:
+            self.start()
+            while not self.stop.is_set() and not self._reached_max_trials():
+                if self.run_once():
+                    idle_since = time.monotonic()
+                elif self._idle_too_long(idle_since):
+                    self.event("idle_exit", idle_s=round(time.monotonic() - idle_since, 1))
+                    break
+                else:
+                    self.stop.wait(self.options.idle_poll_s)
+        except ServerUnavailable as error:
+            if not self.stop.is_set():
+                raise
+            self.event("shutdown_unreachable", error=str(error))
+        finally:
+            self.close()
+
+    def run_once(self) -> bool:
+        """One cycle: ask for a trial and see it to its end; False when there was no work."""
+        request = NextRequest(free_bytes=self.free_bytes())
+        assignment = self.client.next(self.worker_id, request, cancel=self.stop)
+        if assignment is None:
+            return False
+        self.trials_run += 1
+        self.event("assigned", assignment, attempt=assignment.attempt, params=assignment.params)
+        try:
+            self._run_trial(assignment)
+        except LeaseLost as error:
+            self.event("lease_lost", assignment, detail=str(error))
+        except Rejected as error:
+            self.event("rejected", assignment, status=error.status_code, detail=str(error.detail))
+        return True
+
+    # ------------------------------------------------------------ one trial
+
+    def _run_trial(self, assignment: Assignment) -> None:
+        runner = self.runners.get(assignment.task)
+        if runner is None:
+            self._fail(assignment, "error", f"task {assignment.task!r} is not installed here")
+            return
+        config = {**assignment.task_config, **assignment.params}
+        try:
+            decision = choose_plan(
+                runner,
+                config,
+                assignment.memory_policy,
+                self.card,
+                self.free_bytes(),
+                assignment.plans_tried,
+                self._calibration(assignment.task),
+            )
+        except Exception as error:  # the task's check of its configuration (TaskConfigError)
+            self._fail(assignment, "error", _message(error))
+            return
+        if isinstance(decision, HandBack):
+            self._hand_back(assignment, decision)
+            return
+        self._run_planned(assignment, runner, config, decision.plan, decision.prediction)
+
+    def _run_planned(
+        self,
+        assignment: Assignment,
+        runner: TrialRunner,
+        config: dict[str, Any],
+        plan: Plan,
+        prediction: Prediction,
+    ) -> None:
+        start = StartRequest(lease=assignment.lease, plan=plan, prediction=prediction)
+        self.client.start(assignment.trial_id, start)
+        self.event("started", assignment, plan=plan.reason, predicted=footprint(prediction))
+        running = _Running(assignment)
+        self._running = running
+        try:
+            result = runner.run(
+                config, plan, assignment.budget, self.card, _TrialReporter(self, running)
+            )
+        except OutOfMemory as oom:
+            self._fail(assignment, "oom", str(oom), plan, prediction, oom.measured)
+        except Stopped as stopped:
+            self._stopped(assignment, str(stopped.reason), plan, prediction, stopped.measured)
+        except Exception as error:  # a broken configuration must fail its trial, not the worker
+            self._fail(assignment, "error", _message(error), plan, prediction)
+        else:
+            self._complete(assignment, result, plan, prediction)
+        finally:
+            self._running = None
+
+    def _complete(
+        self, assignment: Assignment, result: RunResult, plan: Plan, prediction: Prediction
+    ) -> None:
+        values = list(result.values)
+        if assignment.minimize_peak_memory:
+            values.append(float(peak_bytes(result.measured)))
+        if len(values) != assignment.n_objectives or not all(map(math.isfinite, values)):
+            message = f"values {values}: the study needs {assignment.n_objectives} finite ones"
+            self._fail(assignment, "error", message, plan, prediction, result.measured)
+            return
+        request = CompleteRequest(
+            lease=assignment.lease,
+            values=values,
+            plan=plan,
+            prediction=prediction,
+            measured=result.measured,
+            duration_s=result.duration_s,
+            samples_per_s=result.samples_per_s,
+        )
+        ack = self.client.complete(assignment.trial_id, request, retry_for_s=self._delivery_s())
+        self.event(
+            "completed",
+            assignment,
+            values=values,
+            resolution=ack.resolution,
+            measured=peak_bytes(result.measured),
+            seconds=round(result.duration_s, 3),
+        )
+
+    def _stopped(
+        self,
+        assignment: Assignment,
+        reason: str,
+        plan: Plan,
+        prediction: Prediction,
+        measured: Measured | None,
+    ) -> None:
+        kind = _STOP_KINDS.get(reason, "interrupted")
+        if kind is None:
+            self.event("dropped", assignment, reason=reason)
+            return
+        self._fail(assignment, kind, reason, plan, prediction, measured)
+
+    def _fail(
+        self,
+        assignment: Assignment,
+        kind: FailKind,
+        message: str,
+        plan: Plan | None = None,
+        prediction: Prediction | None = None,
+        measured: Measured | None = None,
+    ) -> None:
+        request = FailRequest(
+            lease=assignment.lease,
+            kind=kind,
+            message=message[:4096],
+            plan=plan,
+            prediction=prediction,
+            measured=measured,
+        )
+        ack = self.client.fail(assignment.trial_id, request, retry_for_s=self._delivery_s())
+        self.event("failed", assignment, kind=kind, message=message, resolution=ack.resolution)
+
+    def _hand_back(self, assignment: Assignment, decision: HandBack) -> None:
+        request = HandBackRequest(
+            lease=assignment.lease,
+            min_footprint_bytes=decision.min_footprint_bytes,
+            plan=decision.plan,
+            reason=decision.reason[:4096],
+        )
+        ack = self.client.hand_back(assignment.trial_id, request, retry_for_s=self._delivery_s())
+        self.event(
+            "handed_back",
+            assignment,
+            min_footprint=decision.min_footprint_bytes,
+            resolution=ack.resolution,
+            reason=decision.reason,
+        )
+
+    # ------------------------------------------------------------ helpers
+
+    def free_bytes(self) -> int:
+        """What this card can give a trial now (NVML on a GPU, the limit on a simulated card)."""
+        free = None if self.card.info.simulated else gpu.free_bytes(self.card.info.device_index)
+        free = self.card.info.free_bytes if free is None else free
+        limit = self.options.memory_limit
+        return free if limit is None else min(free, limit)
+
+    def event(self, name: str, assignment: Assignment | None = None, **fields: Any) -> None:
+        """One structured log line (JSON) with the worker's and the trial's ids."""
+        line: dict[str, Any] = {"event": name, "worker": self.options.name}
+        if self.registered is not None:
+            line["worker_id"] = self.registered.worker_id
+        if assignment is not None:
+            line |= {
+                "trial_id": assignment.trial_id,
+                "number": assignment.number,
+                "study": assignment.study,
+            }
+        log.info(json.dumps(line | fields, default=str))
+
+    def _registration(self) -> WorkerRegister:
+        return WorkerRegister(
+            name=self.options.name,
+            device=self.options.device,
+            card=self.card.info.model_copy(update={"free_bytes": self.free_bytes()}),
+            tasks=sorted(self.runners),
+        )
+
+    def _calibration(self, task: str) -> Calibration | None:
+        """The service's correction for this card and task, when it has one."""
+        torch_version = self.card.info.torch_version or "none"
+        try:
+            return self.client.calibration(self.card.info.model, torch_version, task)
+        except (ServerUnavailable, Rejected, LeaseLost):
+            return None
+
+    def _delivery_s(self) -> float | None:
+        """Outcomes are retried until delivered, except for a grace period when shutting down."""
+        return self.options.shutdown_grace_s if self.stop.is_set() else None
+
+    def _heartbeat_loop(self) -> None:
+        assert self.registered is not None
+        interval = self.registered.heartbeat_interval_s
+        while not self._heartbeats_stop.wait(interval):
+            try:
+                reply = self.client.heartbeat(
+                    self.registered.worker_id,
+                    Heartbeat(free_bytes=self.free_bytes()),
+                    retry_for_s=interval,
+                )
+            except (ServerUnavailable, LeaseLost, Rejected) as error:
+                self.event("heartbeat_missed", error=str(error))
+                continue
+            running = self._running
+            for order in reply.stop:
+                if running is not None and order.trial_id == running.assignment.trial_id:
+                    running.stop_reason = order.reason
+                    self.event("stop_ordered", running.assignment, reason=order.reason)
+
+    def _reached_max_trials(self) -> bool:
+        return self.options.max_trials is not None and self.trials_run >= self.options.max_trials
+
+    def _idle_too_long(self, idle_since: float) -> bool:
+        limit = self.options.exit_when_idle_s
+        return limit is not None and time.monotonic() - idle_since >= limit
+
+
+def peak_bytes(measured: Measured) -> int:
+    """The measured peak the card had to hold (reserved when known, else allocated)."""
+    return max(measured.peak_reserved_bytes or 0, measured.peak_allocated_bytes)
+
+
+def _message(error: BaseException) -> str:
+    text = str(error)
+    return text if text else type(error).__name__

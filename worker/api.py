@@ -1,0 +1,223 @@
+"""The worker's REST client: the protocol of DESIGN.md section 2 over httpx and the wire models.
+
+Only transport errors and 5xx answers are retried, with capped, fully jittered exponential
+backoff: a 4xx is the server's considered answer and retrying it would change nothing. A 409 on
+a trial call means the lease is lost (the trial was reaped and re-offered): `LeaseLost`, and the
+agent drops the trial. Calls that carry a finished trial's outcome retry until the server takes
+them, so a server restart loses no result.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any, TypeVar
+
+import httpx
+from pydantic import BaseModel
+
+from service.wire import (
+    API_PREFIX,
+    Assignment,
+    Calibration,
+    CompleteRequest,
+    FailRequest,
+    HandBackRequest,
+    Heartbeat,
+    HeartbeatReply,
+    NextRequest,
+    ReportReply,
+    ReportRequest,
+    StartRequest,
+    TrialAck,
+    WorkerRegister,
+    WorkerRegistered,
+)
+
+log = logging.getLogger("vramtune.worker.api")
+Model = TypeVar("Model", bound=BaseModel)
+
+
+class LeaseLost(Exception):
+    """409: the lease this call presented is expired or foreign; the trial is no longer ours."""
+
+
+class Rejected(Exception):
+    """A 4xx other than 409: the request itself is wrong; retrying cannot help."""
+
+    def __init__(self, status_code: int, detail: Any) -> None:
+        super().__init__(f"{status_code}: {detail}")
+        self.status_code = status_code
+        self.detail = detail
+
+
+class ServerUnavailable(Exception):
+    """The server did not answer before the call gave up (deadline or cancel)."""
+
+
+def backoff_delays(base_s: float, cap_s: float) -> Iterator[float]:
+    """Full-jitter exponential backoff: uniform(0, min(cap, base * 2**n)) for n = 0, 1, ..."""
+    attempt = 0
+    while True:
+        yield random.uniform(0.0, min(cap_s, base_s * 2**attempt))
+        attempt = min(attempt + 1, 32)
+
+
+class ServerClient:
+    """Calls of the worker protocol; every method returns a wire model or raises."""
+
+    def __init__(
+        self,
+        server: str,
+        token: str | None = None,
+        *,
+        timeout_s: float = 30.0,
+        backoff_base_s: float = 0.2,
+        backoff_cap_s: float = 5.0,
+    ) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(
+            base_url=server.rstrip("/") + API_PREFIX, headers=headers, timeout=timeout_s
+        )
+        self._backoff = (backoff_base_s, backoff_cap_s)
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+    # ------------------------------------------------------------ workers
+
+    def register(
+        self, body: WorkerRegister, cancel: threading.Event | None = None
+    ) -> WorkerRegistered:
+        """Announce the worker and its card; retried until the server answers or `cancel`."""
+        return self._model(WorkerRegistered, "POST", "/workers", body, cancel=cancel)
+
+    def heartbeat(
+        self, worker_id: int, body: Heartbeat, retry_for_s: float | None = None
+    ) -> HeartbeatReply:
+        """Renew every lease of the worker; the reply may order trials stopped."""
+        path = f"/workers/{worker_id}/heartbeat"
+        return self._model(HeartbeatReply, "POST", path, body, retry_for_s=retry_for_s)
+
+    def next(
+        self, worker_id: int, body: NextRequest, cancel: threading.Event | None = None
+    ) -> Assignment | None:
+        """Ask for a trial: an assignment, or None when there is no work (204)."""
+        response = self._send("POST", f"/workers/{worker_id}/next", body, cancel=cancel)
+        if response.status_code == 204:
+            return None
+        return Assignment.model_validate_json(response.content)
+
+    def stop_worker(self, worker_id: int, retry_for_s: float | None = 10.0) -> None:
+        """Tell the server this worker leaves (its leases end now, not at expiry)."""
+        self._send("POST", f"/workers/{worker_id}/stop", None, retry_for_s=retry_for_s)
+
+    def calibration(
+        self, card_model: str, torch_version: str, task: str, retry_for_s: float | None = 10.0
+    ) -> Calibration:
+        """The service's correction of predictions for this card model, torch and task."""
+        query = {"card_model": card_model, "torch_version": torch_version, "task": task}
+        response = self._send("GET", "/calibration", None, params=query, retry_for_s=retry_for_s)
+        return Calibration.model_validate_json(response.content)
+
+    # ------------------------------------------------------------ trials
+
+    def start(self, trial_id: int, body: StartRequest) -> TrialAck:
+        """The plan chosen and the prediction; the trial starts running."""
+        return self._model(TrialAck, "POST", f"/trials/{trial_id}/start", body)
+
+    def report(
+        self, trial_id: int, body: ReportRequest, retry_for_s: float | None = None
+    ) -> ReportReply:
+        """An intermediate value; the reply says whether the pruner prunes."""
+        path = f"/trials/{trial_id}/report"
+        return self._model(ReportReply, "POST", path, body, retry_for_s=retry_for_s)
+
+    def complete(
+        self, trial_id: int, body: CompleteRequest, retry_for_s: float | None = None
+    ) -> TrialAck:
+        """The trial's value(s); retried until delivered (idempotent under the same lease)."""
+        path = f"/trials/{trial_id}/complete"
+        return self._model(TrialAck, "POST", path, body, retry_for_s=retry_for_s)
+
+    def fail(self, trial_id: int, body: FailRequest, retry_for_s: float | None = None) -> TrialAck:
+        """The trial could not finish: OOM, error, interrupted or pruned."""
+        path = f"/trials/{trial_id}/fail"
+        return self._model(TrialAck, "POST", path, body, retry_for_s=retry_for_s)
+
+    def hand_back(
+        self, trial_id: int, body: HandBackRequest, retry_for_s: float | None = None
+    ) -> TrialAck:
+        """The trial does not fit this card; the server routes it."""
+        path = f"/trials/{trial_id}/handback"
+        return self._model(TrialAck, "POST", path, body, retry_for_s=retry_for_s)
+
+    # ------------------------------------------------------------ transport
+
+    def _model(
+        self,
+        model: type[Model],
+        method: str,
+        path: str,
+        body: BaseModel | None,
+        *,
+        retry_for_s: float | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Model:
+        response = self._send(method, path, body, retry_for_s=retry_for_s, cancel=cancel)
+        return model.model_validate_json(response.content)
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        body: BaseModel | None,
+        *,
+        params: dict[str, str] | None = None,
+        retry_for_s: float | None = None,
+        cancel: threading.Event | None = None,
+    ) -> httpx.Response:
+        """One call, retried on transport errors and 5xx until `retry_for_s` or `cancel`."""
+        content = None if body is None else body.model_dump_json().encode()
+        headers = {} if body is None else {"Content-Type": "application/json"}
+        deadline = None if retry_for_s is None else time.monotonic() + retry_for_s
+        for delay in backoff_delays(*self._backoff):
+            try:
+                response = self._http.request(
+                    method, path, content=content, headers=headers, params=params
+                )
+            except httpx.TransportError as error:
+                problem = f"{type(error).__name__}: {error}"
+            else:
+                if response.status_code < 500:
+                    return _checked(response)
+                problem = f"HTTP {response.status_code}"
+            if deadline is not None and time.monotonic() + delay > deadline:
+                raise ServerUnavailable(f"{method} {path}: {problem}")
+            log.warning("%s %s failed (%s); retrying in %.2fs", method, path, problem, delay)
+            if cancel is not None and cancel.wait(delay):
+                raise ServerUnavailable(f"{method} {path}: cancelled after {problem}")
+            if cancel is None:
+                time.sleep(delay)
+        raise AssertionError("backoff_delays never ends")
+
+
+def _checked(response: httpx.Response) -> httpx.Response:
+    """The response when it is a success; LeaseLost on 409, Rejected on other 4xx."""
+    if response.status_code < 400:
+        return response
+    detail = _detail(response)
+    if response.status_code == 409:
+        raise LeaseLost(str(detail))
+    raise Rejected(response.status_code, detail)
+
+
+def _detail(response: httpx.Response) -> Any:
+    try:
+        return response.json().get("detail", response.text)
+    except (ValueError, AttributeError):
+        return response.text

@@ -1,0 +1,235 @@
+"""`vramtune worker` and `vramtune tasks`: the worker's command line.
+
+`add_commands(subparsers)` is called by service/cli.py's `main()`; nothing here imports torch
+(or the tasks) before a command runs, so `vramtune --help` stays fast on a server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from types import FrameType
+
+from worker import gpu
+
+log = logging.getLogger("vramtune.worker")
+
+
+def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the `worker` and `tasks` commands; each sets `func(args) -> exit code`."""
+    worker = subparsers.add_parser(
+        "worker",
+        help="run a worker: pull trials from a server and run them on one card",
+        description="Pull trials from a vramtune server, predict their peak memory, run them "
+        "(as asked or resized) or hand them back, and report what they measured.",
+    )
+    worker.add_argument(
+        "--server",
+        default=os.environ.get("VRAMTUNE_SERVER"),
+        help="server URL, e.g. http://tuner:8000 (env VRAMTUNE_SERVER)",
+    )
+    worker.add_argument(
+        "--token",
+        default=os.environ.get("VRAMTUNE_TOKEN"),
+        help="API token with the worker scope (env VRAMTUNE_TOKEN)",
+    )
+    worker.add_argument("--device", default="cuda:0", help="cuda:N or cpu (default cuda:0)")
+    worker.add_argument(
+        "--memory-limit",
+        type=_size,
+        help="with --device cpu: the simulated card's memory (e.g. 2GiB); on a GPU: a cap",
+    )
+    _add_tasks_option(worker)
+    worker.add_argument("--name", help="worker name (default: host-device)")
+    worker.add_argument(
+        "--all-gpus", action="store_true", help="start one worker process per GPU of this machine"
+    )
+    worker.add_argument(
+        "--max-trials", type=int, metavar="N", help="exit after N trials (bounded runs, CI)"
+    )
+    worker.add_argument(
+        "--exit-when-idle",
+        type=float,
+        metavar="SECONDS",
+        help="exit once the server has had no work for this long",
+    )
+    worker.add_argument(
+        "--poll", type=float, default=1.0, metavar="SECONDS", help="wait between empty asks"
+    )
+    worker.set_defaults(func=worker_command)
+
+    tasks = subparsers.add_parser("tasks", help="list the tasks a worker here would advertise")
+    _add_tasks_option(tasks)
+    tasks.set_defaults(func=tasks_command)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m worker.cli worker ...`: the worker commands without the server's CLI."""
+    parser = argparse.ArgumentParser(prog="vramtune")
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    code: int = args.func(args)
+    return code
+
+
+def worker_command(args: argparse.Namespace) -> int:
+    """Run one worker (or, with --all-gpus, one per card) until SIGTERM/SIGINT."""
+    _configure_logging()
+    if not args.server:
+        print("vramtune worker: --server or VRAMTUNE_SERVER is required", file=sys.stderr)
+        return 2
+    if args.all_gpus:
+        return _run_all_gpus(args)
+    return _run_one(args)
+
+
+def tasks_command(args: argparse.Namespace) -> int:
+    """Print the task names a worker would advertise, and the modules that failed to load."""
+    from worker.registry import discover
+
+    found = discover(args.tasks)
+    for name in sorted(found.runners):
+        print(name)
+    for error in found.errors:
+        print(f"error: {error}", file=sys.stderr)
+    return 0 if found.runners else 1
+
+
+def _run_one(args: argparse.Namespace) -> int:
+    from worker.agent import Agent, AgentOptions
+    from worker.api import Rejected, ServerClient, ServerUnavailable
+    from worker.registry import discover
+    from worker.runner import CardSpec
+
+    try:
+        info = gpu.card_for_device(args.device, args.memory_limit)
+    except gpu.DeviceError as error:
+        print(f"vramtune worker: {error}", file=sys.stderr)
+        return 2
+    found = discover(args.tasks)
+    for problem in found.errors:
+        log.error("task not loaded: %s", problem)
+    if not found.runners:
+        print("vramtune worker: no task to advertise", file=sys.stderr)
+        return 2
+    card = CardSpec(info=info, constants=_card_constants(args.device), device=args.device)
+    options = AgentOptions(
+        name=args.name or default_name(args.device),
+        device=args.device,
+        memory_limit=args.memory_limit,
+        max_trials=args.max_trials,
+        exit_when_idle_s=args.exit_when_idle,
+        idle_poll_s=args.poll,
+    )
+    stop = _stop_on_signals()
+    agent = Agent(ServerClient(args.server, args.token), found.runners, card, options, stop)
+    try:
+        agent.run_forever(stop)
+    except Rejected as error:
+        print(f"vramtune worker: the server refused: {error}", file=sys.stderr)
+        return 2
+    except ServerUnavailable as error:
+        print(f"vramtune worker: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run_all_gpus(args: argparse.Namespace) -> int:
+    """One child worker per GPU; signals are passed on and the worst exit code returned."""
+    count = gpu.gpu_count()
+    if count == 0:
+        print("vramtune worker --all-gpus: NVML sees no GPU", file=sys.stderr)
+        return 2
+    children = [subprocess.Popen(_child_argv(args, index)) for index in range(count)]
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        for child in children:
+            child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    return max(child.wait() for child in children)
+
+
+def _child_argv(args: argparse.Namespace, index: int) -> list[str]:
+    argv = [sys.executable, "-m", "worker.cli", "worker", "--server", args.server]
+    argv += ["--device", f"cuda:{index}", "--poll", str(args.poll)]
+    argv += ["--name", f"{args.name or default_name('')}-cuda{index}".replace("--", "-")]
+    if args.token:
+        argv += ["--token", args.token]
+    if args.memory_limit:
+        argv += ["--memory-limit", str(args.memory_limit)]
+    for module in args.tasks:
+        argv += ["--tasks", module]
+    if args.max_trials is not None:
+        argv += ["--max-trials", str(args.max_trials)]
+    if args.exit_when_idle is not None:
+        argv += ["--exit-when-idle", str(args.exit_when_idle)]
+    return argv
+
+
+def _card_constants(device: str) -> dict[str, int]:
+    """Memory the trace cannot see, measured on a real card (nothing on a simulated one)."""
+    if device == "cpu":
+        return {}
+    from worker.predictor import measure_card_constants
+
+    constants: dict[str, int] = measure_card_constants(device)
+    return constants
+
+
+def _stop_on_signals() -> threading.Event:
+    """An Event that SIGTERM and SIGINT set: the agent finishes its step and hands back."""
+    stop = threading.Event()
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        log.info("signal %s: stopping after the current step", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handle)
+    signal.signal(signal.SIGINT, handle)
+    return stop
+
+
+def default_name(device: str) -> str:
+    """host-device, reduced to the characters a worker name may hold."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", f"{socket.gethostname()}-{device}").strip("-._")
+    return (name or "worker")[:128]
+
+
+def _add_tasks_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tasks",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="also load tasks from this module (repeatable); entry points are always read",
+    )
+
+
+def _size(text: str) -> int:
+    try:
+        return gpu.parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+
+
+def _configure_logging() -> None:
+    level = os.environ.get("VRAMTUNE_LOG_LEVEL", "INFO").upper()
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr
+    )
+    # httpx logs every request at INFO; the agent logs what matters.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,321 @@
+"""The fit policy: from a prediction and the study's memory policy, how to run a trial here.
+
+Plans are tried in the order DESIGN.md section 2 step 4 gives: as asked → a smaller micro-batch
+with gradient accumulation (the effective batch, a hyperparameter, never changes) → + activation
+checkpointing → + bf16 autocast (only when the study allows precision changes). Among the plans
+that keep the numerics (everything but bf16) the one with the least expected slowdown wins; bf16
+is used only when nothing else fits. A plan that already ran out of memory on this card model
+(`plans_tried`) is never chosen again, nor any plan predicted to need as much.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from service.wire import Calibration, MemoryPolicy, Plan, PlanOut, Prediction
+from worker.runner import CardSpec, Config, TrialRunner, plan_for_micro_batch
+
+# A micro-batch costs about as much as this many extra samples (kernel launches, a GPU that is
+# not saturated by a small batch); it is what makes many tiny micro-batches slow.
+MICRO_BATCH_OVERHEAD_SAMPLES = 8
+# Checkpointing recomputes the forward pass in backward: about a third more compute.
+CHECKPOINT_SLOWDOWN = 4 / 3
+# bf16 is not slower on the cards that support it; it comes last because it changes numerics.
+BF16_SLOWDOWN = 1.0
+GIB = 1024**3
+
+
+@runtime_checkable
+class MicroBatchSearch(Protocol):
+    """A runner that can solve for the largest micro-batch that fits (worker/predictor).
+
+    Contract:
+        largest_micro_batch(config, plan, budget_bytes, card): the largest micro-batch whose
+            predicted peak under `plan`'s flags is at most `budget_bytes`, with that prediction;
+            None when not even a micro-batch of 1 fits.
+    """
+
+    def largest_micro_batch(
+        self, config: Config, plan: Plan, budget_bytes: int, card: CardSpec
+    ) -> tuple[int, Prediction] | None: ...
+
+
+@dataclass(frozen=True)
+class RunAsPlanned:
+    """Run the trial here with this plan (its reason says why)."""
+
+    plan: Plan
+    prediction: Prediction
+
+
+@dataclass(frozen=True)
+class HandBack:
+    """Nothing allowed fits this card: give the trial back with the smallest footprint seen."""
+
+    min_footprint_bytes: int
+    plan: Plan | None
+    reason: str
+
+
+Decision = RunAsPlanned | HandBack
+
+
+@dataclass(frozen=True)
+class _Stage:
+    """One rung of the ladder: which resizes are on."""
+
+    micro_batch: bool
+    checkpointing: bool
+    bf16: bool
+
+    def flags(self) -> dict[str, bool]:
+        return {"checkpointing": self.checkpointing, "bf16": self.bf16}
+
+    def best_slowdown(self) -> float:
+        """The least slowdown any plan of this stage can have (a micro-batch of the full batch)."""
+        return (CHECKPOINT_SLOWDOWN if self.checkpointing else 1.0) * (
+            BF16_SLOWDOWN if self.bf16 else 1.0
+        )
+
+
+def expected_slowdown(plan: Plan, batch_size: int) -> float:
+    """Expected time per optimizer step under `plan`, relative to running it as asked."""
+    micro = min(plan.micro_batch or batch_size, batch_size)
+    steps = math.ceil(batch_size / micro)
+    overhead = MICRO_BATCH_OVERHEAD_SAMPLES
+    accumulation = steps * (overhead + micro) / (overhead + batch_size)
+    return (
+        accumulation
+        * (CHECKPOINT_SLOWDOWN if plan.checkpointing else 1.0)
+        * (BF16_SLOWDOWN if plan.bf16 else 1.0)
+    )
+
+
+def choose_plan(
+    runner: TrialRunner,
+    config: Config,
+    policy: MemoryPolicy,
+    card: CardSpec,
+    free_bytes: int,
+    plans_tried: Sequence[PlanOut] = (),
+    calibration: Calibration | None = None,
+) -> Decision:
+    """The cheapest plan that fits `free_bytes` less the policy's margin, or a hand-back."""
+    chooser = _Chooser(runner, config, card, calibration, runner.batch_size(config))
+    as_asked = Plan()
+    first = runner.predict(config, as_asked, card)
+    if first.method == "none":
+        return _blind_plan(chooser.batch, policy, plans_tried, first)
+    margin_budget = int(free_bytes * (1.0 - policy.margin))
+    budget = chooser.below_tried(margin_budget, plans_tried)
+    stages = _stages(runner, policy)
+    for precise in (True, False):
+        found = chooser.cheapest(
+            [s for s in stages if s.bf16 != precise], budget, _keys(plans_tried)
+        )
+        if found is not None:
+            plan, prediction = found
+            reason = _reason(chooser, plan, prediction, first, budget, free_bytes, policy)
+            return RunAsPlanned(plan.model_copy(update={"reason": reason}), prediction)
+    return chooser.hand_back(stages[-1], budget, free_bytes, policy)
+
+
+class _Chooser:
+    """Predictions of one configuration on one card, calibrated and compared to a budget."""
+
+    def __init__(
+        self,
+        runner: TrialRunner,
+        config: Config,
+        card: CardSpec,
+        calibration: Calibration | None,
+        batch: int,
+    ) -> None:
+        self.runner = runner
+        self.config = config
+        self.card = card
+        self.calibration = calibration
+        self.batch = batch
+
+    def predict(self, plan: Plan) -> Prediction:
+        """The runner's prediction with the service's calibration applied."""
+        raw = self.runner.predict(self.config, plan, self.card)
+        if self.calibration is None:
+            return raw
+        from service.calibration import apply_calibration  # only needed once the service has data
+
+        return apply_calibration(raw, self.calibration)
+
+    def below_tried(self, budget: int, plans_tried: Sequence[PlanOut]) -> int:
+        """An OOM shows this card cannot hold what the tried plan was predicted to need."""
+        for tried in plans_tried:
+            budget = min(budget, footprint(self.predict(_plan_of(tried))) - 1)
+        return budget
+
+    def cheapest(
+        self, stages: Sequence[_Stage], budget: int, tried: set[tuple[object, ...]]
+    ) -> tuple[Plan, Prediction] | None:
+        """The fitting plan of least expected slowdown over `stages` (earlier wins ties)."""
+        best: tuple[Plan, Prediction] | None = None
+        best_slowdown = math.inf
+        for stage in stages:
+            if stage.best_slowdown() >= best_slowdown:
+                continue
+            found = self.fit(stage, budget)
+            if found is None or _key(found[0]) in tried:
+                continue
+            slowdown = expected_slowdown(found[0], self.batch)
+            if slowdown < best_slowdown:
+                best, best_slowdown = found, slowdown
+        return best
+
+    def fit(self, stage: _Stage, budget: int) -> tuple[Plan, Prediction] | None:
+        """The largest-micro-batch plan of `stage` predicted to fit `budget`."""
+        if not stage.micro_batch:
+            plan = Plan(**stage.flags())
+            prediction = self.predict(plan)
+            return (plan, prediction) if footprint(prediction) <= budget else None
+        micro = self.largest_micro_batch(stage, budget)
+        if micro is None:
+            return None
+        # The same number of micro-batches, evenly split: the smallest peak for that slowdown.
+        micro = math.ceil(self.batch / math.ceil(self.batch / micro))
+        plan = plan_for_micro_batch(self.batch, micro, **stage.flags())
+        prediction = self.predict(plan)
+        return (plan, prediction) if footprint(prediction) <= budget else None
+
+    def largest_micro_batch(self, stage: _Stage, budget: int) -> int | None:
+        """Ask the predictor's solver when the runner has one, else bisect on predictions."""
+        if isinstance(self.runner, MicroBatchSearch) and self.calibration is None:
+            solved = self.runner.largest_micro_batch(
+                self.config, Plan(**stage.flags()), budget, self.card
+            )
+            return None if solved is None else solved[0]
+        return _largest_true(
+            self.batch,
+            lambda micro: (
+                footprint(self.predict(plan_for_micro_batch(self.batch, micro, **stage.flags())))
+                <= budget
+            ),
+        )
+
+    def hand_back(
+        self, smallest: _Stage, budget: int, free_bytes: int, policy: MemoryPolicy
+    ) -> HandBack:
+        """Give the trial back with the footprint of the smallest plan allowed."""
+        micro = 1 if smallest.micro_batch else self.batch
+        plan = plan_for_micro_batch(self.batch, micro, **smallest.flags())
+        need = footprint(self.predict(plan))
+        reason = (
+            f"does not fit: the smallest allowed plan ({describe(plan)}) needs {_gib(need)}, "
+            f"the budget is {_gib(budget)} ({_gib(free_bytes)} free, margin {policy.margin:.0%})"
+        )
+        return HandBack(need, plan.model_copy(update={"reason": reason}), reason)
+
+
+def _stages(runner: TrialRunner, policy: MemoryPolicy) -> list[_Stage]:
+    """The ladder of allowed resizes, cumulative, in the policy's order."""
+    stage = _Stage(micro_batch=False, checkpointing=False, bf16=False)
+    stages = [stage]
+    if not policy.allow_resize:
+        return stages
+    for resize in policy.resizes:
+        if resize == "micro_batch":
+            stage = _Stage(True, stage.checkpointing, stage.bf16)
+        elif resize == "checkpointing" and runner.can_checkpoint:
+            stage = _Stage(stage.micro_batch, True, stage.bf16)
+        elif resize == "bf16" and runner.can_bf16:
+            stage = _Stage(stage.micro_batch, stage.checkpointing, True)
+        else:
+            continue
+        stages.append(stage)
+    return stages
+
+
+def _largest_true(high: int, fits: Callable[[int], bool]) -> int | None:
+    """The largest n in [1, high] with fits(n), for a fits that holds below some n."""
+    if not fits(1):
+        return None
+    low = 1
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def _blind_plan(
+    batch: int, policy: MemoryPolicy, plans_tried: Sequence[PlanOut], prediction: Prediction
+) -> Decision:
+    """Without a prediction: as asked, then halve the micro-batch after each OOM."""
+    tried = _keys(plans_tried)
+    micro = batch
+    while micro >= 1:
+        plan = plan_for_micro_batch(batch, micro)
+        if _key(plan) not in tried:
+            reason = f"no prediction ({prediction.reason or 'untraceable'}): {describe(plan)}"
+            return RunAsPlanned(plan.model_copy(update={"reason": reason}), prediction)
+        if not (policy.allow_resize and "micro_batch" in policy.resizes):
+            break
+        micro //= 2
+    reason = f"no prediction and every plan down to micro-batch {max(micro, 1)} ran out of memory"
+    return HandBack(0, None, reason)
+
+
+def footprint(prediction: Prediction) -> int:
+    """Bytes the card must hold: what the caching allocator reserves at the peak."""
+    return max(prediction.peak_reserved_bytes, prediction.peak_allocated_bytes)
+
+
+def describe(plan: Plan) -> str:
+    """A plan in words, e.g. 'micro-batch 16 x 4 accumulation + checkpointing'."""
+    parts = ["as asked" if plan.micro_batch is None else f"micro-batch {plan.micro_batch}"]
+    if plan.accumulation > 1:
+        parts[0] += f" x {plan.accumulation} accumulation"
+    parts += [
+        name for name, on in (("checkpointing", plan.checkpointing), ("bf16", plan.bf16)) if on
+    ]
+    return " + ".join(parts)
+
+
+def _reason(
+    chooser: _Chooser,
+    plan: Plan,
+    prediction: Prediction,
+    as_asked: Prediction,
+    budget: int,
+    free_bytes: int,
+    policy: MemoryPolicy,
+) -> str:
+    fit = f"predicted {_gib(footprint(prediction))} <= budget {_gib(budget)}"
+    room = f"({_gib(free_bytes)} free, margin {policy.margin:.0%})"
+    if plan == Plan():
+        return f"as asked: {fit} {room}"
+    slowdown = expected_slowdown(plan, chooser.batch)
+    return (
+        f"resized to {describe(plan)}, effective batch {chooser.batch} unchanged: as asked needs "
+        f"{_gib(footprint(as_asked))}; cheapest plan that fits (expected slowdown {slowdown:.2f}x),"
+        f" {fit} {room}"
+    )
+
+
+def _plan_of(tried: PlanOut) -> Plan:
+    return Plan(**tried.model_dump(exclude={"reason"}))
+
+
+def _key(plan: Plan | PlanOut) -> tuple[object, ...]:
+    """What makes two plans the same run (the reason is only words)."""
+    return (plan.micro_batch, plan.accumulation, plan.checkpointing, plan.bf16)
+
+
+def _keys(plans: Sequence[PlanOut]) -> set[tuple[object, ...]]:
+    return {_key(plan) for plan in plans}
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.3f} GiB"
