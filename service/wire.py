@@ -491,3 +491,51 @@ class ErrorOut(BaseModel):
     """Every error body: {"detail": ...}."""
 
     detail: str | list[dict[str, Any]]
+
+
+# ---------------------------------------------------------------- tokens (security issue)
+
+
+TokenScope = Literal["admin", "submit", "worker", "read"]
+
+
+class TokenCreate(Wire):
+    """A new API token: its scopes and, optionally, the only studies it may touch."""
+
+    name: Name
+    scopes: list[TokenScope] = Field(min_length=1, max_length=4)
+    studies: list[Name] | None = Field(
+        None, min_length=1, max_length=1024, description="Limit to these studies; null: all."
+    )
+
+
+class TokenOut(Wire):
+    """A token as listed: never the token itself, which is stored only as a hash."""
+
+    id: int
+    name: str
+    scopes: list[TokenScope]
+    studies: list[str] | None
+    created_at: datetime
+    revoked_at: datetime | None = None
+    last_used_at: datetime | None = None
+
+
+class TokenCreated(TokenOut):
+    """A token just created, with the token in clear: shown this once."""
+
+    token: str = Field(description="Send as 'Authorization: Bearer <token>'; not shown again.")
+
+
+class TokenList(Wire):
+    """Every token, revoked ones included."""
+
+    tokens: list[TokenOut]
+
+
+class WhoAmI(Wire):
+    """The caller as the server sees it."""
+
+    name: str
+    scopes: list[TokenScope]
+    studies: list[str] | None = Field(description="The only studies it may touch; null: all.")
