@@ -15,7 +15,6 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     DateTime,
-    Float,
     ForeignKey,
     Index,
     Integer,
@@ -73,7 +72,9 @@ class TrialRow(Base):
     __tablename__ = "vramtune_trials"
 
     trial_id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
-    study_id: Mapped[int] = mapped_column(Integer, ForeignKey("vramtune_studies.study_id", ondelete="CASCADE"))
+    study_id: Mapped[int] = mapped_column(
+        Integer, ForeignKey("vramtune_studies.study_id", ondelete="CASCADE")
+    )
     number: Mapped[int] = mapped_column(Integer)
     status: Mapped[str] = mapped_column(String(16))
     attempt: Mapped[int] = mapped_column(Integer, default=0)

@@ -1,0 +1,1 @@
+"""Alembic migrations of vramtune's own tables (version table ``vramtune_alembic_version``)."""

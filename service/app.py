@@ -1,0 +1,68 @@
+"""The FastAPI application factory; nothing connects until the lifespan starts."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
+
+from fastapi import FastAPI
+
+from service import reaper
+from service.auth_guard import install_auth
+from service.db import make_engine, make_sessions, require_migrated
+from service.errors import install_error_handlers
+from service.limits import BodySizeLimit
+from service.optuna_glue import dispose_storage, make_storage
+from service.routes import health, studies, trials, workers
+from service.settings import Settings
+from service.state import AppState
+from service.wire import API_PREFIX
+
+__all__ = ["AppState", "create_app"]
+
+log = logging.getLogger("vramtune.app")
+
+
+def build_state(settings: Settings) -> AppState:
+    """Engine, sessions and Optuna storage on the settings' database, which must be migrated."""
+    engine = make_engine(settings.database_url)
+    try:
+        require_migrated(engine)
+        storage = make_storage(settings.database_url)
+    except BaseException:
+        engine.dispose()
+        raise
+    return AppState(settings, engine, make_sessions(engine), storage)
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Build the state, run the reaper beside the server, and tear both down on shutdown."""
+    settings: Settings = app.state.settings
+    state = await asyncio.to_thread(build_state, settings)
+    app.state.vt = state
+    stop = asyncio.Event()
+    reaper_task = asyncio.create_task(reaper.reaper_loop(state, stop), name="vramtune-reaper")
+    try:
+        yield
+    finally:
+        stop.set()
+        with suppress(asyncio.CancelledError):
+            await asyncio.wait_for(reaper_task, timeout=10)
+        dispose_storage(state.storage)
+        state.engine.dispose()
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """The vramtune server; settings default to the environment's ``VRAMTUNE_*``."""
+    settings = settings or Settings()
+    app = FastAPI(title="vramtune", version="0.1.0", lifespan=lifespan)
+    app.state.settings = settings
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+    install_auth(app, settings)  # after BodySizeLimit: the guard is outermost
+    for module in (health, studies, workers, trials):
+        app.include_router(module.router, prefix=API_PREFIX)
+    return app

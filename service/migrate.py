@@ -1,0 +1,66 @@
+"""Schema upgrades: Optuna's tables by Optuna, vramtune's by Alembic from migrations/."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine, inspect
+
+VERSION_TABLE = "vramtune_alembic_version"
+
+# Alembic logs every connection it inspects at INFO; the CLI reports the outcome itself.
+logging.getLogger("alembic.runtime.migration").setLevel(logging.WARNING)
+
+
+def migrations_dir() -> str:
+    """Where the installed migrations/ package lives (a plain folder, also in editable installs)."""
+    spec = importlib.util.find_spec("migrations")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the migrations package is not installed")
+    return str(next(iter(spec.submodule_search_locations)))
+
+
+def alembic_config(engine: Engine | None = None) -> Config:
+    """An Alembic config for the packaged migrations/, no alembic.ini needed."""
+    config = Config()
+    config.set_main_option("script_location", migrations_dir())
+    config.attributes["engine"] = engine
+    return config
+
+
+def head_revision() -> str | None:
+    """The newest revision in migrations/."""
+    return ScriptDirectory.from_config(alembic_config()).get_current_head()
+
+
+def current_revision(engine: Engine) -> str | None:
+    """vramtune's revision in the database, None when its version table is missing."""
+    with engine.connect() as connection:
+        if not inspect(connection).has_table(VERSION_TABLE):
+            return None
+        context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
+        return context.get_current_revision()
+
+
+def upgrade_optuna(url: str) -> None:
+    """Create or upgrade Optuna's own tables (Optuna migrates them, never us)."""
+    from optuna.storages import RDBStorage
+
+    from service.db import engine_kwargs
+
+    storage = RDBStorage(url, engine_kwargs=engine_kwargs(url), skip_compatibility_check=True)
+    try:
+        storage.upgrade()
+    finally:
+        storage.engine.dispose()
+
+
+def upgrade(engine: Engine) -> None:
+    """Bring both Optuna's and vramtune's tables to their newest schema."""
+    upgrade_optuna(engine.url.render_as_string(hide_password=False))
+    command.upgrade(alembic_config(engine), "head")

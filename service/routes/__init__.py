@@ -1,0 +1,1 @@
+"""The REST routers, mounted under service.wire.API_PREFIX by service.app."""
