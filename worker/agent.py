@@ -213,6 +213,7 @@ class Agent:
             self._fail(assignment, "error", f"task {assignment.task!r} is not installed here")
             return
         config = {**assignment.task_config, **assignment.params}
+        planning_began = time.monotonic()
         try:
             decision = choose_plan(
                 runner,
@@ -226,9 +227,24 @@ class Agent:
         except Exception as error:  # the task's check of its configuration (TaskConfigError)
             self._fail(assignment, "error", _message(error))
             return
+        planning_s = round(time.monotonic() - planning_began, 4)
         if isinstance(decision, HandBack):
-            self._hand_back(assignment, decision)
+            self._hand_back(assignment, decision, planning_s)
             return
+        self.client.start(
+            assignment.trial_id,
+            StartRequest(
+                lease=assignment.lease, plan=decision.plan, prediction=decision.prediction
+            ),
+        )
+        predicted = footprint(decision.prediction)
+        self.event(
+            "started",
+            assignment,
+            plan=decision.plan.reason,
+            predicted=predicted,
+            planning_s=planning_s,
+        )
         self._run_planned(assignment, runner, config, decision.plan, decision.prediction)
 
     def _run_planned(
@@ -239,21 +255,21 @@ class Agent:
         plan: Plan,
         prediction: Prediction,
     ) -> None:
-        start = StartRequest(lease=assignment.lease, plan=plan, prediction=prediction)
-        self.client.start(assignment.trial_id, start)
-        self.event("started", assignment, plan=plan.reason, predicted=footprint(prediction))
         running = _Running(assignment)
         self._running = running
+        began = time.monotonic()
         try:
             result = runner.run(
                 config, plan, assignment.budget, self.card, _TrialReporter(self, running)
             )
         except OutOfMemory as oom:
-            self._fail(assignment, "oom", str(oom), plan, prediction, oom.measured)
+            seconds = time.monotonic() - began
+            self._fail(assignment, "oom", str(oom), plan, prediction, oom.measured, seconds)
         except Stopped as stopped:
             self._stopped(assignment, str(stopped.reason), plan, prediction, stopped.measured)
         except Exception as error:  # a broken configuration must fail its trial, not the worker
-            self._fail(assignment, "error", _message(error), plan, prediction)
+            seconds = time.monotonic() - began
+            self._fail(assignment, "error", _message(error), plan, prediction, None, seconds)
         else:
             self._complete(assignment, result, plan, prediction)
         finally:
@@ -310,6 +326,7 @@ class Agent:
         plan: Plan | None = None,
         prediction: Prediction | None = None,
         measured: Measured | None = None,
+        seconds: float | None = None,
     ) -> None:
         request = FailRequest(
             lease=assignment.lease,
@@ -320,9 +337,16 @@ class Agent:
             measured=measured,
         )
         ack = self.client.fail(assignment.trial_id, request, retry_for_s=self._delivery_s())
-        self.event("failed", assignment, kind=kind, message=message, resolution=ack.resolution)
+        self.event(
+            "failed",
+            assignment,
+            kind=kind,
+            message=message,
+            resolution=ack.resolution,
+            seconds=None if seconds is None else round(seconds, 3),
+        )
 
-    def _hand_back(self, assignment: Assignment, decision: HandBack) -> None:
+    def _hand_back(self, assignment: Assignment, decision: HandBack, planning_s: float) -> None:
         request = HandBackRequest(
             lease=assignment.lease,
             min_footprint_bytes=decision.min_footprint_bytes,
@@ -334,6 +358,7 @@ class Agent:
             "handed_back",
             assignment,
             min_footprint=decision.min_footprint_bytes,
+            planning_s=planning_s,
             resolution=ack.resolution,
             reason=decision.reason,
         )

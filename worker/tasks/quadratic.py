@@ -43,9 +43,12 @@ class QuadraticConfig:
     @classmethod
     def of(cls, config: Config) -> QuadraticConfig:
         """Read the known keys of a trial's configuration, ignoring the others."""
-        known = {name: config[name] for name in cls.__dataclass_fields__ if name in config}
+        fields = cls.__dataclass_fields__
         try:
-            parsed = cls(**known)
+            # Each key takes the type of its default: a string where a number belongs fails here.
+            parsed = cls(
+                **{k: type(f.default)(config[k]) for k, f in fields.items() if k in config}
+            )
             for name in ("batch_size", "width", "objectives"):
                 if int(getattr(parsed, name)) < 1:
                     raise ValueError(f"{name} must be >= 1, got {getattr(parsed, name)}")

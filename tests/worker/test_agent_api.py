@@ -1,0 +1,165 @@
+"""The worker's REST client against a real HTTP server that answers from a script."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from service.wire import (
+    Assignment,
+    MemoryPolicy,
+    NextRequest,
+    ReportReply,
+    ReportRequest,
+    TrainBudget,
+)
+from worker.api import (
+    LeaseLost,
+    Rejected,
+    ServerClient,
+    ServerUnavailable,
+    backoff_delays,
+)
+
+LEASE = "l" * 32
+REPORT = ReportRequest(lease=LEASE, step=1, value=0.5)
+
+
+class ScriptedServer(ThreadingHTTPServer):
+    """Answers each request with the next (status, body) of its script; records what came."""
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.script: list[tuple[int, object]] = []
+        self.seen: list[tuple[str, str, dict[str, str], bytes]] = []
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: ScriptedServer
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.server.seen.append(("POST", self.path, dict(self.headers), body))
+        status, answer = self.server.script.pop(0) if self.server.script else (500, None)
+        payload = b"" if answer is None else json.dumps(answer).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    do_GET = do_POST
+
+    def log_message(self, format: str, *args: object) -> None:
+        """Quiet: the test output is the assertions."""
+
+
+@pytest.fixture
+def server() -> Iterator[ScriptedServer]:
+    scripted = ScriptedServer()
+    thread = threading.Thread(target=scripted.serve_forever, args=(0.01,), daemon=True)
+    thread.start()
+    yield scripted
+    scripted.shutdown()
+    scripted.server_close()
+
+
+@pytest.fixture
+def client(server: ScriptedServer) -> Iterator[ServerClient]:
+    api = ServerClient(server.url, "vt_secret", backoff_base_s=0.001, backoff_cap_s=0.01)
+    yield api
+    api.close()
+
+
+def test_5xx_answers_are_retried_until_one_succeeds(
+    server: ScriptedServer, client: ServerClient
+) -> None:
+    server.script = [(503, {"detail": "db"}), (500, None), (200, {"prune": True})]
+    assert client.report(7, REPORT) == ReportReply(prune=True)
+    assert [path for _, path, _, _ in server.seen] == ["/api/v1/trials/7/report"] * 3
+    assert all(json.loads(body) == REPORT.model_dump() for *_, body in server.seen)
+
+
+@pytest.mark.parametrize("status", [400, 401, 403, 404, 413, 422])
+def test_4xx_answers_are_never_retried(
+    server: ScriptedServer, client: ServerClient, status: int
+) -> None:
+    server.script = [(status, {"detail": "lease: too short"}), (200, {"prune": False})]
+    with pytest.raises(Rejected) as raised:
+        client.report(7, REPORT)
+    assert raised.value.status_code == status
+    assert raised.value.detail == "lease: too short"
+    assert len(server.seen) == 1
+
+
+def test_409_means_the_lease_is_lost(server: ScriptedServer, client: ServerClient) -> None:
+    server.script = [(409, {"detail": "lease expired"})]
+    with pytest.raises(LeaseLost, match="lease expired"):
+        client.report(7, REPORT)
+    assert len(server.seen) == 1
+
+
+def test_the_token_is_sent_as_a_bearer(server: ScriptedServer, client: ServerClient) -> None:
+    server.script = [(200, {"prune": False})]
+    client.report(7, REPORT)
+    headers = {k.lower(): v for k, v in server.seen[0][2].items()}
+    assert headers["authorization"] == "Bearer vt_secret"
+    assert headers["content-type"] == "application/json"
+
+
+def test_no_work_is_none_and_work_is_an_assignment(
+    server: ScriptedServer, client: ServerClient
+) -> None:
+    assignment = Assignment(
+        trial_id=3,
+        number=0,
+        attempt=1,
+        lease=LEASE,
+        lease_expires_at=datetime.now(UTC),
+        study="s",
+        task="quadratic",
+        params={"x": 1.0},
+        task_config={},
+        budget=TrainBudget(),
+        memory_policy=MemoryPolicy(),
+        n_objectives=1,
+    )
+    server.script = [(204, None), (200, assignment.model_dump(mode="json"))]
+    assert client.next(1, NextRequest(free_bytes=10)) is None
+    assert client.next(1, NextRequest(free_bytes=10)) == assignment
+
+
+def test_a_server_that_never_answers_gives_up_at_the_deadline(server: ScriptedServer) -> None:
+    url = server.url
+    server.shutdown()
+    server.server_close()  # the port now refuses connections
+    api = ServerClient(url, backoff_base_s=0.001, backoff_cap_s=0.005)
+    with pytest.raises(ServerUnavailable, match="ConnectError"):
+        api.report(7, REPORT, retry_for_s=0.05)
+
+
+def test_cancel_ends_the_retries(server: ScriptedServer, client: ServerClient) -> None:
+    cancel = threading.Event()
+    cancel.set()
+    server.script = [(503, None)] * 10
+    with pytest.raises(ServerUnavailable, match="cancelled"):
+        client.next(1, NextRequest(free_bytes=1), cancel=cancel)
+    assert len(server.seen) == 1
+
+
+def test_backoff_is_jittered_exponential_and_capped() -> None:
+    delays = backoff_delays(0.1, 2.0)
+    first = [next(delays) for _ in range(40)]
+    assert all(0.0 <= d <= 2.0 for d in first)
+    assert all(d <= 0.1 * 2**n for n, d in enumerate(first[:4]))
+    assert len(set(first)) > 30, "jittered, not a fixed schedule"
