@@ -114,12 +114,16 @@ SearchSpace = Annotated[
 Resize = Literal["micro_batch", "checkpointing", "bf16"]
 
 
+def _default_resizes() -> list[Resize]:
+    return ["micro_batch", "checkpointing"]
+
+
 class MemoryPolicy(Wire):
     """What a worker may do to a configuration that does not fit its card."""
 
     allow_resize: bool = Field(True, description="May a worker run a trial resized?")
     resizes: list[Resize] = Field(
-        default_factory=lambda: ["micro_batch", "checkpointing"],
+        default_factory=_default_resizes,
         description="Resizes allowed, tried in this order; add 'bf16' to allow precision changes.",
     )
     margin: Finite = Field(
