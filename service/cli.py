@@ -302,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_server_commands(subparsers)
     _add_study_commands(subparsers)
     importlib.import_module("service.auth_cli").add_token_commands(subparsers)
+    importlib.import_module("service.demo").add_demo_command(subparsers)
     if importlib.util.find_spec("worker.cli") is not None:
         importlib.import_module("worker.cli").add_commands(subparsers)
     return parser
