@@ -116,7 +116,6 @@ V = API_PREFIX
 POLICY: dict[tuple[str, str], Rule] = {
     # liveness probes and the API's own description carry no data
     ("GET", f"{V}/health"): PUBLIC,
-    ("GET", "/health"): PUBLIC,
     ("GET", "/openapi.json"): PUBLIC,
     ("GET", "/docs"): PUBLIC,
     ("GET", "/docs/oauth2-redirect"): PUBLIC,

@@ -1,0 +1,126 @@
+"""Every endpoint of the app x every kind of caller -> the expected 2xx/4xx, 401 or 403.
+
+The endpoints are enumerated from the app itself, so a new endpoint without a line in
+service.auth.POLICY fails test_every_endpoint_has_a_policy (and gets admin-only meanwhile).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from security_fixtures import OTHER, OWN, TOKEN_KINDS, Secured, study_spec
+from sqlalchemy import select
+
+from service import auth
+from service.app import create_app
+from service.auth_guard import endpoint_keys
+from service.settings import Settings
+from service.tables import StudyRow
+
+ENDPOINTS = endpoint_keys(create_app(Settings(database_url="sqlite://")))  # connects nothing
+CALLERS = ["none", "bad", "read", "submit", "worker", "admin", "limited-own", "limited-other"]
+PARAM = re.compile(r"\{(\w+)(?::\w+)?\}")
+
+
+def expected(rule: auth.Rule, caller: str) -> int | None:
+    """401, 403, or None for "neither" (2xx, or a 4xx about the request itself)."""
+    if rule.public:
+        return None
+    if caller in ("none", "bad"):
+        return 401
+    kind = caller.split("-")[0]
+    scopes, studies = TOKEN_KINDS[kind]
+    limited_to = None if studies is None else frozenset(studies)
+    principal = auth.Principal("t", frozenset(scopes), limited_to)
+    if auth.missing_scope(principal, rule) is not None:
+        return 403
+    if caller == "limited-other" and rule.studies == "path":
+        return 403
+    if kind == "limited" and rule.studies == "many":
+        return 403
+    return None
+
+
+def concrete(template: str, secured: Secured, study: str) -> str:
+    """The template with every parameter filled in for the given study."""
+    secured.ensure_studies()
+
+    def value(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name in ("name", "study", "study_name"):
+            return study
+        if name == "study_id":
+            with secured.app.state.vt.sessions() as session:
+                return str(session.scalar(select(StudyRow.study_id).where(StudyRow.name == study)))
+        if name == "trial_id":
+            return str(secured.trials[study])
+        if name == "token_id":  # a throwaway token, so that revoking it harms no other case
+            return str(secured.add_token(["read"])[0])
+        if name == "path":
+            return "index.html"
+        return "1"
+
+    return PARAM.sub(value, template)
+
+
+def test_every_endpoint_has_a_policy() -> None:
+    """No endpoint falls through to the fail-closed default; no policy names a ghost route."""
+    missing = [key for key in ENDPOINTS if key not in auth.POLICY]
+    assert missing == [], f"add these endpoints to service.auth.POLICY: {missing}"
+    ghosts = [key for key in auth.POLICY if key not in ENDPOINTS]
+    assert ghosts == [], f"POLICY lists endpoints the app does not have: {ghosts}"
+
+
+@pytest.mark.parametrize("caller", CALLERS)
+@pytest.mark.parametrize(("method", "template"), ENDPOINTS, ids=[f"{m} {p}" for m, p in ENDPOINTS])
+def test_scope_matrix(secured: Secured, method: str, template: str, caller: str) -> None:
+    """The guard answers exactly what the policy says, and no call is a 5xx."""
+    rule = auth.rule_for(method, template)
+    study = OTHER if caller == "limited-other" else OWN
+    path = concrete(template, secured, study)
+    response = secured.client.request(method, path, headers=secured.headers(caller.split("-")[0]))
+    want = expected(rule, caller)
+    assert response.status_code < 500, response.text
+    if want is None:
+        assert response.status_code not in (401, 403), response.text
+        return
+    assert response.status_code == want, response.text
+    detail = response.json()["detail"]
+    if want == 401:
+        assert response.headers["WWW-Authenticate"].startswith("Bearer")
+    elif "limited" in detail:
+        assert caller.startswith("limited")
+    else:  # the body says which scope is needed
+        assert any(f"'{scope}'" in detail for scope in rule.scopes), detail
+
+
+def test_worker_token_cannot_submit_or_delete(secured: Secured) -> None:
+    """The issue's examples, spelled out."""
+    headers = secured.headers("worker")
+    created = secured.client.post("/api/v1/studies", json=study_spec("by-worker"), headers=headers)
+    assert created.status_code == 403 and "'submit'" in created.json()["detail"]
+    deleted = secured.client.delete(f"/api/v1/studies/{OWN}", headers=headers)
+    assert deleted.status_code == 403 and "'admin'" in deleted.json()["detail"]
+
+
+def test_read_token_cannot_write(secured: Secured) -> None:
+    """Every endpoint but GET ones refuses a read token (except the public ones)."""
+    writes = [(m, p) for m, p in ENDPOINTS if m != "GET" and not auth.rule_for(m, p).public]
+    assert writes, "the app has no write endpoint?"
+    for method, template in writes:
+        path = concrete(template, secured, OWN)
+        response = secured.client.request(method, path, headers=secured.headers("read"))
+        assert response.status_code == 403, (method, template, response.text)
+
+
+def test_limited_token_cannot_touch_another_study(secured: Secured) -> None:
+    """A token limited to OWN reads and steers OWN but not OTHER."""
+    headers = secured.headers("limited")
+    assert secured.client.get(f"/api/v1/studies/{OWN}", headers=headers).status_code == 200
+    for path in (f"/api/v1/studies/{OTHER}", f"/api/v1/studies/{OTHER}/trials"):
+        assert secured.client.get(path, headers=headers).status_code == 403
+    paused = secured.client.post(f"/api/v1/studies/{OTHER}/pause", headers=headers)
+    assert paused.status_code == 403
+    listed = secured.client.get("/api/v1/studies", headers=headers)
+    assert listed.status_code == 403, "listing would show other studies"
