@@ -47,10 +47,22 @@ def apply_checkpointing(task: Task, model: nn.Module) -> int:
 
 def build_for_plan(task: Task, config: Config, plan: Plan, device: torch.device) -> nn.Module:
     """Build the task's model on `device` with the plan's checkpointing applied."""
-    model = task.build_model(config).to(device)
+    model = task.build_model(config)
+    if not _lives_on(model, device):
+        # Module.to swaps fake parameters, which FakeTensorMode's weakrefs forbid: the predictor
+        # builds on the trace device already, so only real models move.
+        model = model.to(device)
     if plan.checkpointing and apply_checkpointing(task, model) == 0:
         raise TaskConfigError(f"task {task.name!r} marks no modules for checkpointing")
     return model
+
+
+def _lives_on(model: nn.Module, device: torch.device) -> bool:
+    """Whether every parameter and buffer of `model` is on `device` already."""
+    return all(
+        t.device.type == device.type and device.index in (None, t.device.index)
+        for t in (*model.parameters(), *model.buffers())
+    )
 
 
 def train_step(
