@@ -448,11 +448,13 @@ class HandBackRequest(LeaseCall):
     reason: ShortText = ""
 
 
-TrialResolution = Literal["complete", "failed", "retry", "waiting", "infeasible", "pruned"]
+TrialResolution = Literal[
+    "started", "complete", "failed", "retry", "waiting", "infeasible", "pruned"
+]
 
 
 class TrialAck(Wire):
-    """What became of the trial after a complete, fail or hand-back."""
+    """What became of the trial after a start, complete, fail or hand-back."""
 
     trial_id: int
     resolution: TrialResolution

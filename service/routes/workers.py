@@ -1,7 +1,78 @@
-"""Worker protocol routes (workers): filled by the fleet issue."""
+"""Worker protocol routes (workers): register, heartbeat, next trial, stop, the fleet."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated
 
-router = APIRouter()
+from fastapi import APIRouter, Path, Query, Response
+
+from service import fleet
+from service.deps import StateDep
+from service.fleet_calibration import calibration_for
+from service.fleet_http import FiniteErrorsRoute
+from service.studies import utcnow
+from service.wire import (
+    Assignment,
+    Calibration,
+    Heartbeat,
+    HeartbeatReply,
+    NextRequest,
+    WorkerList,
+    WorkerRegister,
+    WorkerRegistered,
+)
+
+router = APIRouter(tags=["workers"], route_class=FiniteErrorsRoute)
+
+WorkerId = Annotated[int, Path(ge=1, le=2**63 - 1, description="The id registration gave.")]
+Text = Annotated[str, Query(min_length=1, max_length=256)]
+
+
+@router.post("/workers", status_code=201)
+def register(body: WorkerRegister, state: StateDep) -> WorkerRegistered:
+    """Register a worker and its card; the answer has its id and the heartbeat period."""
+    with fleet.fleet_transaction(state) as session:
+        return fleet.register(session, state.settings, body, utcnow())
+
+
+@router.post("/workers/{worker_id}/heartbeat")
+def heartbeat(worker_id: WorkerId, body: Heartbeat, state: StateDep) -> HeartbeatReply:
+    """Renew every lease of the worker; the answer lists trials it must stop, and why."""
+    with fleet.fleet_transaction(state) as session:
+        return fleet.heartbeat(session, state.settings, worker_id, body, utcnow())
+
+
+@router.post(
+    "/workers/{worker_id}/next",
+    responses={200: {"model": Assignment}, 204: {"description": "No work for this worker now."}},
+    response_model=None,
+)
+def next_trial(worker_id: WorkerId, body: NextRequest, state: StateDep) -> Assignment | Response:
+    """Lease a trial to the worker (200), or 204 when no study of its tasks has work."""
+    with fleet.fleet_transaction(state) as session:
+        assignment = fleet.next_assignment(
+            session, state.storage, state.settings, worker_id, body, utcnow()
+        )
+    return Response(status_code=204) if assignment is None else assignment
+
+
+@router.post("/workers/{worker_id}/stop", status_code=204)
+def stop(worker_id: WorkerId, state: StateDep) -> Response:
+    """The worker leaves: its leases end now and their trials are offered again."""
+    with fleet.fleet_transaction(state) as session:
+        fleet.stop_worker(session, worker_id, utcnow())
+    return Response(status_code=204)
+
+
+@router.get("/workers")
+def list_workers(state: StateDep) -> WorkerList:
+    """Every worker: its card, live / stale / stopped, and the trials it holds."""
+    with state.sessions() as session:
+        return fleet.list_workers(session, state.settings, utcnow())
+
+
+@router.get("/calibration")
+def calibration(card_model: Text, torch_version: Text, task: Text, state: StateDep) -> Calibration:
+    """The correction of predictions for a card model, torch version and task."""
+    with state.sessions() as session:
+        return calibration_for(session, card_model, torch_version, task)

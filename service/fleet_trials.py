@@ -1,0 +1,341 @@
+"""Trial calls under a lease: start, report, complete, fail, hand back; helpers never commit.
+
+Each call is fenced (service.leases.fence): nothing changes under a lost lease. Optuna is told
+before vramtune's rows are written (see service.fleet). A call that ends the lease stores its
+answer there, so that a worker retrying it after a lost reply gets the same answer and Optuna
+is told once.
+
+Values of a complete: ``Assignment.n_objectives`` values, the study's objectives with the
+measured peak memory last when the study minimizes it. A worker may also leave the peak out:
+the server then appends the measured peak itself (reserved bytes when measured, else
+allocated), the same number the worker would have sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import optuna
+from optuna.storages import BaseStorage
+from optuna.trial import TrialState
+from sqlalchemy import update
+from sqlalchemy.orm import Session
+
+from service.errors import Invalid
+from service.leases import Fenced, end, fence, resolution
+from service.optuna_glue import load_optuna_study, spec_of
+from service.routing import (
+    headroom,
+    live_capacity,
+    oom_retry_allowed,
+    reoffer,
+    tell_failed,
+    tell_infeasible,
+    write_attrs,
+    write_constraint,
+)
+from service.settings import Settings
+from service.tables import MemoryObservationRow, WorkerRow
+from service.wire import (
+    CompleteRequest,
+    FailRequest,
+    HandBackRequest,
+    Measured,
+    Plan,
+    Prediction,
+    ReportReply,
+    ReportRequest,
+    StartRequest,
+    StopReason,
+    StudyCreate,
+    TrialAck,
+    TrialResolution,
+)
+
+
+@dataclass(frozen=True)
+class TrialCall:
+    """What every trial call needs: the session, Optuna's storage, settings and the time."""
+
+    session: Session
+    storage: BaseStorage
+    settings: Settings
+    now: datetime
+
+
+def peak_of(measured: Measured) -> int:
+    """The peak the card had to hold: reserved bytes when measured, else allocated."""
+    return max(measured.peak_reserved_bytes or 0, measured.peak_allocated_bytes)
+
+
+def _ack(fenced: Fenced, what: TrialResolution, detail: str = "") -> TrialAck:
+    return TrialAck(trial_id=fenced.trial.trial_id, resolution=what, detail=detail)
+
+
+def _finish(
+    call: TrialCall,
+    fenced: Fenced,
+    ack: TrialAck,
+    how: str,
+    kind: str | None = None,
+    stop: StopReason | None = None,
+) -> TrialAck:
+    """End the lease with its answer; the trial row is done unless it was routed elsewhere."""
+    trial = fenced.trial
+    if ack.resolution in ("complete", "failed", "infeasible", "pruned"):
+        trial.status = "done"
+        trial.outcome = _OUTCOMES.get(ack.resolution, trial.outcome)
+    trial.message = ack.detail or trial.message
+    trial.updated_at = call.now
+    end(fenced.lease, call.now, resolution(how, ack, kind, stop))
+    return ack
+
+
+# An OOM that ends in FAIL keeps its outcome "oom"; a complete has set its own.
+_OUTCOMES = {"infeasible": "infeasible", "pruned": "pruned"}
+
+
+# ---------------------------------------------------------------- start and report
+
+
+def start(call: TrialCall, trial_id: int, body: StartRequest) -> TrialAck:
+    """The worker chose its plan and runs it: store the plan and the prediction."""
+    fenced = fence(call.session, trial_id, body.lease, call.now, "start")  # never a replay
+    predicted = None if body.prediction is None else body.prediction.peak_reserved_bytes
+    write_attrs(
+        call.storage,
+        trial_id,
+        {
+            "plan": body.plan.model_dump(mode="json"),
+            "predicted_peak_bytes": predicted,
+            "worker": fenced.worker.name,
+            "card_model": fenced.worker.card_model,
+            "attempt": fenced.trial.attempt,
+        },
+    )
+    fenced.trial.plan = body.plan.model_dump(mode="json")
+    fenced.trial.predicted_peak_bytes = predicted
+    fenced.trial.updated_at = call.now
+    return _ack(fenced, "started", f"running as planned: {body.plan.reason}".strip(": "))
+
+
+def report(call: TrialCall, trial_id: int, body: ReportRequest) -> ReportReply:
+    """An intermediate value; the study's pruner decides on a fresh Trial (never cached)."""
+    fenced = fence(call.session, trial_id, body.lease, call.now, "report")
+    study = load_optuna_study(call.storage, fenced.study)
+    if len(study.directions) > 1:
+        # Optuna prunes single-objective studies only; keep the value for the curves.
+        call.storage.set_trial_intermediate_value(trial_id, body.step, body.value)
+        return ReportReply(prune=False)
+    trial = optuna.trial.Trial(study, trial_id)
+    trial.report(body.value, body.step)
+    if not trial.should_prune():
+        return ReportReply(prune=False)
+    # Told now, so a worker that ignores the answer cannot keep the trial; its fail(pruned)
+    # replays this answer and its heartbeat carries the stop order.
+    study.tell(trial, state=TrialState.PRUNED, skip_if_finished=True)
+    write_attrs(call.storage, trial_id, {"outcome": "pruned"})
+    ack = _ack(fenced, "pruned", f"pruned at step {body.step} by the study's pruner")
+    _finish(call, fenced, ack, "fail", "pruned", stop="pruned")
+    return ReportReply(prune=True)
+
+
+# ---------------------------------------------------------------- complete
+
+
+def objective_values(spec: StudyCreate, body: CompleteRequest) -> list[float]:
+    """The values to tell, with the measured peak appended if the worker left it out."""
+    wanted = len(spec.objective_directions)
+    values = list(body.values)
+    if spec.minimize_peak_memory and len(values) == wanted - 1:
+        values.append(float(peak_of(body.measured)))
+    if len(values) != wanted:
+        names = [*spec.directions, *(["peak memory"] if spec.minimize_peak_memory else [])]
+        raise Invalid("values", f"expected {wanted} values ({', '.join(names)}), got {len(values)}")
+    return values
+
+
+def complete(call: TrialCall, trial_id: int, body: CompleteRequest) -> TrialAck:
+    """Tell Optuna the value(s), with the plan, the peaks and a feasible memory constraint."""
+    fenced = fence(call.session, trial_id, body.lease, call.now, "complete")
+    if fenced.replay is not None:
+        return fenced.replay
+    spec = spec_of(fenced.study)
+    values = objective_values(spec, body)  # 422 before anything is written
+    worker, peak = fenced.worker, peak_of(body.measured)
+    outcome = _outcome_of(body.plan, routed=fenced.trial.min_bytes > 0)
+    write_attrs(
+        call.storage,
+        trial_id,
+        {
+            "plan": body.plan.model_dump(mode="json"),
+            "predicted_peak_bytes": _predicted(body.prediction),
+            "measured_peak_bytes": peak,
+            "measured": body.measured.model_dump(mode="json"),
+            "worker": worker.name,
+            "card_model": worker.card_model,
+            "outcome": outcome,
+            "duration_s": body.duration_s,
+            "samples_per_s": body.samples_per_s,
+        },
+    )
+    write_constraint(call.storage, trial_id, min(headroom(peak, worker.total_bytes), 0.0))
+    study = load_optuna_study(call.storage, fenced.study)
+    study.tell(optuna.trial.Trial(study, trial_id), values, skip_if_finished=True)
+    trial = fenced.trial
+    trial.plan = body.plan.model_dump(mode="json")
+    trial.predicted_peak_bytes = _predicted(body.prediction)
+    trial.measured_peak_bytes = peak
+    trial.outcome = outcome
+    observe(call, fenced, body.plan, body.prediction, body.measured, "complete")
+    call.session.execute(
+        update(WorkerRow)
+        .where(WorkerRow.id == worker.id)
+        .values(trials_done=WorkerRow.trials_done + 1)
+    )
+    ack = _ack(fenced, "complete", f"told Optuna {values}")
+    return _finish(call, fenced, ack, "complete")
+
+
+def _predicted(prediction: Prediction | None) -> int | None:
+    return None if prediction is None else prediction.peak_reserved_bytes
+
+
+def _outcome_of(plan: Plan, routed: bool) -> str:
+    """routed (ran on a larger card after a hand-back), resized, or as_asked."""
+    if routed:
+        return "routed"
+    resized = plan.accumulation > 1 or plan.checkpointing or plan.bf16
+    return "resized" if resized else "as_asked"
+
+
+def observe(
+    call: TrialCall,
+    fenced: Fenced,
+    plan: Plan | dict[str, Any] | None,
+    prediction: Prediction | None,
+    measured: Measured | None,
+    outcome: str,
+) -> None:
+    """Store predicted against measured peak: the calibration's raw material."""
+    if measured is None:
+        return
+    worker = fenced.worker
+    plan_json = plan.model_dump(mode="json") if isinstance(plan, Plan) else (plan or {})
+    call.session.add(
+        MemoryObservationRow(
+            trial_id=fenced.trial.trial_id,
+            study_id=fenced.trial.study_id,
+            worker_id=worker.id,
+            card_model=worker.card_model,
+            torch_version=str(worker.card.get("torch_version") or "none"),
+            task=fenced.study.task,
+            plan=plan_json,
+            outcome=outcome,
+            predicted_allocated=None if prediction is None else prediction.peak_allocated_bytes,
+            predicted_reserved=None if prediction is None else prediction.peak_reserved_bytes,
+            measured_allocated=measured.peak_allocated_bytes,
+            measured_reserved=measured.peak_reserved_bytes,
+            nvml_peak=measured.nvml_peak_bytes,
+            created_at=call.now,
+        )
+    )
+
+
+# ---------------------------------------------------------------- fail
+
+
+def fail(call: TrialCall, trial_id: int, body: FailRequest) -> TrialAck:
+    """OOM: retry once with a smaller plan; error: FAIL; interrupted: offer again; pruned."""
+    fenced = fence(call.session, trial_id, body.lease, call.now, "fail", body.kind)
+    if fenced.replay is not None:
+        return fenced.replay
+    if body.kind == "oom":
+        ack = _out_of_memory(call, fenced, body)
+    elif body.kind == "interrupted":
+        reoffer(fenced.trial, call.now, next_attempt=False)
+        ack = _ack(fenced, "retry", f"interrupted ({body.message}); offered again".strip())
+    elif body.kind == "pruned":
+        study = load_optuna_study(call.storage, fenced.study)
+        write_attrs(call.storage, trial_id, {"outcome": "pruned"})
+        study.tell(
+            optuna.trial.Trial(study, trial_id), state=TrialState.PRUNED, skip_if_finished=True
+        )
+        ack = _ack(fenced, "pruned", body.message)
+    else:
+        reason = body.message or "the worker reported an error"
+        fenced.trial.outcome = "failed"
+        tell_failed(load_optuna_study(call.storage, fenced.study), call.storage, trial_id, reason)
+        ack = _ack(fenced, "failed", reason)
+    return _finish(call, fenced, ack, "fail", body.kind)
+
+
+def _out_of_memory(call: TrialCall, fenced: Fenced, body: FailRequest) -> TrialAck:
+    """Record the plan as tried on this card model; retry once, then FAIL."""
+    trial, worker = fenced.trial, fenced.worker
+    plan = body.plan.model_dump(mode="json") if body.plan else (trial.plan or {})
+    tried = {**plan, "card_model": worker.card_model}
+    # A new list object: SQLAlchemy sees a JSON column change only on assignment.
+    trial.plans_tried = [*trial.plans_tried, tried]
+    trial.outcome = "oom"
+    spec = spec_of(fenced.study)
+    message = body.message or "out of memory"
+    if oom_retry_allowed(trial, spec):
+        ack = _ack(fenced, "retry", f"out of memory on {worker.card_model}; retried smaller")
+        reoffer(trial, call.now, next_attempt=True)
+    else:
+        reason = f"out of memory {len(trial.plans_tried)} times; last: {message}"
+        tell_failed(
+            load_optuna_study(call.storage, fenced.study), call.storage, trial.trial_id, reason
+        )
+        ack = _ack(fenced, "failed", reason)
+    observe(call, fenced, body.plan or plan, body.prediction, body.measured, "oom")
+    return ack
+
+
+# ---------------------------------------------------------------- hand back
+
+
+def hand_back(call: TrialCall, trial_id: int, body: HandBackRequest) -> TrialAck:
+    """Route a trial that does not fit: wait for a larger live card, or end it infeasible."""
+    fenced = fence(call.session, trial_id, body.lease, call.now, "handback")
+    if fenced.replay is not None:
+        return fenced.replay
+    trial, worker = fenced.trial, fenced.worker
+    footprint = max(trial.min_bytes, body.min_footprint_bytes)
+    handback = {
+        "worker": worker.name,
+        "card_model": worker.card_model,
+        "card_bytes": worker.total_bytes,
+        "min_footprint_bytes": body.min_footprint_bytes,
+        "plan": None if body.plan is None else body.plan.model_dump(mode="json"),
+        "reason": body.reason,
+    }
+    capacity = live_capacity(
+        call.session, fenced.study.task, call.now, call.settings.worker_stale_s, worker.id
+    )
+    if capacity >= footprint:
+        write_attrs(call.storage, trial_id, {"handback": handback})
+        trial.status = "waiting"
+        trial.min_bytes = footprint
+        trial.updated_at = call.now
+        ack = _ack(fenced, "waiting", f"waits for a card of at least {footprint} bytes")
+        return _finish(call, fenced, ack, "handback")
+    reason = (
+        f"needs {footprint} bytes; the largest live card has {max(capacity, worker.total_bytes)}"
+    )
+    write_attrs(call.storage, trial_id, {"handback": handback})
+    study = load_optuna_study(call.storage, fenced.study)
+    tell_infeasible(
+        study,
+        call.storage,
+        trial_id,
+        spec_of(fenced.study),
+        footprint,
+        max(capacity, worker.total_bytes),
+        reason,
+    )
+    trial.min_bytes = footprint
+    return _finish(call, fenced, _ack(fenced, "infeasible", reason), "handback")

@@ -1,0 +1,171 @@
+"""Leases: a trial held by one worker until an expiry, fenced by a token; helpers never commit.
+
+Every trial call presents its lease token. A call under an unknown, foreign, expired or ended
+lease changes nothing and gets a 409, except that the call which ended the lease may be
+repeated and gets the answer it got the first time (stored on the lease as its resolution).
+Rows are read ``FOR UPDATE`` so that replicas on one PostgreSQL serialize on a lease and its
+trial (a no-op on SQLite, where the fleet's transactions are serialized in-process).
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from service.errors import Conflict, LeaseLost, NotFound
+from service.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
+from service.wire import StopReason, TrialAck
+
+TOKEN_BYTES = 32  # 256 bits: a lease cannot be guessed
+
+
+def new_token() -> str:
+    """A fresh, unguessable lease token (43 URL-safe characters)."""
+    return secrets.token_urlsafe(TOKEN_BYTES)
+
+
+def grant(
+    session: Session, trial: TrialRow, worker: WorkerRow, now: datetime, ttl_s: float
+) -> LeaseRow:
+    """Lease a trial to a worker: a new lease row, and the trial marked leased."""
+    lease = LeaseRow(
+        token=new_token(),
+        trial_id=trial.trial_id,
+        worker_id=worker.id,
+        attempt=trial.attempt,
+        active=True,
+        expires_at=now + timedelta(seconds=ttl_s),
+        created_at=now,
+    )
+    trial.status = "leased"
+    trial.worker_id = worker.id
+    trial.updated_at = now
+    session.add(lease)
+    return lease
+
+
+def resolution(
+    call: str, ack: TrialAck | None = None, kind: str | None = None, stop: StopReason | None = None
+) -> dict[str, Any]:
+    """What ended a lease: the call, the answer it got, and the stop order a worker must hear."""
+    return {
+        "call": call,
+        "kind": kind,
+        "ack": None if ack is None else ack.model_dump(mode="json"),
+        "stop": stop,
+    }
+
+
+def end(lease: LeaseRow, now: datetime, how: dict[str, Any]) -> None:
+    """End a lease with its resolution; calls under it are refused or replayed from now on."""
+    lease.active = False
+    lease.ended_at = now
+    lease.resolution = how
+
+
+@dataclass
+class Fenced:
+    """A trial call admitted under its lease, or the stored answer to replay."""
+
+    lease: LeaseRow
+    trial: TrialRow
+    study: StudyRow
+    worker: WorkerRow
+    replay: TrialAck | None = None
+
+
+def fence(
+    session: Session,
+    trial_id: int,
+    token: str,
+    now: datetime,
+    call: str,
+    kind: str | None = None,
+) -> Fenced:
+    """Admit a call on a trial under its lease, or raise NotFound / LeaseLost / Conflict."""
+    # Lease before trial, as the reaper locks them: replicas never wait on each other in a cycle.
+    lease = session.scalar(select(LeaseRow).where(LeaseRow.token == token).with_for_update())
+    trial = session.scalar(select(TrialRow).where(TrialRow.trial_id == trial_id).with_for_update())
+    if trial is None:
+        raise NotFound(f"trial {trial_id} not found (or its study was deleted)")
+    if lease is None or lease.trial_id != trial_id:
+        raise LeaseLost(f"trial {trial_id}: this lease is not the trial's (unknown or foreign)")
+    study = session.get_one(StudyRow, trial.study_id)
+    worker = session.get_one(WorkerRow, lease.worker_id)
+    fenced = Fenced(lease, trial, study, worker)
+    if lease.active:
+        if lease.expires_at <= now:
+            raise LeaseLost(f"trial {trial_id}: the lease expired at {lease.expires_at}Z")
+        return fenced
+    fenced.replay = _replay(lease, trial_id, call, kind)
+    return fenced
+
+
+def _replay(lease: LeaseRow, trial_id: int, call: str, kind: str | None) -> TrialAck:
+    """The stored answer when the same call ended this lease; else why the call is refused."""
+    how = lease.resolution or {}
+    ack = how.get("ack")
+    if ack is not None and how.get("call") == call and how.get("kind") == kind:
+        return TrialAck.model_validate(ack)
+    if ack is not None:
+        ended = TrialAck.model_validate(ack).resolution
+        raise Conflict(f"trial {trial_id}: already ended under this lease ({ended})")
+    reason = how.get("stop") or how.get("call") or "ended"
+    raise LeaseLost(f"trial {trial_id}: the lease was lost ({reason}) at {lease.ended_at}Z")
+
+
+def active_leases(session: Session, worker_id: int) -> list[LeaseRow]:
+    """The worker's active leases, locked."""
+    query = (
+        select(LeaseRow)
+        .where(LeaseRow.worker_id == worker_id, LeaseRow.active.is_(True))
+        .order_by(LeaseRow.id)
+        .with_for_update()
+    )
+    return list(session.scalars(query))
+
+
+def renew(session: Session, lease_ids: list[int], now: datetime, ttl_s: float) -> None:
+    """Push the expiry of unexpired leases to now + ttl (an expired one stays expired)."""
+    if not lease_ids:
+        return
+    session.execute(
+        update(LeaseRow)
+        .where(LeaseRow.id.in_(lease_ids), LeaseRow.active.is_(True), LeaseRow.expires_at > now)
+        .values(expires_at=now + timedelta(seconds=ttl_s))
+    )
+
+
+def ended_since(session: Session, worker_id: int, since: datetime) -> list[LeaseRow]:
+    """The worker's leases ended at or after ``since`` (its previous heartbeat)."""
+    query = select(LeaseRow).where(
+        LeaseRow.worker_id == worker_id, LeaseRow.active.is_(False), LeaseRow.ended_at >= since
+    )
+    return list(session.scalars(query.order_by(LeaseRow.id)))
+
+
+def expired_lease(session: Session, now: datetime) -> LeaseRow | None:
+    """One active, expired lease no other replica is handling (SKIP LOCKED), locked."""
+    query = (
+        select(LeaseRow)
+        .where(LeaseRow.active.is_(True), LeaseRow.expires_at <= now)
+        .order_by(LeaseRow.expires_at)
+        .limit(1)
+        .with_for_update(skip_locked=True)
+    )
+    return session.scalar(query)
+
+
+def end_study_leases(session: Session, study_id: int, now: datetime) -> None:
+    """End the active leases of a study being deleted, so heartbeats order them stopped."""
+    trial_ids = select(TrialRow.trial_id).where(TrialRow.study_id == study_id)
+    session.execute(
+        update(LeaseRow)
+        .where(LeaseRow.trial_id.in_(trial_ids), LeaseRow.active.is_(True))
+        .values(active=False, ended_at=now, resolution=resolution("study", stop="deleted"))
+    )
