@@ -41,7 +41,7 @@ def apply_checkpointing(task: Task, model: nn.Module) -> int:
     for module in modules:
         forward = module.forward
         # non-reentrant checkpointing works with kwargs and under FakeTensorMode.
-        module.forward = functools.partial(checkpoint, forward, use_reentrant=False)  # type: ignore[method-assign]
+        module.forward = functools.partial(checkpoint, forward, use_reentrant=False)
     return len(modules)
 
 
@@ -85,7 +85,7 @@ def train_step(
         batch = next_batch(size)
         with autocast_for(plan, device):
             loss = task.loss(model, batch) * (size / batch_size)
-        loss.backward()
+        torch.autograd.backward(loss)
         total = total + loss.detach().float()
         del batch, loss
     optimizer.step()
