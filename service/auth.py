@@ -120,6 +120,11 @@ POLICY: dict[tuple[str, str], Rule] = {
     ("GET", "/docs"): PUBLIC,
     ("GET", "/docs/oauth2-redirect"): PUBLIC,
     ("GET", "/redoc"): PUBLIC,
+    # dashboard pages and assets carry no data: their scripts fetch it with the user's token
+    ("GET", "/"): PUBLIC,
+    ("GET", "/studies/{name:path}"): PUBLIC,
+    ("GET", "/fleet"): PUBLIC,
+    ("GET", "/dashboard/static/{name}"): PUBLIC,
     # who am I: any valid token may ask
     ("GET", f"{V}/auth/whoami"): ANY_TOKEN,
     # tokens: admin only
@@ -135,6 +140,30 @@ POLICY: dict[tuple[str, str], Rule] = {
     ("POST", f"{V}/studies/{{name}}/pause"): needs("submit"),
     ("POST", f"{V}/studies/{{name}}/resume"): needs("submit"),
     ("DELETE", f"{V}/studies/{{name}}"): needs("admin"),
+    # the worker protocol; `next` offers a study-limited worker only its studies (the route
+    # filters by Principal.allows_study), a trial call is checked against the trial's study
+    ("POST", f"{V}/workers"): needs("worker", studies="none"),
+    ("POST", f"{V}/workers/{{worker_id}}/heartbeat"): needs("worker", studies="none"),
+    ("POST", f"{V}/workers/{{worker_id}}/next"): needs("worker", studies="none"),
+    ("POST", f"{V}/workers/{{worker_id}}/stop"): needs("worker", studies="none"),
+    ("GET", f"{V}/calibration"): needs("worker", "read", studies="none"),
+    ("POST", f"{V}/trials/{{trial_id}}/start"): needs("worker"),
+    ("POST", f"{V}/trials/{{trial_id}}/report"): needs("worker"),
+    ("POST", f"{V}/trials/{{trial_id}}/complete"): needs("worker"),
+    ("POST", f"{V}/trials/{{trial_id}}/fail"): needs("worker"),
+    ("POST", f"{V}/trials/{{trial_id}}/handback"): needs("worker"),
+    ("GET", f"{V}/workers"): needs("read", studies="none"),
+    # the dashboard's data
+    ("GET", f"{V}/dashboard/studies"): needs("read", studies="many"),
+    ("GET", f"{V}/dashboard/studies/{{name}}"): needs("read"),
+    ("GET", f"{V}/dashboard/studies/{{name}}/history"): needs("read"),
+    ("GET", f"{V}/dashboard/studies/{{name}}/memory"): needs("read"),
+    ("GET", f"{V}/dashboard/studies/{{name}}/calibration"): needs("read"),
+    ("GET", f"{V}/dashboard/studies/{{name}}/regions"): needs("read"),
+    ("GET", f"{V}/dashboard/studies/{{name}}/importances"): needs("read"),
+    ("GET", f"{V}/dashboard/studies/{{name}}/trials"): needs("read"),
+    ("GET", f"{V}/dashboard/studies/{{name}}/trials/{{number}}"): needs("read"),
+    ("GET", f"{V}/dashboard/fleet"): needs("read", studies="none"),
 }
 
 

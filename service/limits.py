@@ -1,6 +1,12 @@
-"""Request size limit: bodies over Settings.max_request_bytes get a 413 before the app runs."""
+"""Request limits: bodies over Settings.max_request_bytes get a 413 before the app runs, and
+JSON bodies holding NaN or an infinity (which Python's parser accepts) a 422 naming the field.
+"""
 
 from __future__ import annotations
+
+import json
+import math
+from typing import Any
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -14,7 +20,9 @@ class BodySizeLimit:
     """ASGI middleware: read the body up to ``max_bytes``, refuse it whole if it is larger.
 
     The body is buffered before the app sees any of it, so a refused request never reaches a
-    route and writes nothing; a declared Content-Length over the limit is refused unread.
+    route and writes nothing; a declared Content-Length over the limit is refused unread. A
+    JSON body with a non-finite number is refused too: every wire float is finite, and a
+    validation error echoing NaN back could not even be encoded as JSON.
     """
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
@@ -37,6 +45,10 @@ class BodySizeLimit:
             detail = f"body: larger than the limit of {self.max_bytes} bytes"
             await _answer(413, detail, scope, receive, send)
             return
+        where = non_finite_number(body)
+        if where is not None:
+            await _refuse_non_finite(where, scope, receive, send)
+            return
         await self.app(scope, _replay(body, receive), send)
 
     async def _read(self, receive: Receive) -> bytes:
@@ -53,6 +65,55 @@ class BodySizeLimit:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+
+_NON_FINITE = object()  # stands for a NaN or infinite number while a body is scanned
+
+
+def _finite_or_marker(text: str) -> Any:
+    value = float(text)
+    return value if math.isfinite(value) else _NON_FINITE  # 1e999 overflows to inf
+
+
+def non_finite_number(body: bytes) -> list[str | int] | None:
+    """The path of the first NaN or infinite number in a JSON body; None if none (or not JSON)."""
+    if not body:
+        return None
+    try:
+        document = json.loads(
+            body, parse_constant=lambda _name: _NON_FINITE, parse_float=_finite_or_marker
+        )
+        return _path_to_marker(document)
+    except (ValueError, RecursionError):  # not JSON (or absurdly deep): the app answers it
+        return None
+
+
+def _path_to_marker(value: Any) -> list[str | int] | None:
+    if value is _NON_FINITE:
+        return []
+    items: list[tuple[str | int, Any]] = []
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, list):
+        items = list(enumerate(value))
+    for key, item in items:
+        found = _path_to_marker(item)
+        if found is not None:
+            return [key, *found]
+    return None
+
+
+async def _refuse_non_finite(
+    where: list[str | int], scope: Scope, receive: Receive, send: Send
+) -> None:
+    """A 422 in FastAPI's own error shape, the field named by its location."""
+    error = {
+        "type": "finite_number",
+        "loc": ["body", *where],
+        "msg": "Input should be a finite number (JSON has no NaN or Infinity)",
+        "input": None,
+    }
+    await JSONResponse({"detail": [error]}, status_code=422)(scope, receive, send)
 
 
 def _content_length(scope: Scope) -> int | None:

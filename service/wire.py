@@ -7,6 +7,7 @@ the JSON names. Byte counts are plain integers; every float is finite.
 
 from __future__ import annotations
 
+import math
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -32,6 +33,13 @@ ParamValue = str | int | float | bool | None
 
 MAX_PARAMS = 64
 MAX_CHOICES = 256
+MAX_FLOAT_STEPS = 10**15  # grid points of a stepped float (Optuna's Decimal checks fail beyond)
+Key = Annotated[str, Field(min_length=1, max_length=128)]
+# A fixed setting or a sampler/pruner argument: a JSON scalar, finite, bounded in length.
+ConfigValue = Annotated[
+    Annotated[str, Field(max_length=4096)] | int | Finite | bool | None,
+    Field(union_mode="left_to_right"),
+]
 
 
 class Wire(BaseModel):
@@ -55,6 +63,8 @@ class FloatParam(Wire):
     @model_validator(mode="after")
     def _check_bounds(self) -> FloatParam:
         _check_range(self.low, self.high, self.log, self.step)
+        if self.step is not None and (self.high - self.low) / self.step > MAX_FLOAT_STEPS:
+            raise ValueError(f"at most {MAX_FLOAT_STEPS} steps between low and high")
         return self
 
 
@@ -85,8 +95,8 @@ class CategoricalParam(Wire):
     @classmethod
     def _check_choices(cls, choices: list[ParamValue]) -> list[ParamValue]:
         for choice in choices:
-            if isinstance(choice, float) and choice != choice:
-                raise ValueError("choices must not contain NaN")
+            if isinstance(choice, float) and not math.isfinite(choice):
+                raise ValueError("choices must be finite (no NaN or infinity)")
             if isinstance(choice, str) and len(choice) > 256:
                 raise ValueError("a choice is at most 256 characters")
         return choices
@@ -95,6 +105,8 @@ class CategoricalParam(Wire):
 def _check_range(low: float, high: float, log: bool, step: float | None) -> None:
     if low > high:
         raise ValueError(f"low ({low}) must not exceed high ({high})")
+    if not math.isfinite(high - low):
+        raise ValueError("high - low must be a finite number")
     if log and low <= 0:
         raise ValueError(f"a log-scale parameter needs low > 0 (got {low})")
     if log and step is not None:
@@ -136,7 +148,7 @@ class SamplerSpec(Wire):
     """An Optuna sampler by name with its keyword arguments."""
 
     name: Literal["tpe", "random", "nsga2", "cmaes", "gp", "qmc", "grid"] = "tpe"
-    args: dict[str, Any] = Field(default_factory=dict)
+    args: dict[Key, ConfigValue] = Field(default_factory=dict, max_length=32)
 
 
 class PrunerSpec(Wire):
@@ -145,7 +157,8 @@ class PrunerSpec(Wire):
     name: Literal[
         "none", "median", "percentile", "hyperband", "successive_halving", "threshold", "patient"
     ] = "median"
-    args: dict[str, Any] = Field(default_factory=dict)
+    # a dict only for patient's wrapped_pruner ({name, args}), which the server validates
+    args: dict[Key, ConfigValue | dict[str, Any]] = Field(default_factory=dict, max_length=32)
 
 
 class TrainBudget(Wire):
@@ -172,7 +185,7 @@ class StudyCreate(Wire):
     minimize_peak_memory: bool = Field(
         False, description="Add the measured peak memory as an extra objective (minimized)."
     )
-    task_config: dict[str, ParamValue] = Field(
+    task_config: dict[Key, ConfigValue] = Field(
         default_factory=dict, max_length=64, description="Fixed task settings, not tuned."
     )
     sampler: SamplerSpec = Field(default_factory=SamplerSpec)
