@@ -135,8 +135,8 @@ def report(call: TrialCall, trial_id: int, body: ReportRequest) -> ReportReply:
         return ReportReply(prune=False)
     # Told now, so a worker that ignores the answer cannot keep the trial; its fail(pruned)
     # replays this answer and its heartbeat carries the stop order.
-    study.tell(trial, state=TrialState.PRUNED, skip_if_finished=True)
     write_attrs(call.storage, trial_id, {"outcome": "pruned"})
+    study.tell(trial, state=TrialState.PRUNED, skip_if_finished=True)
     ack = _ack(fenced, "pruned", f"pruned at step {body.step} by the study's pruner")
     _finish(call, fenced, ack, "fail", "pruned", stop="pruned")
     return ReportReply(prune=True)

@@ -1,0 +1,518 @@
+"""The worker protocol against a real server, on SQLite and PostgreSQL, with simulated workers.
+
+Workers here are plain HTTP clients (``SimWorker``), so every call and every answer is under
+the test's control. One server per database backend serves the whole module; each test gets
+its own study and task name, and workers advertise only that task, so tests cannot see each
+other's trials. Lease expiry is driven by ``reap_once(state, now)`` with a ``now`` in the
+future, from the test process on the server's database: no test waits for a clock, except the
+one that checks the server's own reaper loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import httpx
+import optuna
+import pytest
+from optuna.trial import FrozenTrial, TrialState
+from sqlalchemy import func, select
+
+from service.app import build_state
+from service.reaper import reap_once
+from service.settings import Settings
+from service.state import AppState
+from service.studies import utcnow
+from service.tables import MemoryObservationRow
+from service.testing import (
+    ServerFactory,
+    fresh_postgres_database,
+    server_factory,
+    sqlite_url,
+    upgrade_database,
+)
+
+GIB = 2**30
+PLAN = {"micro_batch": None, "accumulation": 1, "checkpointing": False, "bf16": False}
+HALVED = {"micro_batch": 8, "accumulation": 2, "checkpointing": False, "bf16": False}
+TTL_S = 30.0  # the shared server's lease TTL: only reap_once(now + LATER) expires leases
+LATER = timedelta(seconds=TTL_S + 5)
+_JSON = {"Content-Type": "application/json"}
+_names = itertools.count()
+
+
+class SimWorker:
+    """A worker as the server sees it: registration, heartbeats and trial calls over HTTP."""
+
+    def __init__(
+        self,
+        http: httpx.Client,
+        name: str,
+        task: str,
+        total_bytes: int = 8 * GIB,
+        model: str = "Sim 8G",
+    ) -> None:
+        self.http = http
+        self.total_bytes = total_bytes
+        card = {"model": model, "total_bytes": total_bytes, "free_bytes": total_bytes}
+        body = {"name": name, "device": "cpu", "card": card, "tasks": [task]}
+        response = http.post("/workers", json=body)
+        assert response.status_code == 201, response.text
+        self.id: int = response.json()["worker_id"]
+
+    def next(self) -> dict[str, Any] | None:
+        """An assignment, or None on 204."""
+        response = self.http.post(f"/workers/{self.id}/next", json={"free_bytes": self.total_bytes})
+        assert response.status_code in (200, 204), response.text
+        return None if response.status_code == 204 else response.json()
+
+    def heartbeat(self) -> list[dict[str, Any]]:
+        """The stop orders of one heartbeat."""
+        response = self.http.post(f"/workers/{self.id}/heartbeat", json={})
+        assert response.status_code == 200, response.text
+        return list(response.json()["stop"])
+
+    def call(self, assignment: dict[str, Any], verb: str, **body: Any) -> httpx.Response:
+        """A trial call under the assignment's lease."""
+        url = f"/trials/{assignment['trial_id']}/{verb}"
+        return self.http.post(url, json={"lease": assignment["lease"], **body})
+
+    def complete(
+        self, assignment: dict[str, Any], *values: float, peak: int = GIB
+    ) -> httpx.Response:
+        """Complete with values and a measured peak."""
+        return self.call(
+            assignment,
+            "complete",
+            values=list(values),
+            plan=PLAN,
+            prediction=_prediction(peak),
+            measured={"peak_allocated_bytes": peak, "peak_reserved_bytes": peak},
+            duration_s=1.5,
+        )
+
+    def out(self) -> dict[str, Any]:
+        """This worker as GET /workers lists it."""
+        workers = self.http.get("/workers").json()["workers"]
+        return next(w for w in workers if w["id"] == self.id)
+
+
+def _prediction(peak: int) -> dict[str, Any]:
+    return {"peak_allocated_bytes": peak, "peak_reserved_bytes": peak}
+
+
+@dataclass
+class Env:
+    """One test's view of the shared server: its own study and task names."""
+
+    http: httpx.Client
+    url: str
+    state: AppState
+    study: str
+    task: str
+
+    def worker(self, name: str, total_bytes: int = 8 * GIB, model: str = "Sim 8G") -> SimWorker:
+        """A worker that runs this test's task only."""
+        return SimWorker(self.http, name, self.task, total_bytes, model)
+
+    def create_study(self, **extra: Any) -> None:
+        """This test's study: a quadratic on one float, random sampler, no pruner."""
+        body = {
+            "name": self.study,
+            "task": self.task,
+            "search_space": {"x": {"type": "float", "low": -3.0, "high": 3.0}},
+            "sampler": {"name": "random", "args": {"seed": 7}},
+            "pruner": {"name": "none"},
+            "n_trials": 1,
+            **extra,
+        }
+        response = self.http.post("/studies", json=body)
+        assert response.status_code == 201, response.text
+
+    def trials(self) -> list[FrozenTrial]:
+        """The study's trials as Optuna itself loads them."""
+        return optuna.load_study(study_name=self.study, storage=self.url).get_trials()
+
+    def page(self) -> dict[int, dict[str, Any]]:
+        """The study's trials as GET /studies/{name}/trials shows them, by trial id."""
+        trials = self.http.get(f"/studies/{self.study}/trials").json()["trials"]
+        return {t["id"]: t for t in trials}
+
+    def observations(self) -> int:
+        """Memory observations stored for this study's trials."""
+        ids = [t._trial_id for t in self.trials()]
+        query = select(func.count()).select_from(MemoryObservationRow)
+        with self.state.sessions() as session:
+            return int(session.scalar(query.where(MemoryObservationRow.trial_id.in_(ids))) or 0)
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def shared_url(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """One migrated database per backend for the whole module."""
+    if request.param == "sqlite":
+        yield upgrade_database(sqlite_url(tmp_path_factory.mktemp("fleet-db")))
+        return
+    with fresh_postgres_database() as url:
+        yield upgrade_database(url)
+
+
+@pytest.fixture(scope="module")
+def shared_server(shared_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One server on it, with long leases and a reaper that never runs on its own in time."""
+    with server_factory(tmp_path_factory.mktemp("fleet-logs")) as start:
+        yield start(shared_url, lease_ttl_s=TTL_S, reaper_interval_s=3600).url
+
+
+@pytest.fixture(scope="module")
+def shared_state(shared_url: str) -> Iterator[AppState]:
+    """The server's database as the test process sees it, for reap_once and direct reads."""
+    app_state = build_state(Settings(database_url=shared_url, lease_ttl_s=TTL_S))
+    yield app_state
+    app_state.engine.dispose()
+
+
+@pytest.fixture
+def env(shared_server: str, shared_url: str, shared_state: AppState) -> Iterator[Env]:
+    """This test's study and task names on the shared server."""
+    n = next(_names)
+    with httpx.Client(base_url=f"{shared_server}/api/v1", timeout=60) as http:
+        yield Env(http, shared_url, shared_state, f"study-{n}", f"task-{n}")
+
+
+# ---------------------------------------------------------------- the happy path
+
+
+def test_protocol_runs_a_study_to_its_budget(env: Env) -> None:
+    env.create_study(n_trials=3)
+    worker = env.worker("w1")
+    seen = []
+    while (assignment := worker.next()) is not None:
+        assert assignment["n_objectives"] == 1 and assignment["attempt"] == 0
+        assert assignment["study"] == env.study and assignment["task"] == env.task
+        started = worker.call(assignment, "start", plan=PLAN, prediction=_prediction(GIB))
+        assert started.json()["resolution"] == "started"
+        reply = worker.call(assignment, "report", step=1, value=9.0)
+        assert reply.json() == {"prune": False}
+        assert worker.heartbeat() == []
+        x = assignment["params"]["x"]
+        done = worker.complete(assignment, x * x)
+        assert done.status_code == 200 and done.json()["resolution"] == "complete"
+        seen.append((assignment["number"], x))
+    assert [number for number, _ in seen] == [0, 1, 2]
+    trials = env.trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
+    assert [t.value for t in trials] == [x * x for _, x in seen]
+    assert [t.params["x"] for t in trials] == [x for _, x in seen]
+    assert trials[0].user_attrs["vramtune.plan"] == {**PLAN, "reason": ""}
+    assert trials[0].user_attrs["vramtune.measured_peak_bytes"] == GIB
+    assert trials[0].intermediate_values == {1: 9.0}
+    listed = worker.out()
+    assert (listed["state"], listed["trials_done"], listed["current_trials"]) == ("live", 3, [])
+    assert {t["outcome"] for t in env.page().values()} == {"as_asked"}
+    assert env.observations() == 3
+
+
+def test_complete_twice_is_one_tell_and_the_same_answer(env: Env) -> None:
+    env.create_study(n_trials=2)
+    worker = env.worker("w1")
+    first, second = worker.next(), worker.next()
+    assert first is not None and second is not None
+    assert worker.out()["current_trials"] == [first["trial_id"], second["trial_id"]]
+    answers = [worker.complete(first, 1.25) for _ in range(2)]
+    assert [a.status_code for a in answers] == [200, 200]
+    assert answers[0].json() == answers[1].json()
+    told = env.trials()[0]
+    assert told.state == TrialState.COMPLETE and told.value == 1.25
+    assert env.observations() == 1
+    assert worker.out()["trials_done"] == 1
+    # the same lease for another call, or another trial's lease: refused, nothing changes
+    assert worker.call(first, "fail", kind="error", message="late").status_code == 409
+    assert worker.call(first, "report", step=2, value=1.0).status_code == 409
+    foreign = {**second, "trial_id": first["trial_id"]}
+    assert worker.complete(foreign, 3.0).status_code == 409
+    assert env.trials()[0].value == 1.25
+    assert worker.complete(second, 0.5).status_code == 200
+
+
+def test_wrong_objective_count_is_422_and_the_trial_lives_on(env: Env) -> None:
+    env.create_study()
+    worker = env.worker("w1")
+    assignment = worker.next()
+    assert assignment is not None
+    wrong = worker.complete(assignment, 1.0, 2.0)
+    assert wrong.status_code == 422
+    assert wrong.json()["detail"][0]["loc"] == ["body", "values"]
+    assert env.trials()[0].state == TrialState.RUNNING
+    assert worker.complete(assignment, 1.0).status_code == 200
+    assert env.trials()[0].state == TrialState.COMPLETE
+
+
+def test_bad_input_gets_a_4xx_naming_the_field(env: Env) -> None:
+    env.create_study()
+    http, worker = env.http, env.worker("w1")
+    assignment = worker.next()
+    assert assignment is not None
+    assert http.post(f"/workers/{10**9}/heartbeat", json={}).status_code == 404
+    assert http.post(f"/workers/{10**9}/next", json={"free_bytes": 1}).status_code == 404
+    assert http.post(f"/workers/{2**70}/next", json={"free_bytes": 1}).status_code == 422
+    negative = http.post(f"/workers/{worker.id}/next", json={"free_bytes": -1})
+    assert negative.status_code == 422 and negative.json()["detail"][0]["loc"][-1] == "free_bytes"
+    absurd = {"model": "x", "total_bytes": 10**19, "free_bytes": 0}
+    body: dict[str, Any] = {"name": "w2", "device": "cpu", "card": absurd, "tasks": [env.task]}
+    assert http.post("/workers", json=body).status_code == 422
+    url = f"/trials/{assignment['trial_id']}"
+    for raw in ("NaN", "Infinity", "-Infinity"):
+        content = f'{{"lease": "{assignment["lease"]}", "step": 1, "value": {raw}}}'
+        response = http.post(f"{url}/report", content=content, headers=_JSON)
+        assert response.status_code == 422, response.text
+        assert response.json()["detail"][0]["loc"] == ["body", "value"]
+    body = {"lease": assignment["lease"], "values": ["NAN"], "plan": PLAN, "duration_s": 1}
+    body["measured"] = {"peak_allocated_bytes": GIB}
+    content = json.dumps(body).replace('"NAN"', "NaN")
+    complete_nan = http.post(f"{url}/complete", content=content, headers=_JSON)
+    assert complete_nan.status_code == 422
+    assert complete_nan.json()["detail"][0]["loc"] == ["body", "values", 0]
+    unknown_trial = {**assignment, "trial_id": 10**9}
+    assert worker.call(unknown_trial, "report", step=1, value=1.0).status_code == 404
+    unknown_lease = {**assignment, "lease": "x" * 20}
+    assert worker.call(unknown_lease, "report", step=1, value=1.0).status_code == 409
+    assert env.trials()[0].state == TrialState.RUNNING  # nothing was lost
+    assert worker.complete(assignment, 0.5).status_code == 200
+
+
+def test_pruned_at_report_is_told_once_and_ordered_stopped(env: Env) -> None:
+    env.create_study(pruner={"name": "threshold", "args": {"upper": 1.0}})
+    worker = env.worker("w1")
+    assignment = worker.next()
+    assert assignment is not None
+    assert worker.call(assignment, "report", step=1, value=0.5).json() == {"prune": False}
+    assert worker.call(assignment, "report", step=2, value=5.0).json() == {"prune": True}
+    assert env.trials()[0].state == TrialState.PRUNED
+    assert worker.heartbeat() == [{"trial_id": assignment["trial_id"], "reason": "pruned"}]
+    assert worker.heartbeat() == []
+    acked = worker.call(assignment, "fail", kind="pruned", message="stopped")
+    assert acked.status_code == 200 and acked.json()["resolution"] == "pruned"
+    assert worker.complete(assignment, 0.1).status_code == 409
+    assert env.trials()[0].state == TrialState.PRUNED
+
+
+def test_memory_objective_gets_the_measured_peak(env: Env) -> None:
+    env.create_study(n_trials=2, minimize_peak_memory=True, pruner={"name": "median"})
+    worker = env.worker("w1")
+    first, second = worker.next(), worker.next()
+    assert first is not None and second is not None
+    assert first["n_objectives"] == 2 and first["minimize_peak_memory"] is True
+    assert worker.call(first, "report", step=1, value=1.0).json() == {"prune": False}
+    assert worker.complete(first, 0.5, peak=3 * GIB).status_code == 200  # the server appends
+    assert worker.complete(second, 0.7, 1.0, 2.0).status_code == 422
+    assert worker.complete(second, 0.7, float(GIB)).status_code == 200
+    values = [t.values for t in env.trials()]
+    assert values == [[0.5, float(3 * GIB)], [0.7, float(GIB)]]
+
+
+# ---------------------------------------------------------------- leases and the reaper
+
+
+def test_lost_lease_reoffers_the_trial_and_refuses_the_late_complete(env: Env) -> None:
+    env.create_study()
+    slow, other = env.worker("slow"), env.worker("other")
+    lost = slow.next()
+    assert lost is not None and other.next() is None  # n_trials = 1: nothing else to do
+    assert reap_once(env.state, utcnow() + LATER).reoffered >= 1
+    again = other.next()
+    assert again is not None
+    same = ("trial_id", "number", "params")
+    assert [again[k] for k in same] == [lost[k] for k in same]
+    assert again["attempt"] == 1 and again["lease"] != lost["lease"]
+    assert slow.heartbeat() == [{"trial_id": lost["trial_id"], "reason": "lease_lost"}]
+    late = slow.complete(lost, 99.0)
+    assert late.status_code == 409 and "lost" in late.json()["detail"]
+    assert other.complete(again, 1.0).status_code == 200
+    assert [(t.state, t.value) for t in env.trials()] == [(TrialState.COMPLETE, 1.0)]
+    assert env.observations() == 1
+    assert env.page()[lost["trial_id"]]["attempt"] == 1
+
+
+def test_trial_fails_after_max_attempts(env: Env) -> None:
+    env.create_study(max_attempts=2)
+    worker = env.worker("w1")
+    now = utcnow()
+    assert worker.next() is not None
+    reap_once(env.state, now + LATER)
+    retried = worker.next()
+    assert retried is not None and retried["attempt"] == 1
+    assert reap_once(env.state, now + 3 * LATER).failed >= 1
+    trial = env.trials()[0]
+    assert trial.state == TrialState.FAIL
+    assert "lease lost 2 times" in trial.user_attrs["vramtune.fail_reason"]
+    assert worker.next() is None
+    assert worker.complete(retried, 1.0).status_code == 409
+
+
+def test_stopped_worker_leaves_its_trial_to_the_next(env: Env) -> None:
+    env.create_study()
+    leaving, staying = env.worker("leaving"), env.worker("staying")
+    held = leaving.next()
+    assert held is not None
+    assert env.http.post(f"/workers/{leaving.id}/stop").status_code == 204
+    assert env.http.post(f"/workers/{leaving.id}/heartbeat", json={}).status_code == 409
+    assert env.http.post(f"/workers/{leaving.id}/next", json={"free_bytes": 1}).status_code == 409
+    taken = staying.next()
+    assert taken is not None and taken["trial_id"] == held["trial_id"]
+    assert taken["attempt"] == 0  # leaving is not failing
+    assert (leaving.out()["state"], staying.out()["state"]) == ("stopped", "live")
+    assert leaving.complete(held, 5.0).status_code == 409
+    assert staying.complete(taken, 5.0).status_code == 200
+
+
+def test_paused_study_orders_its_trials_stopped(env: Env) -> None:
+    env.create_study()
+    worker = env.worker("w1")
+    held = worker.next()
+    assert held is not None
+    assert env.http.post(f"/studies/{env.study}/pause").status_code == 200
+    assert worker.heartbeat() == [{"trial_id": held["trial_id"], "reason": "paused"}]
+    acked = worker.call(held, "fail", kind="interrupted", message="paused")
+    assert acked.json()["resolution"] == "retry"
+    assert worker.next() is None
+    assert env.http.post(f"/studies/{env.study}/resume").status_code == 200
+    again = worker.next()
+    assert again is not None and again["trial_id"] == held["trial_id"]
+    assert worker.complete(again, 1.0).status_code == 200
+
+
+def test_the_servers_own_reaper_reoffers_an_abandoned_trial(
+    migrated_url: str, start_server: ServerFactory
+) -> None:
+    server = start_server(migrated_url, lease_ttl_s=1, reaper_interval_s=0.1)
+    with httpx.Client(base_url=f"{server.url}/api/v1", timeout=60) as http:
+        state = build_state(Settings(database_url=migrated_url))
+        env = Env(http, migrated_url, state, "abandoned", "quadratic")
+        env.create_study(max_attempts=20)
+        abandoned = env.worker("dies").next()
+        assert abandoned is not None
+        rescuer = env.worker("rescuer")
+        deadline = time.monotonic() + 60  # a limit on waiting, not a timing assertion
+        completed = None
+        while completed is None and time.monotonic() < deadline:
+            again = rescuer.next()
+            # On a loaded machine the rescuer's own 1 s lease may expire too: then it tries again.
+            if again is not None and rescuer.complete(again, 2.0).status_code == 200:
+                completed = again
+            time.sleep(0.05)
+        assert completed is not None and completed["trial_id"] == abandoned["trial_id"]
+        assert completed["attempt"] >= 1
+        assert [t.state for t in env.trials()] == [TrialState.COMPLETE]
+        state.engine.dispose()
+
+
+# ---------------------------------------------------------------- routing
+
+
+def test_handed_back_trial_waits_for_a_larger_card(env: Env) -> None:
+    env.create_study(n_trials=2)
+    small = env.worker("small", 4 * GIB, "Sim 4G")
+    large = env.worker("large", 16 * GIB, "Sim 16G")
+    held = small.next()
+    assert held is not None
+    back = small.call(held, "handback", min_footprint_bytes=6 * GIB, plan=HALVED, reason="big")
+    assert back.json()["resolution"] == "waiting"
+    other = small.next()  # the waiting trial is not for this card: a new one is asked
+    assert other is not None and other["trial_id"] != held["trial_id"]
+    routed = large.next()  # the waiting trial comes first for a card that holds it
+    assert routed is not None and routed["trial_id"] == held["trial_id"]
+    assert routed["params"] == held["params"] and routed["attempt"] == 0
+    assert large.complete(routed, 0.25, peak=6 * GIB).status_code == 200
+    assert small.complete(other, 0.5).status_code == 200
+    shown = env.page()[held["trial_id"]]
+    assert (shown["outcome"], shown["worker"]) == ("routed", "large")
+    told = env.trials()[held["number"]]
+    assert told.state == TrialState.COMPLETE and told.constraints["memory"] <= 0
+    assert told.user_attrs["vramtune.handback"]["min_footprint_bytes"] == 6 * GIB
+
+
+def test_trial_no_card_can_hold_is_infeasible_with_its_constraint(env: Env) -> None:
+    env.create_study(n_trials=2)
+    small = env.worker("small", 4 * GIB, "Sim 4G")
+    fits, too_big = small.next(), small.next()
+    assert fits is not None and too_big is not None
+    assert small.complete(fits, 2.0, peak=GIB).status_code == 200
+    back = small.call(too_big, "handback", min_footprint_bytes=6 * GIB, reason="too big")
+    assert back.json()["resolution"] == "infeasible"
+    feasible, infeasible = env.trials()
+    assert infeasible.state == TrialState.COMPLETE
+    assert infeasible.system_attrs["constraints:memory"] == pytest.approx(0.5)  # 6 GiB on 4
+    assert infeasible.system_attrs["constraints"] == [pytest.approx(0.5)]
+    assert infeasible.user_attrs["vramtune.placeholder_values"] is True
+    assert infeasible.value == 2.0  # the worst feasible value: a placeholder
+    assert feasible.system_attrs["constraints:memory"] == pytest.approx(-0.75)
+    study = optuna.load_study(study_name=env.study, storage=env.url)
+    assert study.best_trial.number == feasible.number  # Optuna skips the infeasible one
+    assert env.page()[too_big["trial_id"]]["outcome"] == "infeasible"
+    assert small.complete(too_big, 1.0).status_code == 409
+
+
+def test_waiting_trial_is_infeasible_once_the_larger_card_leaves(env: Env) -> None:
+    env.create_study()
+    small = env.worker("small", 4 * GIB, "Sim 4G")
+    large = env.worker("large", 16 * GIB, "Sim 16G")
+    held = small.next()
+    assert held is not None
+    back = small.call(held, "handback", min_footprint_bytes=6 * GIB)
+    assert back.json()["resolution"] == "waiting"
+    reap_once(env.state)
+    assert env.trials()[0].state == TrialState.RUNNING  # the large card is live: it waits
+    assert env.http.post(f"/workers/{large.id}/stop").status_code == 204
+    reap_once(env.state)
+    trial = env.trials()[0]
+    assert trial.state == TrialState.COMPLETE and trial.constraints["memory"] > 0
+
+
+def test_oom_retries_once_with_the_plans_tried_then_fails(env: Env) -> None:
+    env.create_study()
+    first = env.worker("a", 8 * GIB, "Sim 8G")
+    other_model = env.worker("b", 8 * GIB, "Other 8G")
+    held = first.next()
+    assert held is not None
+    measured = {"peak_allocated_bytes": 8 * GIB}
+    oom = first.call(held, "fail", kind="oom", message="OOM", plan=PLAN, measured=measured)
+    assert oom.json()["resolution"] == "retry"
+    elsewhere = other_model.next()
+    assert elsewhere is not None and elsewhere["plans_tried"] == []  # another card model
+    assert other_model.call(elsewhere, "fail", kind="interrupted").json()["resolution"] == "retry"
+    again = first.next()
+    assert again is not None and again["trial_id"] == held["trial_id"]
+    assert again["attempt"] == 1
+    assert again["plans_tried"] == [{**PLAN, "reason": ""}]
+    last = first.call(
+        again, "fail", kind="oom", message="OOM again", plan=HALVED, measured=measured
+    )
+    assert last.json()["resolution"] == "failed"
+    trial = env.trials()[0]
+    assert trial.state == TrialState.FAIL
+    assert "out of memory 2 times" in trial.user_attrs["vramtune.fail_reason"]
+    assert env.observations() == 2
+    assert env.page()[held["trial_id"]]["outcome"] == "oom"
+    assert first.next() is None
+
+
+def test_error_fails_the_trial_with_its_reason(env: Env) -> None:
+    env.create_study()
+    worker = env.worker("w1")
+    held = worker.next()
+    assert held is not None
+    failed = worker.call(held, "fail", kind="error", message="d_model % heads != 0")
+    assert failed.json()["resolution"] == "failed"
+    again = worker.call(held, "fail", kind="error", message="d_model % heads != 0")
+    assert again.json() == failed.json()  # a repeated fail is replayed, not told twice
+    trial = env.trials()[0]
+    assert trial.state == TrialState.FAIL
+    assert trial.user_attrs["vramtune.fail_reason"] == "d_model % heads != 0"
