@@ -8,10 +8,17 @@ the JSON names. Byte counts are plain integers; every float is finite.
 from __future__ import annotations
 
 import math
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 API_PREFIX = "/api/v1"
 
@@ -30,6 +37,15 @@ Name = Annotated[
 ShortText = Annotated[str, Field(max_length=4096)]
 Direction = Literal["minimize", "maximize"]
 ParamValue = str | int | float | bool | None
+
+
+
+def _as_utc(value: datetime) -> datetime:
+    """Naive datetimes are UTC (as the database keeps them): say so, as RFC 3339 requires."""
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+UtcDatetime = Annotated[datetime, AfterValidator(_as_utc)]
 
 MAX_PARAMS = 64
 MAX_CHOICES = 256
@@ -222,7 +238,7 @@ class StudySummary(Wire):
     n_trials: int
     counts: dict[str, int] = Field(description="Trials by Optuna TrialState name.")
     best_value: float | None = None
-    created_at: datetime
+    created_at: UtcDatetime
     spec: StudyCreate
 
 
@@ -251,8 +267,8 @@ class TrialOut(Wire):
     values: list[float] | None = None
     params: dict[str, ParamValue]
     intermediate: dict[int, float] = Field(default_factory=dict)
-    datetime_start: datetime | None = None
-    datetime_complete: datetime | None = None
+    datetime_start: UtcDatetime | None = None
+    datetime_complete: UtcDatetime | None = None
     duration_s: float | None = None
     attempt: int = 0
     plan: PlanOut | None = None
@@ -359,7 +375,7 @@ class Assignment(Wire):
     number: int
     attempt: int
     lease: str = Field(description="Fencing token: present it on every call for this trial.")
-    lease_expires_at: datetime
+    lease_expires_at: UtcDatetime
     study: str
     task: str
     params: dict[str, ParamValue]
@@ -483,7 +499,7 @@ class WorkerOut(Wire):
     card: CardInfo
     tasks: list[str]
     state: Literal["live", "stale", "stopped"]
-    last_heartbeat: datetime
+    last_heartbeat: UtcDatetime
     current_trials: list[int]
     trials_done: int
 
@@ -535,9 +551,9 @@ class TokenOut(Wire):
     name: str
     scopes: list[TokenScope]
     studies: list[str] | None
-    created_at: datetime
-    revoked_at: datetime | None = None
-    last_used_at: datetime | None = None
+    created_at: UtcDatetime
+    revoked_at: UtcDatetime | None = None
+    last_used_at: UtcDatetime | None = None
 
 
 class TokenCreated(TokenOut):
