@@ -237,8 +237,10 @@ class _Loop:
         return self.result(value, batch_size)
 
     def budget_spent(self) -> bool:
-        """Whether the step or time budget is used up."""
+        """Whether the step or time budget is used up (never before the first step)."""
         max_steps, max_seconds = self.budget.max_steps, self.budget.max_seconds
+        if self.steps == 0:
+            return False
         if max_steps is not None and self.steps >= max_steps:
             return True
         return max_seconds is not None and time.monotonic() - self.started >= max_seconds
