@@ -14,6 +14,7 @@ from service.auth_guard import install_auth
 from service.db import make_engine, make_sessions, require_migrated
 from service.errors import install_error_handlers
 from service.limits import BodySizeLimit
+from service.metrics import install_metrics
 from service.optuna_glue import dispose_storage, make_storage
 from service.routes import health, studies, trials, workers
 from service.settings import Settings
@@ -61,6 +62,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="vramtune", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     install_error_handlers(app)
+    install_metrics(app)  # innermost middleware: times what the routes answer
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
     install_auth(app, settings)  # after BodySizeLimit: the guard is outermost
     for module in (health, studies, workers, trials):
