@@ -140,11 +140,12 @@ POLICY: dict[tuple[str, str], Rule] = {
     ("POST", f"{V}/studies/{{name}}/pause"): needs("submit"),
     ("POST", f"{V}/studies/{{name}}/resume"): needs("submit"),
     ("DELETE", f"{V}/studies/{{name}}"): needs("admin"),
-    # the worker protocol; `next` offers a study-limited worker only its studies (the route
-    # filters by Principal.allows_study), a trial call is checked against the trial's study
+    # the worker protocol; a trial call is checked against the trial's study. `next` chooses
+    # among studies itself: refused to study-limited tokens (fail closed) until the route
+    # offers only studies for which request.state.principal.allows_study; then make it "none".
     ("POST", f"{V}/workers"): needs("worker", studies="none"),
     ("POST", f"{V}/workers/{{worker_id}}/heartbeat"): needs("worker", studies="none"),
-    ("POST", f"{V}/workers/{{worker_id}}/next"): needs("worker", studies="none"),
+    ("POST", f"{V}/workers/{{worker_id}}/next"): needs("worker", studies="many"),
     ("POST", f"{V}/workers/{{worker_id}}/stop"): needs("worker", studies="none"),
     ("GET", f"{V}/calibration"): needs("worker", "read", studies="none"),
     ("POST", f"{V}/trials/{{trial_id}}/start"): needs("worker"),
@@ -155,15 +156,17 @@ POLICY: dict[tuple[str, str], Rule] = {
     ("GET", f"{V}/workers"): needs("read", studies="none"),
     # the dashboard's data
     ("GET", f"{V}/dashboard/studies"): needs("read", studies="many"),
-    ("GET", f"{V}/dashboard/studies/{{name}}"): needs("read"),
-    ("GET", f"{V}/dashboard/studies/{{name}}/history"): needs("read"),
-    ("GET", f"{V}/dashboard/studies/{{name}}/memory"): needs("read"),
-    ("GET", f"{V}/dashboard/studies/{{name}}/calibration"): needs("read"),
-    ("GET", f"{V}/dashboard/studies/{{name}}/regions"): needs("read"),
-    ("GET", f"{V}/dashboard/studies/{{name}}/importances"): needs("read"),
-    ("GET", f"{V}/dashboard/studies/{{name}}/trials"): needs("read"),
-    ("GET", f"{V}/dashboard/studies/{{name}}/trials/{{number}}"): needs("read"),
+    ("GET", f"{V}/dashboard/studies/{{name:path}}"): needs("read"),
+    ("GET", f"{V}/dashboard/studies/{{name:path}}/history"): needs("read"),
+    ("GET", f"{V}/dashboard/studies/{{name:path}}/memory"): needs("read"),
+    ("GET", f"{V}/dashboard/studies/{{name:path}}/calibration"): needs("read"),
+    ("GET", f"{V}/dashboard/studies/{{name:path}}/regions"): needs("read"),
+    ("GET", f"{V}/dashboard/studies/{{name:path}}/importances"): needs("read"),
+    ("GET", f"{V}/dashboard/studies/{{name:path}}/trials"): needs("read"),
+    ("GET", f"{V}/dashboard/studies/{{name:path}}/trials/{{number}}"): needs("read"),
     ("GET", f"{V}/dashboard/fleet"): needs("read", studies="none"),
+    # Prometheus scrapes with a read token (scrape_config authorization); it spans studies
+    ("GET", "/metrics"): needs("read", studies="many"),
 }
 
 

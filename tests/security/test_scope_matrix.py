@@ -124,3 +124,51 @@ def test_limited_token_cannot_touch_another_study(secured: Secured) -> None:
     assert paused.status_code == 403
     listed = secured.client.get("/api/v1/studies", headers=headers)
     assert listed.status_code == 403, "listing would show other studies"
+
+
+def test_policy_says_what_the_issue_says() -> None:
+    """Tokens are admin's; deletes are admin's; the worker protocol is the workers'."""
+    for method, path in ENDPOINTS:
+        rule = auth.rule_for(method, path)
+        if path.startswith("/api/v1/tokens") or method == "DELETE":
+            assert rule.scopes == {"admin"}, (method, path)
+        if path.startswith("/api/v1/trials/") or (method == "POST" and "/workers" in path):
+            assert rule.scopes == {"worker"}, (method, path)
+        if method != "GET":
+            assert "read" not in rule.scopes and not rule.public, (method, path)
+
+
+def register_worker(secured: Secured, kind: str) -> int:
+    """A simulated-card worker registered with a token of this kind."""
+    card = {"model": "sim", "total_bytes": 2**34, "free_bytes": 2**34, "simulated": True}
+    body = {"name": f"w-{kind}", "device": "cpu", "card": card, "tasks": ["quadratic"]}
+    response = secured.client.post("/api/v1/workers", json=body, headers=secured.headers(kind))
+    assert response.status_code == 201, response.text
+    return int(response.json()["worker_id"])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="fleet: POST /workers/{id}/next must offer only studies for which "
+    "request.state.principal.allows_study (service.auth.Principal); until then POLICY refuses "
+    "it to study-limited tokens (403)",
+)
+def test_limited_worker_is_offered_only_its_studies(secured: Secured) -> None:
+    """With OWN paused, a worker token limited to OWN gets no work although OTHER has some."""
+    admin = secured.headers("admin")
+    secured.ensure_studies()
+    assert secured.client.post(f"/api/v1/studies/{OWN}/pause", headers=admin).status_code == 200
+    try:
+        ask = {"free_bytes": 2**33}
+        limited = register_worker(secured, "limited")
+        offered = secured.client.post(
+            f"/api/v1/workers/{limited}/next", json=ask, headers=secured.headers("limited")
+        )
+        assert offered.status_code == 204, f"offered a trial of {offered.json()['study']}"
+        anyone = register_worker(secured, "worker")
+        other = secured.client.post(
+            f"/api/v1/workers/{anyone}/next", json=ask, headers=secured.headers("worker")
+        )
+        assert other.status_code == 200 and other.json()["study"] == OTHER
+    finally:
+        secured.client.post(f"/api/v1/studies/{OWN}/resume", headers=admin)

@@ -1,0 +1,168 @@
+"""Bad input everywhere: 4xx JSON naming the field, never a 5xx or a trace, nothing half-written."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from security_fixtures import migrated_sqlite, study_spec
+from sqlalchemy import func, select
+
+from service.limits import non_finite_number
+from service.settings import Settings
+from service.tables import StudyRow
+
+HEADERS = {"content-type": "application/json"}
+
+
+def study_count(client: object) -> int:
+    """Rows in vramtune_studies plus studies in Optuna's storage."""
+    state = client.app.state.vt  # type: ignore[attr-defined]
+    with state.sessions() as session:
+        rows = int(session.scalar(select(func.count()).select_from(StudyRow)) or 0)
+    return rows + len(state.storage.get_all_studies())
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """In-process app, auth off, a small body limit (8 KiB)."""
+    from fastapi.testclient import TestClient
+
+    from service.app import create_app
+
+    url = migrated_sqlite(Path(tmp_path_factory.mktemp("bad")))
+    settings = Settings(database_url=url, auth="off", max_request_bytes=8192)
+    with TestClient(create_app(settings)) as test_client:
+        yield test_client
+
+
+def assert_names(response: httpx.Response, status: int, *loc: str | int) -> None:
+    """A JSON error of this status whose detail names the field at loc."""
+    assert response.status_code == status, response.text
+    assert "Traceback" not in response.text
+    detail = response.json()["detail"]
+    if loc:
+        assert [*loc] in [error["loc"][: len(loc)] for error in detail], detail
+
+
+def with_space(**space: object) -> dict[str, object]:
+    """A study spec with this search space."""
+    return {**study_spec("s"), "search_space": space}
+
+
+NON_FINITE_BODIES = [
+    ('{"name":"a","task":"t","search_space":{"x":{"type":"float","low":NaN,"high":1}}}',
+     ("body", "search_space", "x", "low")),
+    ('{"name":"a","task":"t","search_space":{"x":{"type":"categorical","choices":[-Infinity]}}}',
+     ("body", "search_space", "x", "choices", 0)),
+    ('{"name":"a","task":"t","search_space":{"x":{"type":"float","low":0,"high":1e999}}}',
+     ("body", "search_space", "x", "high")),
+    ('{"name":"a","task":"t","task_config":{"lr":NaN},"search_space":{}}',
+     ("body", "task_config", "lr")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("body", "loc"), NON_FINITE_BODIES)
+def test_non_finite_numbers_are_422_naming_the_field(client, body: str, loc: tuple) -> None:
+    """Python's JSON parser takes NaN and 1e999 (inf); the service refuses them, by name."""
+    before = study_count(client)
+    response = client.post("/api/v1/studies", content=body, headers=HEADERS)
+    assert_names(response, 422, *loc)
+    assert study_count(client) == before
+
+
+def test_non_finite_numbers_on_the_worker_protocol(client) -> None:
+    """The same at the worker routes: a NaN metric is a 422, not a 500."""
+    body = '{"lease":"0123456789abcdef","step":1,"value":NaN}'
+    response = client.post("/api/v1/trials/1/report", content=body, headers=HEADERS)
+    assert_names(response, 422, "body", "value")
+
+
+BAD_SPECS = [
+    ({"name": "<script>alert(1)</script>"}, ("body", "name")),
+    ({"name": "x" * 129}, ("body", "name")),
+    ({"task": "../../etc/passwd"}, ("body", "task")),
+    (with_space(**{f"p{i}": {"type": "int", "low": 0, "high": 1} for i in range(65)}),
+     ("body", "search_space")),
+    (with_space(c={"type": "categorical", "choices": list(range(257))}),
+     ("body", "search_space", "c")),
+    (with_space(x={"type": "float", "low": -1e308, "high": 1e308}), ("body", "search_space", "x")),
+    (with_space(x={"type": "float", "low": 0, "high": 1e300, "step": 1e-300}),
+     ("body", "search_space", "x")),
+    (with_space(x={"type": "int", "low": 0, "high": 2**60}), ("body", "search_space", "x")),
+    ({"task_config": {"k": "v" * 5000}}, ("body", "task_config", "k")),
+    ({"task_config": {"k": [1, 2]}}, ("body", "task_config", "k")),
+    ({"sampler": {"name": "tpe", "args": {"seed": {"nested": 1}}}},
+     ("body", "sampler", "args", "seed")),
+    ({"n_trials": 10**7}, ("body", "n_trials")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("overrides", "loc"), BAD_SPECS)
+def test_bad_study_specs_name_the_field_and_write_nothing(client, overrides, loc) -> None:
+    """Names, lengths, search-space sizes and ranges are bounded; a refusal leaves no study."""
+    before = study_count(client)
+    response = client.post("/api/v1/studies", json={**study_spec("s"), **overrides})
+    assert_names(response, 422, *loc)
+    assert study_count(client) == before
+
+
+def test_byte_counts_are_bounded(client) -> None:
+    """Bytes are 0..10**18: a negative or a zettabyte card is refused by field."""
+    card = {"model": "m", "total_bytes": 10**21, "free_bytes": -1}
+    body = {"name": "w", "device": "cpu", "card": card, "tasks": ["quadratic"]}
+    response = client.post("/api/v1/workers", json=body)
+    assert_names(response, 422, "body", "card", "total_bytes")
+    assert_names(response, 422, "body", "card", "free_bytes")
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/api/v1/trials/99999999999999999999999/start", "/api/v1/workers/-1/heartbeat",
+     "/api/v1/tokens/99999999999999999999999"],
+)  # fmt: skip
+def test_out_of_range_ids_are_4xx(client, path: str) -> None:
+    """An id SQLite could not even bind is a 4xx, not an OverflowError."""
+    method = "DELETE" if "tokens" in path else "POST"
+    response = client.request(method, path, json={})
+    assert 400 <= response.status_code < 500, response.text
+
+
+def test_body_over_the_limit_is_413_and_writes_nothing(client) -> None:
+    """Declared or streamed (chunked, no Content-Length), a large body never reaches a route."""
+    before = study_count(client)
+    big = {**study_spec("big"), "task_config": {f"k{i}": "v" * 200 for i in range(60)}}
+    declared = client.post("/api/v1/studies", json=big)
+    assert declared.status_code == 413 and "body" in declared.json()["detail"]
+
+    def chunks() -> Iterator[bytes]:
+        yield b'{"name": "big", "task": "quadratic", "task_config": {"k": "'
+        for _ in range(10):
+            yield b"v" * 1000
+        yield b'"}}'
+
+    streamed = client.post("/api/v1/studies", content=chunks(), headers=HEADERS)
+    assert streamed.status_code == 413, streamed.text
+    assert study_count(client) == before
+    assert client.post("/api/v1/studies", json=study_spec("small")).status_code == 201
+
+
+def test_body_limit_over_a_real_server(tmp_path: Path, start_server) -> None:
+    """Through uvicorn: an oversized body is a JSON 413; a normal one still works."""
+    server = start_server(migrated_sqlite(tmp_path), max_request_bytes=2048)
+    url = f"{server.url}/api/v1/studies"
+    big = {**study_spec("big"), "task_config": {"k": "v" * 3000}}
+    response = httpx.post(url, json=big)
+    assert response.status_code == 413 and response.headers["content-type"] == "application/json"
+    assert httpx.post(url, json=study_spec("ok")).status_code == 201
+    assert [s["name"] for s in httpx.get(url).json()["studies"]] == ["ok"]
+
+
+def test_non_finite_scan_finds_the_path() -> None:
+    """The scanner behind the 422s: paths into objects and lists; non-JSON is left alone."""
+    assert non_finite_number(b'{"a": [1, {"b": NaN}]}') == ["a", 1, "b"]
+    assert non_finite_number(b'{"a": 1e308, "b": "NaN"}') is None
+    assert non_finite_number(b"not json") is None
+    assert non_finite_number(b"[" * 100_000) is None
