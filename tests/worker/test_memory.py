@@ -103,7 +103,7 @@ def test_breakdown_labels_training_state_and_splits_the_rest_by_phase() -> None:
         tracker.watch_optimizer(optimizer)
         for _ in range(2):
             optimizer.zero_grad(set_to_none=True)
-            model(torch.randn(16, 32)).square().mean().backward()
+            model(torch.randn(16, 32)).square().mean().backward()  # type: ignore[no-untyped-call]
             optimizer.step()
             tracker.label_training_state(model, optimizer)
     breakdown = tracker.breakdown()

@@ -1,0 +1,43 @@
+"""Peak-memory prediction: trace a training step under FakeTensorMode (DESIGN.md section 3).
+
+Public API:
+    predict(task, config, plan, card=None) -> Prediction
+    largest_micro_batch(task, config, plan, budget_bytes, card=None) -> (micro, Prediction) | None
+    measure_card_constants(device) -> CardConstants
+    footprint(prediction) -> int: the bytes a card must hold (reserved, or allocated if larger)
+    clear_cache(): forget cached predictions and probes
+"""
+
+from worker.predictor.card import measure_card_constants
+from worker.predictor.core import (
+    card_constants,
+    clear_cache,
+    footprint,
+    from_trace,
+    largest_micro_batch,
+    predict,
+)
+from worker.predictor.trace import (
+    CPU_TARGET,
+    EMULATED_CUDA_TARGET,
+    CannotTrace,
+    Target,
+    target_for,
+    trace_training,
+)
+
+__all__ = [
+    "CPU_TARGET",
+    "EMULATED_CUDA_TARGET",
+    "CannotTrace",
+    "Target",
+    "card_constants",
+    "clear_cache",
+    "footprint",
+    "from_trace",
+    "largest_micro_batch",
+    "measure_card_constants",
+    "predict",
+    "target_for",
+    "trace_training",
+]
