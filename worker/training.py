@@ -226,12 +226,12 @@ class _Loop:
                 progress.stepped(self.steps, loss)
                 value = None
                 if self.steps % self.budget.eval_every == 0:
-                    value = self.evaluate(model)
+                    value = self.evaluate(model, optimizer)
                     progress.evaluated(self.steps, loss, self.task.metric.name, value)
                     if self.reporter.report(self.steps, value):
                         raise Stopped("pruned", self.meter.measured())
             if value is None:
-                value = self.evaluate(model)
+                value = self.evaluate(model, optimizer)
         finally:
             progress.close()
         return self.result(value, batch_size)
@@ -251,9 +251,12 @@ class _Loop:
         if reason is not None:
             raise Stopped(reason, self.meter.measured())
 
-    def evaluate(self, model: nn.Module) -> float:
+    def evaluate(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
         """The task's metric, in eval mode without gradients, in chunks of the micro-batch."""
         began = time.monotonic()
+        # The next step drops the gradients anyway; dropping them now keeps evaluation below
+        # the training peak (the trace the plan was chosen by does not see evaluation).
+        optimizer.zero_grad(set_to_none=True)
         micro = micro_batch_sizes(int(self.config[self.task.batch_size_param]), self.plan)[0]
         # Evaluating in chunks of the micro-batch keeps evaluation within the plan's footprint.
         eval_config = {**self.config, self.task.batch_size_param: micro}
@@ -305,6 +308,17 @@ class TorchTaskRunner:
 
         prediction: Prediction = predict(self.task, config, plan, card)
         return prediction
+
+    def largest_micro_batch(
+        self, config: Config, plan: Plan, budget_bytes: int, card: CardSpec
+    ) -> tuple[int, Prediction] | None:
+        """The predictor's largest micro-batch fitting `budget_bytes` under `plan`'s flags."""
+        from worker.predictor import largest_micro_batch
+
+        found: tuple[int, Prediction] | None = largest_micro_batch(
+            self.task, config, plan, budget_bytes, card
+        )
+        return found
 
     def run(
         self, config: Config, plan: Plan, budget: TrainBudget, card: CardSpec, reporter: Reporter

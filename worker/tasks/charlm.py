@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from worker.task import Batch, Config, Metric, TaskConfigError
-from worker.tasks.common import index_stream, parse_config
+from worker.tasks.common import parse_config, seeded_batches
 
 VOCAB = 128
 HELD_OUT_FRACTION = 0.1
@@ -83,6 +83,11 @@ def _windows(data: torch.Tensor, starts: torch.Tensor, seq_len: int) -> Batch:
     """Inputs and next-character targets of the windows beginning at `starts`."""
     index = starts[:, None] + torch.arange(seq_len)
     return data[index].long(), data[index + 1].long()
+
+
+def _on(device: torch.device, batch: Batch) -> Batch:
+    """The batch moved to `device`."""
+    return tuple(t.to(device) for t in batch)
 
 
 def _n_windows(data: torch.Tensor, seq_len: int) -> int:
@@ -208,9 +213,11 @@ class CharTransformerTask:
         settings = self.settings(config)
         train, _ = _corpus(settings.corpus_chars)  # read now, before the worker starts measuring
         n_windows = _n_windows(train, settings.seq_len)
-        return (
-            tuple(t.to(device) for t in _windows(train, index * settings.seq_len, settings.seq_len))
-            for index in index_stream(n_windows, micro_batch, seed)
+        return seeded_batches(
+            n_windows,
+            micro_batch,
+            seed,
+            lambda index: _on(device, _windows(train, index * settings.seq_len, settings.seq_len)),
         )
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -227,7 +234,7 @@ class CharTransformerTask:
         starts = torch.arange(n_windows) * settings.seq_len
         total = 0.0
         for chunk in torch.split(starts, settings.batch_size):
-            batch = tuple(t.to(device) for t in _windows(held_out, chunk, settings.seq_len))
+            batch = _on(device, _windows(held_out, chunk, settings.seq_len))
             total += float(self.loss(model, batch)) * len(chunk)
         return total / n_windows
 

@@ -1,15 +1,16 @@
-"""Helpers the built-in tasks share: config validation and an example-index stream."""
+"""Helpers the built-in tasks share: config validation and a seeded stream of batches."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import random
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import torch
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
-from worker.task import Config, TaskConfigError
+from worker.task import Batch, Config, TaskConfigError
 
 ConfigModel = TypeVar("ConfigModel", bound=BaseModel)
 
@@ -30,16 +31,22 @@ def _describe(issue: ErrorDetails) -> str:
     return f"{field}: {message}" if field else message
 
 
-def index_stream(n_examples: int, micro_batch: int, seed: int) -> Iterator[torch.Tensor]:
-    """Endless indices into `n_examples`, epoch by epoch in a seeded random order.
+def seeded_batches(
+    n_examples: int, micro_batch: int, seed: int, make_batch: Callable[[torch.Tensor], Batch]
+) -> Iterator[Batch]:
+    """Endless `make_batch(indices)` over `n_examples`, epoch by epoch in a seeded order.
 
     The stream of examples does not depend on `micro_batch`: micro-batches of a resized run
     concatenate to the batches of the run as asked (when the micro-batch divides the batch).
+    The order is kept in Python lists and each index tensor dies with its call, so no tensor
+    but the batch itself is alive during a step: the trace, which sees only the batch, matches.
     """
-    generator = torch.Generator().manual_seed(seed)
-    pending = torch.empty(0, dtype=torch.long)
+    order = random.Random(seed)
+    pending: list[int] = []
     while True:
         while len(pending) < micro_batch:
-            pending = torch.cat([pending, torch.randperm(n_examples, generator=generator)])
-        yield pending[:micro_batch]
-        pending = pending[micro_batch:]
+            epoch = list(range(n_examples))
+            order.shuffle(epoch)
+            pending += epoch
+        yield make_batch(torch.tensor(pending[:micro_batch]))
+        del pending[:micro_batch]

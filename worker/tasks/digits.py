@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from worker.task import Batch, Config, Metric
-from worker.tasks.common import index_stream, parse_config
+from worker.tasks.common import parse_config, seeded_batches
 
 N_CLASSES = 10
 NATIVE_RESOLUTION = 8
@@ -93,9 +93,14 @@ class _DigitsTask:
         """Training images in seeded epochs, upsampled on the device."""
         resolution = self.settings(config).resolution
         images, labels, _, _ = _digits()  # loaded now, before the worker starts measuring
-        return (
-            (_upsample(images[index].to(device), resolution), labels[index].to(device))
-            for index in index_stream(len(labels), micro_batch, seed)
+        return seeded_batches(
+            len(labels),
+            micro_batch,
+            seed,
+            lambda index: (
+                _upsample(images[index].to(device), resolution),
+                labels[index].to(device),
+            ),
         )
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
