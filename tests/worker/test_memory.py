@@ -90,7 +90,7 @@ def test_the_limit_reached_in_backward_propagates_as_memory_limit_exceeded() -> 
         loss = (inputs @ weight).relu().sum()
         tracker.limit_bytes = tracker.live_bytes  # the backward's first allocation exceeds it
         with pytest.raises(MemoryLimitExceeded) as raised:
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
     assert raised.value.limit == raised.value.live
     assert weight.grad is None
 
@@ -103,7 +103,7 @@ def test_breakdown_labels_training_state_and_splits_the_rest_by_phase() -> None:
         tracker.watch_optimizer(optimizer)
         for _ in range(2):
             optimizer.zero_grad(set_to_none=True)
-            model(torch.randn(16, 32)).square().mean().backward()  # type: ignore[no-untyped-call]
+            model(torch.randn(16, 32)).square().mean().backward()
             optimizer.step()
             tracker.label_training_state(model, optimizer)
     breakdown = tracker.breakdown()

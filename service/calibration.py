@@ -1,0 +1,139 @@
+"""Calibration from history: fit predicted vs measured peaks to a correction and a margin.
+
+Pure Python (no torch): the server fits, workers apply. Per (card model, torch version, task),
+the measured peak is modelled as ``scale * predicted + offset`` (a robust Theil-Sen line, or a
+median ratio while there are few observations or they span too little), and the margin is the
+conformal (1 - alpha) quantile of the relative under-prediction left after that fit, so that a
+new run exceeds ``(scale * predicted + offset) * (1 + margin)`` with probability <= alpha (1 %)
+when runs are exchangeable. With fewer than 99 observations that quantile does not exist yet:
+the margin is then the largest residual seen plus a share of the default that shrinks as
+observations accumulate.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+
+from service.wire import Calibration, Prediction
+
+UNDER_PREDICTION_RATE = 0.01
+"""The share of runs allowed to exceed the calibrated prediction."""
+DEFAULT_MARGIN = 0.05
+"""The margin before any observation (the wire model's default)."""
+MAX_MARGIN = 0.9
+MIN_FOR_LINE = 10
+"""Fewer observations fit a ratio only: a line needs a spread of predictions to stand on."""
+MIN_SPREAD = 1.2
+"""Largest over smallest prediction below which the offset cannot be told from the scale."""
+MAX_LINE_POINTS = 300
+"""Theil-Sen uses the newest this many points (pairwise slopes grow as the square)."""
+SCALE_BOUNDS = (0.25, 4.0)
+
+RAW_ALLOCATED = "uncalibrated_allocated_bytes"
+RAW_RESERVED = "uncalibrated_reserved_bytes"
+
+Pair = tuple[int, int]
+"""(predicted bytes, measured bytes) of one completed run."""
+
+
+def fit_calibration(
+    card_model: str, torch_version: str, task: str, pairs: Iterable[Pair]
+) -> Calibration:
+    """The correction and margin for one (card model, torch version, task).
+
+    `pairs` are (predicted, measured) peak bytes, newest first; non-positive ones are ignored.
+    """
+    clean = [(p, m) for p, m in pairs if p > 0 and m > 0]
+    scale, offset = _fit_line(clean)
+    margin = _margin([m / _corrected(p, scale, offset) - 1.0 for p, m in clean])
+    return Calibration(
+        card_model=card_model,
+        torch_version=torch_version,
+        task=task,
+        scale=scale,
+        offset_bytes=round(offset),
+        margin_fraction=margin,
+        n_observations=len(clean),
+    )
+
+
+def _fit_line(pairs: Sequence[Pair]) -> tuple[float, float]:
+    """(scale, offset): Theil-Sen when the points allow it, else the median ratio."""
+    if not pairs:
+        return 1.0, 0.0
+    predicted = [p for p, _ in pairs]
+    if len(pairs) < MIN_FOR_LINE or max(predicted) < MIN_SPREAD * min(predicted):
+        return _bounded(statistics.median(m / p for p, m in pairs)), 0.0
+    points = pairs[:MAX_LINE_POINTS]
+    slopes = [
+        (m2 - m1) / (p2 - p1)
+        for i, (p1, m1) in enumerate(points)
+        for p2, m2 in points[i + 1 :]
+        if p2 != p1
+    ]
+    scale = _bounded(statistics.median(slopes))
+    offset = statistics.median(m - scale * p for p, m in points)
+    return scale, offset
+
+
+def _bounded(scale: float) -> float:
+    low, high = SCALE_BOUNDS
+    return min(max(scale, low), high)
+
+
+def _corrected(predicted: float, scale: float, offset: float) -> float:
+    """The fitted line at `predicted`, kept positive so relative residuals exist."""
+    return max(scale * predicted + offset, 1.0)
+
+
+def _margin(residuals: list[float]) -> float:
+    """The conformal (1 - alpha) quantile of relative under-predictions, or its stand-in."""
+    n = len(residuals)
+    needed = math.ceil((n + 1) * (1 - UNDER_PREDICTION_RATE))
+    ordered = sorted(residuals)
+    if needed <= n:
+        margin = ordered[needed - 1]
+    else:
+        enough = math.ceil(1 / UNDER_PREDICTION_RATE) - 1  # the n at which the quantile exists
+        largest = max(ordered, default=0.0)
+        margin = max(largest, 0.0) + DEFAULT_MARGIN * (1 - n / enough)
+    return min(max(margin, 0.0), MAX_MARGIN)
+
+
+def calibrated_bytes(predicted: int, calibration: Calibration) -> int:
+    """`predicted` after the correction and the margin (never negative)."""
+    line = calibration.scale * predicted + calibration.offset_bytes
+    return max(math.ceil(line * (1 + calibration.margin_fraction)), 0)
+
+
+def raw_peaks(prediction: Prediction) -> tuple[int, int]:
+    """(allocated, reserved) as predicted before any calibration: what a fit must be fed."""
+    return (
+        prediction.constants.get(RAW_ALLOCATED, prediction.peak_allocated_bytes),
+        prediction.constants.get(RAW_RESERVED, prediction.peak_reserved_bytes),
+    )
+
+
+def apply_calibration(prediction: Prediction, calibration: Calibration) -> Prediction:
+    """The prediction corrected by `calibration`; the raw peaks stay in `constants`.
+
+    Applying it again starts from the raw peaks, so calibration never compounds.
+    """
+    allocated, reserved = raw_peaks(prediction)
+    return prediction.model_copy(
+        update={
+            "peak_allocated_bytes": calibrated_bytes(allocated, calibration),
+            "peak_reserved_bytes": calibrated_bytes(reserved, calibration),
+            "constants": {**prediction.constants, RAW_ALLOCATED: allocated, RAW_RESERVED: reserved},
+        }
+    )
+
+
+def under_prediction_rate(pairs: Iterable[Pair], calibration: Calibration) -> float:
+    """The share of (predicted, measured) runs that exceed their calibrated prediction."""
+    clean = [(p, m) for p, m in pairs if p > 0 and m > 0]
+    if not clean:
+        return 0.0
+    return sum(m > calibrated_bytes(p, calibration) for p, m in clean) / len(clean)
