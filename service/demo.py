@@ -30,7 +30,7 @@ from service.client import ApiError, Client
 from service.wire import StudySummary, TrialOut
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-DEFAULT_STUDY = EXAMPLES / "char_transformer.yaml"
+DEFAULT_STUDY = EXAMPLES / "char-transformer.yaml"
 CARDS = (("small", "384MiB"), ("large", "2GiB"))
 
 
