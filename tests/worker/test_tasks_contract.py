@@ -20,7 +20,7 @@ CASES: list[tuple[Task, dict[str, Any], list[dict[str, Any]]]] = [
     (
         DigitsMLPTask(),
         {"width": 16, "depth": 2, "resolution": 12, "batch_size": 6},
-        [{"width": 0}, {"depth": "deep"}, {"resolution": 4}],
+        [{"width": 0}, {"depth": "deep"}, {"resolution": 4}, {"widht": 16}],
     ),
     (
         DigitsCNNTask(),

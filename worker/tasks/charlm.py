@@ -31,7 +31,8 @@ SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 class CharLMConfig(BaseModel):
     """The tunable and fixed settings of the character language model."""
 
-    model_config = ConfigDict(extra="ignore")
+    # Unknown keys are an error: a misspelt parameter must not be silently ignored.
+    model_config = ConfigDict(extra="forbid")
 
     n_layers: int = Field(2, ge=1, le=256)
     d_model: int = Field(64, ge=1, le=65536)
@@ -43,6 +44,7 @@ class CharLMConfig(BaseModel):
     weight_decay: float = Field(0.01, ge=0, le=10)
     corpus_chars: int = Field(1_000_000, ge=10_000, le=100_000_000, description="Text read.")
     eval_windows: int = Field(64, ge=1, le=100_000, description="Held-out windows evaluated.")
+    seed: int = Field(0, description="Seeds the weights, dropout and the order of windows.")
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> CharLMConfig:

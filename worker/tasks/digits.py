@@ -29,7 +29,8 @@ HEAD_SIDE = 4
 class DigitsConfig(BaseModel):
     """The tunable and fixed settings of both digits tasks."""
 
-    model_config = ConfigDict(extra="ignore")
+    # Unknown keys are an error: a misspelt parameter must not be silently ignored.
+    model_config = ConfigDict(extra="forbid")
 
     width: int = Field(
         64, ge=1, le=65536, description="Hidden units (MLP) or first channels (CNN)."
@@ -39,6 +40,7 @@ class DigitsConfig(BaseModel):
     batch_size: int = Field(64, ge=1, le=10**7)
     lr: float = Field(1e-3, gt=0, le=10)
     weight_decay: float = Field(0.0, ge=0, le=10)
+    seed: int = Field(0, description="Seeds the weights and the order of examples.")
 
 
 @functools.cache
