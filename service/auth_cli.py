@@ -30,7 +30,7 @@ def print_first_admin_token(engine: Engine) -> None:
     from service.auth import first_admin_token
     from service.db import make_sessions
 
-    preset = os.environ.get(ADMIN_TOKEN_ENV)
+    preset = os.environ.get(ADMIN_TOKEN_ENV) or None  # set but empty: unset
     with make_sessions(engine).begin() as session:
         clear = first_admin_token(session, preset)
     if clear is None:

@@ -13,6 +13,7 @@ from service import auth
 from service.db import make_engine
 from service.migrate import upgrade
 from service.tables import StudyRow, TrialRow
+from service.testing import ServerProcess
 
 OWN, OTHER = "own-study", "other-study"
 # kind -> (scopes, studies); "limited" may submit and run trials of OWN only.
@@ -99,3 +100,24 @@ class Secured:
                 )
             )
         return trial_id
+
+
+
+def first_token(stdout: str) -> str | None:
+    """The token `vramtune db upgrade` printed, if any."""
+    lines = [line for line in stdout.splitlines() if line.startswith("first admin token")]
+    return lines[0].rsplit(" ", 1)[1] if lines else None
+
+
+@dataclass
+class Live:
+    """A real server with auth on, its database and the first admin token."""
+
+    url: str
+    directory: Path
+    admin: str
+    server: ServerProcess
+
+    def headers(self, token: str | None = None) -> dict[str, str]:
+        """Bearer headers (the admin's unless another token is given)."""
+        return {"Authorization": f"Bearer {token or self.admin}"}

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from security_fixtures import migrated_sqlite, study_spec
+from fastapi.testclient import TestClient
+from security_fixtures import Live, migrated_sqlite, study_spec
 from sqlalchemy import func, select
 
 from service.limits import non_finite_number
@@ -17,7 +18,7 @@ from service.tables import StudyRow
 HEADERS = {"content-type": "application/json"}
 
 
-def study_count(client: object) -> int:
+def study_count(client: TestClient) -> int:
     """Rows in vramtune_studies plus studies in Optuna's storage."""
     state = client.app.state.vt  # type: ignore[attr-defined]
     with state.sessions() as session:
@@ -26,10 +27,8 @@ def study_count(client: object) -> int:
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
     """In-process app, auth off, a small body limit (8 KiB)."""
-    from fastapi.testclient import TestClient
-
     from service.app import create_app
 
     url = migrated_sqlite(Path(tmp_path_factory.mktemp("bad")))
@@ -65,7 +64,9 @@ NON_FINITE_BODIES = [
 
 
 @pytest.mark.parametrize(("body", "loc"), NON_FINITE_BODIES)
-def test_non_finite_numbers_are_422_naming_the_field(client, body: str, loc: tuple) -> None:
+def test_non_finite_numbers_are_422_naming_the_field(
+    client: TestClient, body: str, loc: tuple[str | int, ...]
+) -> None:
     """Python's JSON parser takes NaN and 1e999 (inf); the service refuses them, by name."""
     before = study_count(client)
     response = client.post("/api/v1/studies", content=body, headers=HEADERS)
@@ -73,7 +74,7 @@ def test_non_finite_numbers_are_422_naming_the_field(client, body: str, loc: tup
     assert study_count(client) == before
 
 
-def test_non_finite_numbers_on_the_worker_protocol(client) -> None:
+def test_non_finite_numbers_on_the_worker_protocol(client: TestClient) -> None:
     """The same at the worker routes: a NaN metric is a 422, not a 500."""
     body = '{"lease":"0123456789abcdef","step":1,"value":NaN}'
     response = client.post("/api/v1/trials/1/report", content=body, headers=HEADERS)
@@ -101,7 +102,9 @@ BAD_SPECS = [
 
 
 @pytest.mark.parametrize(("overrides", "loc"), BAD_SPECS)
-def test_bad_study_specs_name_the_field_and_write_nothing(client, overrides, loc) -> None:
+def test_bad_study_specs_name_the_field_and_write_nothing(
+    client: TestClient, overrides: dict[str, object], loc: tuple[str | int, ...]
+) -> None:
     """Names, lengths, search-space sizes and ranges are bounded; a refusal leaves no study."""
     before = study_count(client)
     response = client.post("/api/v1/studies", json={**study_spec("s"), **overrides})
@@ -109,7 +112,7 @@ def test_bad_study_specs_name_the_field_and_write_nothing(client, overrides, loc
     assert study_count(client) == before
 
 
-def test_byte_counts_are_bounded(client) -> None:
+def test_byte_counts_are_bounded(client: TestClient) -> None:
     """Bytes are 0..10**18: a negative or a zettabyte card is refused by field."""
     card = {"model": "m", "total_bytes": 10**21, "free_bytes": -1}
     body = {"name": "w", "device": "cpu", "card": card, "tasks": ["quadratic"]}
@@ -123,14 +126,14 @@ def test_byte_counts_are_bounded(client) -> None:
     ["/api/v1/trials/99999999999999999999999/start", "/api/v1/workers/-1/heartbeat",
      "/api/v1/tokens/99999999999999999999999"],
 )  # fmt: skip
-def test_out_of_range_ids_are_4xx(client, path: str) -> None:
+def test_out_of_range_ids_are_4xx(client: TestClient, path: str) -> None:
     """An id SQLite could not even bind is a 4xx, not an OverflowError."""
     method = "DELETE" if "tokens" in path else "POST"
     response = client.request(method, path, json={})
     assert 400 <= response.status_code < 500, response.text
 
 
-def test_body_over_the_limit_is_413_and_writes_nothing(client) -> None:
+def test_body_over_the_limit_is_413_and_writes_nothing(client: TestClient) -> None:
     """Declared or streamed (chunked, no Content-Length), a large body never reaches a route."""
     before = study_count(client)
     big = {**study_spec("big"), "task_config": {f"k{i}": "v" * 200 for i in range(60)}}
@@ -149,15 +152,15 @@ def test_body_over_the_limit_is_413_and_writes_nothing(client) -> None:
     assert client.post("/api/v1/studies", json=study_spec("small")).status_code == 201
 
 
-def test_body_limit_over_a_real_server(tmp_path: Path, start_server) -> None:
-    """Through uvicorn: an oversized body is a JSON 413; a normal one still works."""
-    server = start_server(migrated_sqlite(tmp_path), max_request_bytes=2048)
-    url = f"{server.url}/api/v1/studies"
-    big = {**study_spec("big"), "task_config": {"k": "v" * 3000}}
-    response = httpx.post(url, json=big)
+def test_body_limit_over_a_real_server(live: Live) -> None:
+    """Through uvicorn (4 KiB limit): an oversized body is a JSON 413; a normal one works."""
+    url = f"{live.server.url}/api/v1/studies"
+    big = {**study_spec("big"), "task_config": {"k": "v" * 4000}}
+    response = httpx.post(url, json=big, headers=live.headers())
     assert response.status_code == 413 and response.headers["content-type"] == "application/json"
-    assert httpx.post(url, json=study_spec("ok")).status_code == 201
-    assert [s["name"] for s in httpx.get(url).json()["studies"]] == ["ok"]
+    assert httpx.post(url, json=study_spec("ok"), headers=live.headers()).status_code == 201
+    names = [s["name"] for s in httpx.get(url, headers=live.headers()).json()["studies"]]
+    assert "ok" in names and "big" not in names
 
 
 def test_non_finite_scan_finds_the_path() -> None:

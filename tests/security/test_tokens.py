@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from security_fixtures import BAD_TOKEN, OWN, Secured, migrated_sqlite
+from security_fixtures import BAD_TOKEN, OWN, Live, Secured, first_token, migrated_sqlite
 from sqlalchemy import create_engine, text
 
 from service import auth
@@ -25,20 +22,6 @@ from service.settings import Settings
 REPO = Path(__file__).resolve().parents[2]
 
 
-def vramtune(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """`python -m service ARGS`, a real subprocess of the CLI."""
-    environ = {k: v for k, v in os.environ.items() if k != ADMIN_TOKEN_ENV}
-    return subprocess.run(
-        [sys.executable, "-m", "service", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**environ, **(env or {})},
-        cwd=REPO,
-        check=False,
-    )
-
-
 def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
     """The same CLI in-process (service.cli.main): exit code, stdout, stderr."""
     capsys.readouterr()
@@ -47,66 +30,50 @@ def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def first_token(stdout: str) -> str | None:
-    """The token `db upgrade` printed, if any."""
-    lines = [line for line in stdout.splitlines() if line.startswith("first admin token")]
-    return lines[0].rsplit(" ", 1)[1] if lines else None
-
-
 def whoami(url: str, token: str) -> httpx.Response:
     """whoami against a live server."""
     return httpx.get(f"{url}/api/v1/auth/whoami", headers={"Authorization": f"Bearer {token}"})
 
 
-def test_cli_tokens_are_stored_only_as_hashes(
-    tmp_path: Path, start_server, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """db upgrade prints the first admin token once; CLI and REST tokens work; none is stored."""
-    url = f"sqlite:///{tmp_path / 'vramtune.db'}"
-    upgraded = vramtune("db", "upgrade", "--database-url", url)
-    assert upgraded.returncode == 0, upgraded.stderr
-    admin = first_token(upgraded.stdout)
-    assert admin is not None and admin.startswith(auth.TOKEN_PREFIX), upgraded.stdout
-    engine = make_engine(url)
+def test_tokens_are_stored_only_as_hashes(live: Live, capsys: pytest.CaptureFixture[str]) -> None:
+    """db upgrade printed the first admin token once; CLI and REST tokens work; none is stored."""
+    assert live.admin.startswith(auth.TOKEN_PREFIX)
+    engine = make_engine(live.url)
     print_first_admin_token(engine)  # what a second `db upgrade` does
     engine.dispose()
     assert first_token(capsys.readouterr().out) is None, "printed twice"
 
     code, worker, err = cli(
         capsys, "token", "create", "--scope", "worker", "--study", OWN, "--name", "gpu-box",
-        "--database-url", url,
+        "--database-url", live.url,
     )  # fmt: skip
     worker = worker.strip()
     assert code == 0 and worker.startswith(auth.TOKEN_PREFIX) and "gpu-box" in err
-
-    server = start_server(url, auth="on")
-    me = whoami(server.url, worker)
+    me = whoami(live.server.url, worker)
     assert me.status_code == 200
     assert me.json() == {"name": "gpu-box", "scopes": ["worker"], "studies": [OWN]}
     issued = httpx.post(
-        f"{server.url}/api/v1/tokens",
+        f"{live.server.url}/api/v1/tokens",
         json={"name": "reader", "scopes": ["read"]},
-        headers={"Authorization": f"Bearer {admin}"},
+        headers=live.headers(),
     )
     assert issued.status_code == 201, issued.text
     reader = issued.json()["token"]
-    assert whoami(server.url, reader).json()["scopes"] == ["read"]
-    code, listed, _ = cli(capsys, "token", "list", "--database-url", url)
+    assert whoami(live.server.url, reader).json()["scopes"] == ["read"]
+    code, listed, _ = cli(capsys, "token", "list", "--database-url", live.url)
     assert code == 0 and "gpu-box" in listed and "reader" in listed
 
-    clear_tokens = [admin, worker, reader]
+    clear_tokens = [live.admin, worker, reader]
     for token in clear_tokens:
         assert token not in listed
-        assert token not in server.logs()
-    server.stop()
-    engine = create_engine(url)
+        assert token not in live.server.logs()
+    engine = create_engine(live.url)
     with engine.connect() as connection:
         rows = connection.execute(text("SELECT token_hash FROM vramtune_tokens")).scalars().all()
     engine.dispose()
-    assert sorted(rows) == sorted(auth.hash_token(token) for token in clear_tokens)
-    files = list(tmp_path.glob("vramtune.db*"))  # the database and its WAL, if any
-    stored = b"".join(path.read_bytes() for path in files)
-    for token in clear_tokens:
+    assert {auth.hash_token(token) for token in clear_tokens} <= set(rows)
+    stored = b"".join(path.read_bytes() for path in live.directory.glob("vramtune.db*"))
+    for token in clear_tokens:  # the database file and its WAL
         assert token.encode() not in stored
         assert auth.hash_token(token).encode() in stored  # the scan does see the table
 
