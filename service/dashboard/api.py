@@ -1,0 +1,146 @@
+"""The dashboard's JSON endpoints: everything the pages show, aggregated on the server."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Path, Query
+from optuna.trial import TrialState
+
+from service.dashboard import fleet as fleet_view
+from service.dashboard import importance, plots, studies_view, trial_table
+from service.dashboard.models import (
+    Calibration,
+    Fleet,
+    History,
+    Importances,
+    MemoryScatter,
+    Regions,
+    StudyListOut,
+    StudyOverview,
+    TrialDetail,
+    TrialTable,
+)
+from service.dashboard.series import MAX_POINTS
+from service.deps import SessionDep, SettingsDep
+from service.wire import API_PREFIX
+
+PREFIX = f"{API_PREFIX}/dashboard"
+router = APIRouter(prefix=PREFIX, tags=["dashboard"])
+
+# {name:path}: a plain Optuna study's name may hold "/" (vramtune's own names cannot).
+StudyName = Annotated[str, Path(min_length=1, max_length=512, description="The study's name.")]
+Objective = Annotated[int, Query(ge=0, le=15, description="Which objective (0: the first).")]
+MaxPoints = Annotated[
+    int, Query(ge=10, le=10_000, description="Most points returned; more are thinned.")
+]
+ParamName = Annotated[str, Query(min_length=1, max_length=512, description="A parameter name.")]
+StateName = Literal["RUNNING", "COMPLETE", "PRUNED", "FAIL", "WAITING"]
+
+
+@router.get("/studies")
+def list_studies(session: SessionDep) -> StudyListOut:
+    """Every study with state counts, best value, trials per hour and running trials."""
+    return studies_view.list_studies(session)
+
+
+@router.get("/studies/{name:path}/history")
+def history(
+    name: StudyName,
+    session: SessionDep,
+    objective: Objective = 0,
+    max_points: MaxPoints = MAX_POINTS,
+) -> History:
+    """Optimization history: completed values by trial number and the best so far."""
+    return plots.history(session, name, objective, max_points)
+
+
+@router.get("/studies/{name:path}/memory")
+def memory(
+    name: StudyName,
+    session: SessionDep,
+    objective: Objective = 0,
+    max_points: MaxPoints = MAX_POINTS,
+) -> MemoryScatter:
+    """Objective against measured peak memory, with the Pareto front."""
+    return plots.memory(session, name, objective, max_points)
+
+
+@router.get("/studies/{name:path}/calibration")
+def calibration(
+    name: StudyName, session: SessionDep, max_points: MaxPoints = MAX_POINTS
+) -> Calibration:
+    """Predicted against measured peak memory of every run, per card model."""
+    return plots.calibration(session, name, max_points)
+
+
+@router.get("/studies/{name:path}/regions")
+def regions(
+    name: StudyName,
+    session: SessionDep,
+    x: ParamName,
+    y: ParamName,
+    max_points: MaxPoints = MAX_POINTS,
+) -> Regions:
+    """Where in the plane of two parameters trials ran as asked, resized, OOMed or did not fit."""
+    return plots.regions(session, name, x, y, max_points)
+
+
+@router.get("/studies/{name:path}/importances")
+def importances(name: StudyName, session: SessionDep, objective: Objective = 0) -> Importances:
+    """Optuna's parameter importances over a bounded sample of completed trials (cached)."""
+    return importance.importances(session, name, objective)
+
+
+@router.get("/studies/{name:path}/trials")
+def trials(
+    name: StudyName,
+    session: SessionDep,
+    sort: Annotated[
+        str, Query(min_length=1, max_length=520, description="A column, or param:<name>.")
+    ] = "number",
+    order: Literal["asc", "desc"] = "asc",
+    state: Annotated[list[StateName] | None, Query(max_length=5)] = None,
+    outcome: Annotated[
+        list[Annotated[str, Query(max_length=32)]] | None,
+        Query(max_length=16, description="vramtune outcomes; 'none' for trials without one."),
+    ] = None,
+    worker: Annotated[str | None, Query(max_length=128, description="A worker's name.")] = None,
+    offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+) -> TrialTable:
+    """A sorted, filtered page of the trial table."""
+    query = trial_table.TableQuery(
+        sort=sort,
+        order=order,
+        states=[TrialState[s] for s in state or []],
+        outcomes=outcome or [],
+        worker=worker,
+        offset=offset,
+        limit=limit,
+    )
+    return trial_table.trial_table(session, name, query)
+
+
+@router.get("/studies/{name:path}/trials/{number}")
+def trial(
+    name: StudyName,
+    number: Annotated[int, Path(ge=0, le=2**31 - 1, description="The trial number.")],
+    session: SessionDep,
+    max_points: MaxPoints = MAX_POINTS,
+) -> TrialDetail:
+    """One trial in full, with its intermediate values."""
+    return trial_table.trial_detail(session, name, number, max_points)
+
+
+@router.get("/fleet")
+def fleet(session: SessionDep, settings: SettingsDep) -> Fleet:
+    """Every worker: card, memory, current trials, last heartbeat, stale or lost."""
+    return fleet_view.fleet(session, settings)
+
+
+# Last: {name:path} also matches the suffixed paths above, which must win.
+@router.get("/studies/{name:path}")
+def study_overview(name: StudyName, session: SessionDep) -> StudyOverview:
+    """One study's header: counts, best trial, parameters, card models and a revision token."""
+    return studies_view.overview(session, name)

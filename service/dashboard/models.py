@@ -1,0 +1,280 @@
+"""Response bodies of the dashboard's JSON endpoints: columnar, small, ready to plot."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from service.wire import ParamValue, PlanOut
+
+DashboardState = Literal["running", "paused", "done", "idle"]
+WorkerState = Literal["live", "stale", "lost", "stopped"]
+
+
+class StudyListItem(BaseModel):
+    """One study as the studies page lists it."""
+
+    id: int
+    name: str
+    task: str | None = Field(description="None for a plain Optuna study in the same database.")
+    state: DashboardState
+    directions: list[str]
+    n_trials: int | None = Field(description="The trial budget (None for a plain Optuna study).")
+    counts: dict[str, int] = Field(description="Trials by Optuna TrialState name.")
+    finished: int
+    running: int
+    best_value: float | None
+    trials_per_hour: float | None = Field(
+        description="Finished trials per hour over the last hour of activity."
+    )
+    created_at: datetime | None
+    last_activity: datetime | None
+
+
+class StudyListOut(BaseModel):
+    """Every study in the database."""
+
+    studies: list[StudyListItem]
+    now: datetime
+
+
+class ParamInfo(BaseModel):
+    """A parameter of the study's search space as its trials record it."""
+
+    name: str
+    kind: Literal["float", "int", "categorical"]
+    log: bool = False
+    low: float | None = None
+    high: float | None = None
+    choices: list[ParamValue] | None = None
+
+
+class BestTrial(BaseModel):
+    """The best completed trial of a single-objective study."""
+
+    number: int
+    values: list[float | None]
+    params: dict[str, ParamValue]
+
+
+class StudyOverview(BaseModel):
+    """The study page's header; ``revision`` changes whenever any plot would."""
+
+    id: int
+    name: str
+    task: str | None
+    state: DashboardState
+    directions: list[str]
+    objective_names: list[str]
+    n_trials: int | None
+    counts: dict[str, int]
+    finished: int
+    running: int
+    infeasible: int = Field(description="Completed trials that violate a constraint.")
+    best: BestTrial | None
+    params: list[ParamInfo]
+    card_models: list[str]
+    minimize_peak_memory: bool
+    trials_per_hour: float | None
+    revision: str
+    now: datetime
+
+
+class History(BaseModel):
+    """Completed trials' objective by trial number, downsampled; the best line is exact."""
+
+    objective: int
+    direction: str
+    total: int = Field(description="Completed trials with a finite value.")
+    numbers: list[int]
+    values: list[float]
+    best_numbers: list[int]
+    best_values: list[float]
+    downsampled: bool
+
+
+class MemoryScatter(BaseModel):
+    """Objective against measured peak memory, with the exact Pareto front."""
+
+    objective: int
+    direction: str
+    total: int
+    numbers: list[int]
+    values: list[float]
+    measured_bytes: list[int]
+    card_models: list[str]
+    outcomes: list[str]
+    front_numbers: list[int]
+    front_values: list[float]
+    front_bytes: list[int]
+    downsampled: bool
+
+
+class CardCalibration(BaseModel):
+    """Predicted against measured peaks of every run on one card model."""
+
+    card_model: str
+    n: int
+    median_abs_error: float | None = Field(description="Median of |measured/predicted - 1|.")
+    p95_abs_error: float | None
+    under_fraction: float | None = Field(description="Share of runs that used more than predicted.")
+    numbers: list[int]
+    predicted_bytes: list[int]
+    measured_bytes: list[int]
+    outcomes: list[str]
+
+
+class Calibration(BaseModel):
+    """The calibration picture of a study, one card model at a time."""
+
+    cards: list[CardCalibration]
+    downsampled: bool
+
+
+class RegionCategory(BaseModel):
+    """Trials of one outcome in the plane of two parameters."""
+
+    name: str
+    count: int
+    numbers: list[int]
+    x: list[ParamValue]
+    y: list[ParamValue]
+
+
+class Regions(BaseModel):
+    """Where in the plane of two parameters trials ran as asked, resized, OOMed or did not fit."""
+
+    x: str
+    y: str
+    total: int
+    categories: list[RegionCategory]
+    downsampled: bool
+
+
+class Importance(BaseModel):
+    """One parameter's importance."""
+
+    name: str
+    importance: float
+
+
+class Importances(BaseModel):
+    """Optuna's own parameter importances over a bounded sample of completed trials."""
+
+    objective: int
+    evaluator: str
+    n_complete: int
+    n_used: int
+    importances: list[Importance]
+    note: str | None = Field(None, description="Why there are none, when there are none.")
+    computed_at: datetime
+
+
+class TrialRowOut(BaseModel):
+    """One row of the trial table."""
+
+    id: int
+    number: int
+    state: str
+    values: list[float | None] | None
+    feasible: bool = Field(
+        description="False when a constraint is violated: values are placeholders."
+    )
+    params: dict[str, ParamValue]
+    outcome: str | None
+    attempt: int
+    plan: PlanOut | None
+    predicted_bytes: int | None
+    measured_bytes: int | None
+    worker: str | None
+    card_model: str | None
+    datetime_start: datetime | None
+    datetime_complete: datetime | None
+    duration_s: float | None
+
+
+class TrialTable(BaseModel):
+    """A sorted, filtered page of the trial table, with the filters' choices."""
+
+    total: int = Field(description="Trials matching the filters.")
+    offset: int
+    limit: int
+    sort: str
+    order: Literal["asc", "desc"]
+    rows: list[TrialRowOut]
+    workers: list[str]
+    outcomes: list[str]
+
+
+class Observation(BaseModel):
+    """One run of a trial: predicted and measured peaks."""
+
+    card_model: str
+    outcome: str
+    plan: PlanOut | None
+    predicted_allocated: int | None
+    measured_allocated: int
+    measured_reserved: int | None
+    created_at: datetime
+
+
+class TrialDetail(TrialRowOut):
+    """One trial in full: its intermediate curve, message, attempts' plans and runs."""
+
+    intermediate_steps: list[int]
+    intermediate_values: list[float | None]
+    intermediate_total: int
+    message: str | None
+    plans_tried: list[PlanOut]
+    user_attrs: dict[str, Any]
+    observations: list[Observation]
+
+
+class CurrentTrial(BaseModel):
+    """A trial a worker holds a lease on."""
+
+    study: str | None
+    number: int | None
+    trial_id: int
+    attempt: int
+
+
+class FleetWorker(BaseModel):
+    """One worker and its card."""
+
+    id: int
+    name: str
+    device: str
+    card_model: str
+    simulated: bool
+    total_bytes: int
+    free_bytes: int
+    tasks: list[str]
+    state: WorkerState
+    last_heartbeat: datetime
+    heartbeat_age_s: float
+    registered_at: datetime
+    current: list[CurrentTrial]
+    trials_done: int
+
+
+class FleetTotals(BaseModel):
+    """The fleet at a glance (memory counts live workers only)."""
+
+    workers: dict[str, int] = Field(description="Workers by state.")
+    total_bytes: int
+    free_bytes: int
+    running_trials: int
+    card_models: dict[str, int] = Field(description="Live workers by card model.")
+
+
+class Fleet(BaseModel):
+    """Every worker, newest heartbeat first, and how staleness is judged."""
+
+    workers: list[FleetWorker]
+    totals: FleetTotals
+    stale_after_s: float
+    lost_after_s: float
+    now: datetime

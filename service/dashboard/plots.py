@@ -1,0 +1,270 @@
+"""The study page's plot series: SQL selects two or three columns, Python thins them."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from optuna.study import StudyDirection
+from optuna.trial import TrialState
+from sqlalchemy import Select, and_, select
+from sqlalchemy.orm import Session
+
+from service.dashboard import schema, series
+from service.dashboard.errors import invalid_query
+from service.dashboard.models import (
+    Calibration,
+    CardCalibration,
+    History,
+    MemoryScatter,
+    RegionCategory,
+    Regions,
+)
+from service.dashboard.studies_view import StudyFacts, study_facts, study_space
+from service.wire import ParamValue
+
+T, V = schema.trials, schema.values
+
+# Region categories, most telling first: the legend lists them in this order.
+REGION_ORDER = (
+    "infeasible",
+    "oom",
+    "resized after oom",
+    "waiting for a larger card",
+    "resized",
+    "routed",
+    "as asked",
+    "pruned",
+    "failed",
+    "running",
+    "waiting",
+)
+
+
+def _direction(facts: StudyFacts, objective: int) -> StudyDirection:
+    if objective >= len(facts.directions):
+        raise invalid_query(
+            "objective", f"the study has {len(facts.directions)} objective(s)", objective
+        )
+    return facts.directions[objective]
+
+
+def _completed_values(session: Session, study_id: int, objective: int) -> list[tuple[int, float]]:
+    """(number, value) of feasible completed trials with a finite value, by number."""
+    skip = schema.infeasible(session, study_id)
+    query = (
+        select(T.c.trial_id, T.c.number, V.c.value)
+        .join(V, and_(V.c.trial_id == T.c.trial_id, V.c.objective == objective))
+        .where(
+            T.c.study_id == study_id,
+            T.c.state == TrialState.COMPLETE,
+            V.c.value_type == schema.FINITE,
+        )
+        .order_by(T.c.number)
+    )
+    return [(n, float(v)) for tid, n, v in session.execute(query) if tid not in skip]
+
+
+def history(session: Session, name: str, objective: int, max_points: int) -> History:
+    """Optimization history: thinned points, the exact best-so-far line."""
+    facts = study_facts(session, name)
+    direction = _direction(facts, objective)
+    points = _completed_values(session, facts.study_id, objective)
+    numbers = [n for n, _ in points]
+    values = [v for _, v in points]
+    best = series.best_so_far(values, direction != StudyDirection.MAXIMIZE)
+    kept = series.extremes(values, max_points)
+    return History(
+        objective=objective,
+        direction=direction.name.lower(),
+        total=len(points),
+        numbers=[numbers[i] for i in kept],
+        values=[values[i] for i in kept],
+        best_numbers=[numbers[i] for i, _ in best],
+        best_values=[value for _, value in best],
+        downsampled=len(kept) < len(points),
+    )
+
+
+def memory(session: Session, name: str, objective: int, max_points: int) -> MemoryScatter:
+    """Objective against measured peak memory of completed trials, Pareto front kept exact."""
+    facts = study_facts(session, name)
+    direction = _direction(facts, objective)
+    VT, W = schema.vt_trials, schema.vt_workers
+    query = (
+        select(T.c.number, V.c.value, VT.c.measured_peak_bytes, VT.c.outcome, W.c.card_model)
+        .join(V, and_(V.c.trial_id == T.c.trial_id, V.c.objective == objective))
+        .join(VT, VT.c.trial_id == T.c.trial_id)
+        .outerjoin(W, W.c.id == VT.c.worker_id)
+        .where(
+            T.c.study_id == facts.study_id,
+            T.c.state == TrialState.COMPLETE,
+            V.c.value_type == schema.FINITE,
+            VT.c.measured_peak_bytes.is_not(None),
+        )
+        .order_by(T.c.number)
+    )
+    rows = session.execute(query).all()
+    costs = [float(r[2]) for r in rows]
+    values = [float(r[1]) for r in rows]
+    front = series.pareto_front(costs, values, direction != StudyDirection.MAXIMIZE)
+    kept = series.spread(len(rows), max_points, keep=front)
+    return MemoryScatter(
+        objective=objective,
+        direction=direction.name.lower(),
+        total=len(rows),
+        numbers=[rows[i][0] for i in kept],
+        values=[values[i] for i in kept],
+        measured_bytes=[rows[i][2] for i in kept],
+        card_models=[rows[i][4] or "" for i in kept],
+        outcomes=[rows[i][3] or "" for i in kept],
+        front_numbers=[rows[i][0] for i in front],
+        front_values=[values[i] for i in front],
+        front_bytes=[rows[i][2] for i in front],
+        downsampled=len(kept) < len(rows),
+    )
+
+
+def calibration(session: Session, name: str, max_points: int) -> Calibration:
+    """Predicted against measured allocated peak of every run, per card model."""
+    facts = study_facts(session, name)
+    OBS = schema.vt_observations
+    query = (
+        select(
+            OBS.c.card_model,
+            T.c.number,
+            OBS.c.predicted_allocated,
+            OBS.c.measured_allocated,
+            OBS.c.outcome,
+        )
+        .join(T, T.c.trial_id == OBS.c.trial_id)
+        .where(OBS.c.study_id == facts.study_id, OBS.c.predicted_allocated.is_not(None))
+        .order_by(OBS.c.card_model, OBS.c.id)
+    )
+    by_card: dict[str, list[Any]] = defaultdict(list)
+    for row in session.execute(query):
+        by_card[row[0]].append(row)
+    per_card = max(1, max_points // max(1, len(by_card)))
+    cards = [_card_calibration(card, rows, per_card) for card, rows in sorted(by_card.items())]
+    return Calibration(cards=cards, downsampled=any(len(c.numbers) < c.n for c in cards))
+
+
+def _card_calibration(card: str, rows: list[Any], max_points: int) -> CardCalibration:
+    errors = sorted(abs(r[3] / r[2] - 1) for r in rows if r[2] > 0)
+    under = [i for i, r in enumerate(rows) if r[3] > r[2]]
+    kept = series.spread(len(rows), max_points, keep=under)
+    return CardCalibration(
+        card_model=card,
+        n=len(rows),
+        median_abs_error=series.quantile(errors, 0.5),
+        p95_abs_error=series.quantile(errors, 0.95),
+        under_fraction=len(under) / len(rows) if rows else None,
+        numbers=[rows[i][1] for i in kept],
+        predicted_bytes=[rows[i][2] for i in kept],
+        measured_bytes=[rows[i][3] for i in kept],
+        outcomes=[rows[i][4] for i in kept],
+    )
+
+
+def regions(session: Session, name: str, x: str, y: str, max_points: int) -> Regions:
+    """Each trial's outcome at its (x, y) parameter values; rare outcomes are never thinned."""
+    facts = study_facts(session, name)
+    space = study_space(session, facts)
+    for field, param in (("x", x), ("y", y)):
+        if param not in space:
+            raise invalid_query(field, f"the study has no parameter {param!r}", param)
+    oomed = _oomed(session, facts.study_id)
+    skip = schema.infeasible(session, facts.study_id)
+    grouped: dict[str, list[tuple[int, ParamValue, ParamValue]]] = defaultdict(list)
+    for tid, number, xv, yv, state, outcome, status in session.execute(
+        _plane(facts.study_id, x, y)
+    ):
+        category = region_category(state, outcome, status, tid in oomed, tid in skip)
+        grouped[category].append(
+            (number, schema.external_of(xv, space[x]), schema.external_of(yv, space[y]))
+        )
+    total = sum(len(points) for points in grouped.values())
+    out = _thin_categories(grouped, max_points)
+    kept = sum(len(c.numbers) for c in out)
+    return Regions(x=x, y=y, total=total, categories=out, downsampled=kept < total)
+
+
+def _plane(study_id: int, x: str, y: str) -> Select[Any]:
+    """Trials holding both parameters: ids, values of x and y, state and vramtune's record."""
+    px, py = schema.params.alias("px"), schema.params.alias("py")
+    VT = schema.vt_trials
+    return (
+        select(
+            T.c.trial_id,
+            T.c.number,
+            px.c.param_value,
+            py.c.param_value,
+            T.c.state,
+            VT.c.outcome,
+            VT.c.status,
+        )
+        .join(px, and_(px.c.trial_id == T.c.trial_id, px.c.param_name == x))
+        .join(py, and_(py.c.trial_id == T.c.trial_id, py.c.param_name == y))
+        .outerjoin(VT, VT.c.trial_id == T.c.trial_id)
+        .where(T.c.study_id == study_id)
+    )
+
+
+def _oomed(session: Session, study_id: int) -> set[int]:
+    """Trials that ran out of memory at least once."""
+    OBS = schema.vt_observations
+    query = (
+        select(OBS.c.trial_id).where(OBS.c.study_id == study_id, OBS.c.outcome == "oom").distinct()
+    )
+    return set(session.scalars(query))
+
+
+def region_category(
+    state: TrialState, outcome: str | None, status: str | None, had_oom: bool, infeasible: bool
+) -> str:
+    """Where a trial lands on the region map."""
+    if status == "waiting":
+        return "waiting for a larger card"
+    if outcome == "infeasible" or infeasible:
+        return "infeasible"
+    if outcome == "oom":
+        return "oom"
+    if state == TrialState.COMPLETE:
+        if had_oom:
+            return "resized after oom"
+        if outcome in ("resized", "routed"):
+            return outcome
+        return "as asked"
+    if had_oom and state == TrialState.FAIL:
+        return "oom"
+    return {
+        TrialState.PRUNED: "pruned",
+        TrialState.FAIL: "failed",
+        TrialState.RUNNING: "running",
+        TrialState.WAITING: "waiting",
+    }.get(state, state.name.lower())
+
+
+def _thin_categories(
+    grouped: dict[str, list[tuple[int, ParamValue, ParamValue]]], max_points: int
+) -> list[RegionCategory]:
+    """Share ``max_points`` so that small categories keep every point and large ones are thinned."""
+    budget = max_points
+    remaining = len(grouped)
+    out: list[RegionCategory] = []
+    for name, points in sorted(grouped.items(), key=lambda item: len(item[1])):
+        share = max(1, budget // max(1, remaining))
+        kept = [points[i] for i in series.spread(len(points), share)]
+        budget -= len(kept)
+        remaining -= 1
+        out.append(
+            RegionCategory(
+                name=name,
+                count=len(points),
+                numbers=[p[0] for p in kept],
+                x=[p[1] for p in kept],
+                y=[p[2] for p in kept],
+            )
+        )
+    rank = {name: i for i, name in enumerate(REGION_ORDER)}
+    return sorted(out, key=lambda c: rank.get(c.name, len(rank)))

@@ -1,0 +1,71 @@
+// The fleet page: workers, their cards and memory, what they run, who went quiet.
+"use strict";
+
+(() => {
+  const { el, fill } = VT;
+
+  function tile(label, value, sub) {
+    return el("div", { class: "tile" }, el("div", { class: "label", text: label }), el("div", { class: "value", text: value }), sub ? el("div", { class: "sub", text: sub }) : null);
+  }
+
+  function memory(worker) {
+    const share = worker.total_bytes ? worker.free_bytes / worker.total_bytes : 0;
+    const bar = el("span", { class: "membar", title: `${(share * 100).toFixed(0)} % free` }, el("span", {}));
+    bar.firstChild.style.width = `${(share * 100).toFixed(1)}%`;
+    return el("span", {}, bar, `${VT.bytes(worker.free_bytes)} / ${VT.bytes(worker.total_bytes)}`);
+  }
+
+  function current(worker) {
+    if (!worker.current.length) return el("span", { class: "muted", text: "idle" });
+    return el(
+      "div",
+      { class: "chips" },
+      worker.current.map((t) =>
+        t.study
+          ? el("a", { class: "chip", href: `/studies/${encodeURIComponent(t.study)}`, title: `trial id ${t.trial_id}, attempt ${t.attempt}` }, `${t.study} #${t.number}`)
+          : el("span", { class: "chip", text: `trial id ${t.trial_id}` }),
+      ),
+    );
+  }
+
+  function render(data) {
+    const t = data.totals;
+    const models = Object.entries(t.card_models).map(([m, n]) => `${n}× ${m}`).join(", ");
+    fill(
+      document.getElementById("fleet-summary"),
+      tile("Live workers", t.workers.live, models || "none live"),
+      tile("Stale / lost", `${t.workers.stale} / ${t.workers.lost}`, `${t.workers.stopped} stopped`),
+      tile("Free memory (live)", VT.bytes(t.free_bytes), `of ${VT.bytes(t.total_bytes)}`),
+      tile("Trials running", t.running_trials),
+    );
+    const rows = data.workers.map((w) =>
+      el(
+        "tr",
+        { "data-worker": w.name, "data-state": w.state },
+        el("td", { class: "name", text: w.name }),
+        el("td", {}, VT.badge(w.state)),
+        el("td", { text: w.device }),
+        el("td", {}, w.card_model, w.simulated ? el("span", { class: "muted", text: " (simulated)" }) : null),
+        el("td", { class: "nowrap" }, memory(w)),
+        el("td", {}, current(w)),
+        el("td", { class: w.state === "live" ? "" : "muted", text: VT.ago(w.last_heartbeat, data.now) }),
+        el("td", { class: "num", text: w.trials_done }),
+        el("td", { class: "muted", text: w.tasks.join(", ") }),
+      ),
+    );
+    fill(document.querySelector("#workers tbody"), rows);
+    document.getElementById("workers-empty").textContent = data.workers.length
+      ? ""
+      : "No workers yet: start one with `vramtune worker --server URL`.";
+    document.getElementById("fleet-legend").textContent =
+      `stale: no heartbeat for ${VT.duration(data.stale_after_s)}; lost: none for ${VT.duration(data.lost_after_s)}, its trials go back to the queue.`;
+  }
+
+  async function main() {
+    await VT.start("fleet");
+    const refresh = VT.poll(async () => render(await VT.api("/dashboard/fleet")), 3000);
+    VT.onAuthChange(() => refresh.now());
+  }
+
+  main().catch((error) => VT.errorBox(document.querySelector("main"), error));
+})();

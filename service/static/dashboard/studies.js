@@ -1,0 +1,111 @@
+// The studies page: every study, its progress and live counts.
+"use strict";
+
+(() => {
+  const { el, fill } = VT;
+  const STATE_ORDER = ["COMPLETE", "RUNNING", "WAITING", "PRUNED", "FAIL"];
+  let latest = null;
+
+  function studyLink(name) {
+    return el("a", { href: `/studies/${encodeURIComponent(name)}`, text: name });
+  }
+
+  function progress(study) {
+    if (!study.n_trials) return el("span", { class: "muted", text: `${study.finished} finished` });
+    const share = Math.min(1, study.finished / study.n_trials);
+    const bar = el("span", { class: "progress" }, el("span", {}));
+    bar.firstChild.style.width = `${(share * 100).toFixed(1)}%`;
+    return el("span", {}, bar, el("span", { class: "progress-label", text: `${study.finished} / ${study.n_trials}` }));
+  }
+
+  function counts(study) {
+    return el(
+      "div",
+      { class: "chips" },
+      STATE_ORDER.filter((s) => study.counts[s]).map((s) =>
+        el("span", { class: `chip chip-${s}`, title: s }, el("b", { text: study.counts[s] }), ` ${s.toLowerCase()}`),
+      ),
+    );
+  }
+
+  function actions(study, refresh) {
+    if (!study.task) return null; // a plain Optuna study: vramtune does not manage it
+    const path = `/studies/${encodeURIComponent(study.name)}`;
+    const act = async (button, method, suffix, confirmText) => {
+      if (confirmText && !window.confirm(confirmText)) return;
+      button.disabled = true;
+      try {
+        await VT.api(path + suffix, { method });
+      } catch (error) {
+        window.alert(`${study.name}: ${error.message}`);
+      }
+      refresh.now();
+    };
+    const buttons = [];
+    if (VT.can("submit") && study.state === "running") {
+      buttons.push(el("button", { class: "small", type: "button", "data-action": "pause", onclick: (e) => act(e.target, "POST", "/pause"), text: "Pause" }));
+    }
+    if (VT.can("submit") && study.state === "paused") {
+      buttons.push(el("button", { class: "small", type: "button", "data-action": "resume", onclick: (e) => act(e.target, "POST", "/resume"), text: "Resume" }));
+    }
+    if (VT.can("admin")) {
+      buttons.push(
+        el("button", {
+          class: "small danger",
+          type: "button",
+          "data-action": "delete",
+          onclick: (e) => act(e.target, "DELETE", "", `Delete study "${study.name}" and all its trials?`),
+          text: "Delete",
+        }),
+      );
+    }
+    return el("div", { class: "chips" }, buttons);
+  }
+
+  function render(refresh) {
+    if (!latest) return;
+    const needle = document.getElementById("study-filter").value.trim().toLowerCase();
+    const shown = latest.studies.filter(
+      (s) => !needle || s.name.toLowerCase().includes(needle) || (s.task || "").toLowerCase().includes(needle),
+    );
+    const rows = shown.map((s) =>
+      el(
+        "tr",
+        { "data-study": s.name },
+        el("td", { class: "name" }, studyLink(s.name)),
+        el("td", { text: s.task || "optuna" }),
+        el("td", {}, VT.badge(s.state)),
+        el("td", {}, progress(s)),
+        el("td", {}, counts(s)),
+        el("td", { class: "num", text: VT.num(s.best_value) }),
+        el("td", { class: "num", text: s.trials_per_hour === null ? "–" : VT.num(Math.round(s.trials_per_hour * 10) / 10) }),
+        el("td", { class: "num", text: s.running }),
+        el("td", { class: "muted", text: VT.ago(s.last_activity, latest.now) }),
+        el("td", {}, actions(s, refresh)),
+      ),
+    );
+    fill(document.querySelector("#studies tbody"), rows);
+    document.getElementById("studies-empty").textContent = latest.studies.length
+      ? shown.length ? "" : "No study matches the filter."
+      : "No studies yet: create one with `vramtune study create` or POST /api/v1/studies.";
+    document.getElementById("study-count").textContent = `${shown.length} of ${latest.studies.length}`;
+    const running = latest.studies.reduce((n, s) => n + s.running, 0);
+    fill(
+      document.getElementById("studies-meta"),
+      el("span", {}, el("b", { text: latest.studies.length }), " studies"),
+      el("span", {}, el("b", { text: running }), " trials running"),
+    );
+  }
+
+  async function main() {
+    await VT.start("studies");
+    const refresh = VT.poll(async () => {
+      latest = await VT.api("/dashboard/studies");
+      render(refresh);
+    }, 3000);
+    document.getElementById("study-filter").addEventListener("input", () => render(refresh));
+    VT.onAuthChange(() => refresh.now());
+  }
+
+  main().catch((error) => VT.errorBox(document.querySelector("main"), error));
+})();

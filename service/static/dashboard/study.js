@@ -1,0 +1,494 @@
+// One study: history, memory, calibration, regions, importances, a trial's curve, the trials.
+"use strict";
+
+(() => {
+  const { el, fill, plotText } = VT;
+  const NAME = decodeURIComponent(location.pathname.replace(/^\/studies\//, ""));
+  const BASE = `/dashboard/studies/${encodeURIComponent(NAME)}`;
+  const STATES = ["COMPLETE", "RUNNING", "WAITING", "PRUNED", "FAIL"];
+  const IMPORTANCE_EVERY_MS = 15000;
+  const MEMORY_PARAM = /batch|width|seq|len|hidden|dim|layer|head|size|embed/i;
+  const REGION_STYLE = {
+    "as asked": { color: "#19a979", symbol: "circle" },
+    resized: { color: "#4f6bed", symbol: "diamond" },
+    routed: { color: "#945ecf", symbol: "square" },
+    "resized after oom": { color: "#e8743b", symbol: "triangle-up" },
+    oom: { color: "#d64545", symbol: "x" },
+    infeasible: { color: "#2d2d2d", symbol: "x-thin-open" },
+    "waiting for a larger card": { color: "#d98a00", symbol: "hourglass" },
+    pruned: { color: "#a0a8b8", symbol: "circle-open" },
+    failed: { color: "#ed4a7b", symbol: "circle-x-open" },
+    running: { color: "#13a4b4", symbol: "star" },
+    waiting: { color: "#c9b037", symbol: "circle-dot" },
+  };
+
+  const table = { sort: "number", order: "desc", states: [], outcome: "", worker: "", offset: 0, limit: 50 };
+  let overview = null;
+  let revision = null;
+  let selected = null;
+  let selectedByUser = false;
+  let importancesAt = 0;
+  const sequence = {};
+
+  /** Run ``load`` for ``key``; an answer that a newer call of the same key overtook is dropped. */
+  async function latestOnly(key, load, render, card) {
+    const ticket = (sequence[key] = (sequence[key] || 0) + 1);
+    try {
+      const data = await load();
+      if (ticket === sequence[key]) await render(data);
+    } catch (error) {
+      if (ticket === sequence[key] && card) showCardError(card, error);
+      if (error.status === 401) return;
+      throw error;
+    }
+  }
+
+  function showCardError(card, error) {
+    const node = document.querySelector(`#${card} .empty`);
+    if (node) node.textContent = error.message;
+  }
+
+  function objectiveName(index) {
+    return (overview && overview.objective_names[index]) || "value";
+  }
+
+  // ------------------------------------------------------------------ header
+
+  function renderHeader(o) {
+    document.title = `${o.name} · vramtune`;
+    document.getElementById("study-name").textContent = o.name;
+    fill(document.getElementById("study-state"), VT.badge(o.state));
+    fill(
+      document.getElementById("study-meta"),
+      el("span", {}, "task ", el("b", { text: o.task || "plain Optuna study" })),
+      el("span", {}, o.directions.map((d, i) => `${d} ${objectiveName(i)}`).join(", ")),
+      o.card_models.length ? el("span", {}, "cards ", el("b", { text: o.card_models.join(", ") })) : null,
+    );
+    const c = o.counts;
+    const best = o.best;
+    fill(
+      document.getElementById("study-summary"),
+      tile("Finished", o.n_trials ? `${o.finished} / ${o.n_trials}` : o.finished, [`${c.COMPLETE - o.infeasible} complete`, o.infeasible ? `${o.infeasible} infeasible` : null, `${c.PRUNED} pruned`, `${c.FAIL} failed`].filter(Boolean).join(" · ")),
+      tile("Running", o.running, `${c.WAITING} waiting`),
+      tile("Trials per hour", o.trials_per_hour === null ? "–" : VT.num(Math.round(o.trials_per_hour)), "over the last hour"),
+      best
+        ? tile(`Best ${objectiveName(0)}`, VT.num(best.values[0]), `trial #${best.number}: ${paramText(best.params)}`)
+        : tile(o.directions.length > 1 ? "Objectives" : "Best value", o.directions.length > 1 ? o.directions.length : "–", o.directions.length > 1 ? "see the Pareto front" : "no completed trial yet"),
+    );
+    renderActions(o);
+  }
+
+  function tile(label, value, sub) {
+    return el("div", { class: "tile" }, el("div", { class: "label", text: label }), el("div", { class: "value", text: value }), el("div", { class: "sub", text: sub }));
+  }
+
+  function paramText(params) {
+    return Object.entries(params).map(([k, v]) => `${k}=${VT.num(v)}`).join(", ");
+  }
+
+  function renderActions(o) {
+    const box = document.getElementById("study-actions");
+    if (!o.task) return fill(box);
+    const path = `/studies/${encodeURIComponent(o.name)}`;
+    const act = async (method, suffix, confirmText) => {
+      if (confirmText && !window.confirm(confirmText)) return;
+      try {
+        await VT.api(path + suffix, { method });
+        if (method === "DELETE") location.assign("/");
+      } catch (error) {
+        window.alert(error.message);
+      }
+      refresh.now();
+    };
+    fill(
+      box,
+      VT.can("submit") && o.state === "running" ? el("button", { type: "button", "data-action": "pause", onclick: () => act("POST", "/pause"), text: "Pause" }) : null,
+      VT.can("submit") && o.state === "paused" ? el("button", { type: "button", "data-action": "resume", onclick: () => act("POST", "/resume"), text: "Resume" }) : null,
+      VT.can("admin") ? el("button", { type: "button", class: "danger", "data-action": "delete", onclick: () => act("DELETE", "", `Delete study "${o.name}" and all its trials?`), text: "Delete" }) : null,
+    );
+  }
+
+  // ------------------------------------------------------------------ plots
+
+  function hint(id, text) {
+    document.getElementById(id).textContent = text;
+  }
+
+  function thinned(data, shown) {
+    return data.downsampled ? ` · ${shown.toLocaleString()} drawn` : "";
+  }
+
+  function onPick(node) {
+    if (node.dataset.pickBound) return;
+    node.dataset.pickBound = "1";
+    node.on("plotly_click", (event) => {
+      const point = event.points && event.points[0];
+      if (point && Number.isInteger(point.customdata)) selectTrial(point.customdata, true);
+    });
+  }
+
+  async function loadHistory() {
+    await latestOnly("history", () => VT.api(`${BASE}/history`), async (d) => {
+      const node = document.getElementById("plot-history");
+      await VT.plot(
+        node,
+        [
+          { type: "scatter", mode: "markers", name: "trial", x: d.numbers, y: d.values, customdata: d.numbers, marker: { size: 5, color: VT.COLORS[0], opacity: 0.6 }, hovertemplate: "trial #%{x}<br>%{y}<extra></extra>" },
+          { type: "scatter", mode: "lines", name: "best so far", x: d.best_numbers, y: d.best_values, line: { shape: "hv", color: VT.COLORS[1], width: 2.5 }, hovertemplate: "best %{y} (trial #%{x})<extra></extra>" },
+        ],
+        { xaxis: { title: { text: "trial" }, gridcolor: "#e6e9f0" }, yaxis: { title: { text: plotText(objectiveName(0)) }, gridcolor: "#e6e9f0" } },
+        "No completed trial yet.",
+      );
+      if (d.total) onPick(node);
+      hint("history-hint", `${d.total.toLocaleString()} completed${thinned(d, d.numbers.length)}`);
+    }, "card-history");
+  }
+
+  async function loadMemory() {
+    await latestOnly("memory", () => VT.api(`${BASE}/memory`), async (d) => {
+      const scale = VT.byteScale(d.measured_bytes);
+      const byCard = new Map();
+      d.numbers.forEach((n, i) => {
+        const card = d.card_models[i] || "unknown card";
+        if (!byCard.has(card)) byCard.set(card, { x: [], y: [], n: [] });
+        const group = byCard.get(card);
+        group.x.push(d.measured_bytes[i] / scale.div);
+        group.y.push(d.values[i]);
+        group.n.push(n);
+      });
+      const traces = [...byCard.entries()].map(([card, g], i) => ({
+        type: "scatter", mode: "markers", name: plotText(card), x: g.x, y: g.y, customdata: g.n,
+        marker: { size: 6, color: VT.COLORS[(i + 2) % VT.COLORS.length], opacity: 0.6 },
+        hovertemplate: `trial #%{customdata}<br>%{x:.3f} ${scale.name}<br>%{y}<extra></extra>`,
+      }));
+      traces.push({
+        type: "scatter", mode: "lines+markers", name: "Pareto front",
+        x: d.front_bytes.map((b) => b / scale.div), y: d.front_values, customdata: d.front_numbers,
+        line: { shape: "hv", color: VT.COLORS[1], width: 2 }, marker: { size: 8, color: VT.COLORS[1], symbol: "diamond" },
+        hovertemplate: `front: trial #%{customdata}<br>%{x:.3f} ${scale.name}<br>%{y}<extra></extra>`,
+      });
+      const node = document.getElementById("plot-memory");
+      await VT.plot(node, traces, {
+        xaxis: { title: { text: `measured peak (${scale.name})` }, gridcolor: "#e6e9f0" },
+        yaxis: { title: { text: plotText(objectiveName(d.objective)) }, gridcolor: "#e6e9f0" },
+      }, "No completed trial with a measured peak yet.");
+      if (d.total) onPick(node);
+      hint("memory-hint", `${d.total.toLocaleString()} trials · ${d.front_numbers.length} on the front${thinned(d, d.numbers.length)}`);
+    }, "card-memory");
+  }
+
+  async function loadCalibration() {
+    await latestOnly("calibration", () => VT.api(`${BASE}/calibration`), async (d) => {
+      const all = d.cards.flatMap((c) => [...c.predicted_bytes, ...c.measured_bytes]);
+      const scale = VT.byteScale(all);
+      const top = Math.max(0, ...all) / scale.div;
+      const traces = d.cards.map((c, i) => ({
+        type: "scatter", mode: "markers", name: plotText(c.card_model),
+        x: c.predicted_bytes.map((b) => b / scale.div), y: c.measured_bytes.map((b) => b / scale.div), customdata: c.numbers,
+        marker: { size: 6, color: VT.COLORS[(i + 2) % VT.COLORS.length], opacity: 0.65 },
+        hovertemplate: `trial #%{customdata}<br>predicted %{x:.3f} ${scale.name}<br>measured %{y:.3f} ${scale.name}<extra></extra>`,
+      }));
+      if (traces.length) {
+        traces.push({ type: "scatter", mode: "lines", name: "measured = predicted", x: [0, top * 1.05], y: [0, top * 1.05], line: { color: "#9aa3b5", dash: "dash", width: 1 }, hoverinfo: "skip" });
+      }
+      const node = document.getElementById("plot-calibration");
+      await VT.plot(node, traces, {
+        xaxis: { title: { text: `predicted peak (${scale.name})` }, gridcolor: "#e6e9f0", rangemode: "tozero" },
+        yaxis: { title: { text: `measured peak (${scale.name})` }, gridcolor: "#e6e9f0", rangemode: "tozero" },
+      }, "No run with a prediction yet.");
+      if (traces.length) onPick(node);
+      const pct = (v) => (v === null ? "–" : `${(v * 100).toFixed(1)} %`);
+      fill(
+        document.getElementById("calibration-stats"),
+        d.cards.length
+          ? el("thead", {}, el("tr", {}, el("th", { text: "card" }), el("th", { class: "num", text: "runs" }), el("th", { class: "num", text: "median |error|" }), el("th", { class: "num", text: "p95 |error|" }), el("th", { class: "num", text: "under-predicted" })))
+          : null,
+        el("tbody", {}, d.cards.map((c) => el("tr", {}, el("td", { text: c.card_model }), el("td", { class: "num", text: c.n }), el("td", { class: "num", text: pct(c.median_abs_error) }), el("td", { class: "num", text: pct(c.p95_abs_error) }), el("td", { class: "num", text: pct(c.under_fraction) })))),
+      );
+    }, "card-calibration");
+  }
+
+  function paramInfo(name) {
+    return (overview.params || []).find((p) => p.name === name);
+  }
+
+  // Trials share the few values of a categorical parameter: spread them around each value
+  // (by a fixed function of the trial number, so a redraw does not move them).
+  function jitter(number, salt) {
+    return ((((number + 1) * (salt ? 0.7548776662 : 0.5698402910)) % 1) - 0.5) * 0.6;
+  }
+
+  function regionAxis(name, salt) {
+    const info = paramInfo(name);
+    const axis = { title: { text: plotText(name) }, gridcolor: "#e6e9f0", zeroline: false };
+    if (info && info.kind === "categorical") {
+      const labels = info.choices.map((c) => plotText(c === null ? "null" : String(c)));
+      Object.assign(axis, { tickvals: labels.map((_, i) => i), ticktext: labels, range: [-0.5, labels.length - 0.5], showgrid: false });
+      const position = (v, n) => info.choices.findIndex((c) => c === v) + jitter(n, salt);
+      return { axis, place: (values, numbers) => values.map((v, i) => position(v, numbers[i])) };
+    }
+    if (info && info.log) Object.assign(axis, { type: "log", dtick: "D2" }); // 1, 2, 5 per decade
+    return { axis, place: (values) => values };
+  }
+
+  function setupRegionSelectors(params) {
+    const xs = document.getElementById("region-x");
+    const ys = document.getElementById("region-y");
+    const names = params.map((p) => p.name);
+    const known = [...xs.options].map((o) => o.value);
+    if (known.join("\u0000") === names.join("\u0000")) return;
+    const keepX = xs.value;
+    const keepY = ys.value;
+    for (const select of [xs, ys]) fill(select, names.map((n) => el("option", { value: n, text: n })));
+    const preferred = [...names.filter((n) => MEMORY_PARAM.test(n)), ...names.filter((n) => !MEMORY_PARAM.test(n))];
+    xs.value = names.includes(keepX) ? keepX : preferred[0] || "";
+    ys.value = names.includes(keepY) ? keepY : preferred.find((n) => n !== xs.value) || xs.value;
+  }
+
+  async function loadRegions() {
+    const x = document.getElementById("region-x").value;
+    const y = document.getElementById("region-y").value;
+    const node = document.getElementById("plot-regions");
+    if (!x || !y) {
+      await VT.plot(node, [], {}, "The study has no parameters yet.");
+      return;
+    }
+    const query = new URLSearchParams({ x, y });
+    await latestOnly("regions", () => VT.api(`${BASE}/regions?${query}`), async (d) => {
+      const ax = regionAxis(d.x, 0);
+      const ay = regionAxis(d.y, 1);
+      const traces = d.categories.map((c) => {
+        const style = REGION_STYLE[c.name] || { color: "#777", symbol: "circle" };
+        return {
+          type: "scatter", mode: "markers", name: `${plotText(c.name)} (${c.count})`,
+          x: ax.place(c.x, c.numbers), y: ay.place(c.y, c.numbers), customdata: c.numbers,
+          marker: { size: 7, color: style.color, symbol: style.symbol, opacity: 0.75, line: { width: 1, color: style.color } },
+          hovertemplate: `trial #%{customdata}<br>${plotText(c.name)}<extra></extra>`,
+        };
+      });
+      await VT.plot(node, traces, { xaxis: ax.axis, yaxis: ay.axis }, "No trial holds both parameters yet.");
+      if (d.total) onPick(node);
+      hint("regions-hint", `${d.total.toLocaleString()} trials`);
+    }, "card-regions");
+  }
+
+  async function loadImportances() {
+    importancesAt = Date.now();
+    await latestOnly("importances", () => VT.api(`${BASE}/importances`), async (d) => {
+      const sorted = [...d.importances].sort((a, b) => a.importance - b.importance);
+      await VT.plot(
+        document.getElementById("plot-importances"),
+        sorted.length
+          ? [{ type: "bar", orientation: "h", name: "importance", x: sorted.map((i) => i.importance), y: sorted.map((i) => plotText(i.name)), marker: { color: VT.COLORS[0] }, hovertemplate: "%{y}: %{x:.3f}<extra></extra>" }]
+          : [],
+        { showlegend: false, margin: { l: 120, r: 16, t: 8, b: 40 }, xaxis: { title: { text: "importance" }, gridcolor: "#e6e9f0", rangemode: "tozero" }, yaxis: { automargin: true } },
+        d.note || "No importances yet.",
+      );
+      hint("importances-hint", d.n_used ? `Optuna ${d.evaluator.replace("ImportanceEvaluator", "")} on ${d.n_used.toLocaleString()} of ${d.n_complete.toLocaleString()} completed` : "");
+    }, "card-importances");
+  }
+
+  function selectTrial(number, byUser) {
+    selected = number;
+    selectedByUser = selectedByUser || byUser;
+    for (const row of document.querySelectorAll("#trials tbody tr")) row.classList.toggle("selected", Number(row.dataset.number) === number);
+    return loadCurve();
+  }
+
+  async function loadCurve() {
+    const node = document.getElementById("plot-curve");
+    if (selected === null) {
+      await VT.plot(node, [], {}, "Click a trial in a plot or in the table.");
+      return;
+    }
+    await latestOnly("curve", () => VT.api(`${BASE}/trials/${selected}`), async (t) => {
+      document.getElementById("curve-title").textContent = `Trial #${t.number}`;
+      await VT.plot(
+        node,
+        [{ type: "scatter", mode: "lines+markers", name: "intermediate value", x: t.intermediate_steps, y: t.intermediate_values, line: { color: VT.COLORS[0], width: 2 }, marker: { size: 5 }, hovertemplate: "step %{x}: %{y}<extra></extra>" }],
+        { showlegend: false, height: 250, xaxis: { title: { text: "step" }, gridcolor: "#e6e9f0" }, yaxis: { title: { text: "reported value" }, gridcolor: "#e6e9f0" } },
+        "This trial reported no intermediate value.",
+      );
+      hint("curve-hint", `${t.state.toLowerCase()}${t.intermediate_total ? ` · ${t.intermediate_total} reports` : ""}`);
+      const pairs = [
+        ["value", t.feasible ? (t.values || []).map(VT.num).join(", ") || "–" : "– (infeasible)"],
+        ["params", paramText(t.params)],
+        ["plan", planText(t.plan)],
+        ["peak predicted / measured", `${VT.bytes(t.predicted_bytes)} / ${VT.bytes(t.measured_bytes)}`],
+        ["worker", t.worker ? `${t.worker} (${t.card_model})` : "–"],
+        ["duration", VT.duration(t.duration_s)],
+        ["attempts", String(t.attempt + 1)],
+      ];
+      if (t.message) pairs.push(["message", t.message]);
+      fill(document.getElementById("curve-details"), pairs.flatMap(([k, v]) => [el("dt", { text: k }), el("dd", { text: v })]));
+    }, "card-curve");
+  }
+
+  // ------------------------------------------------------------------ trial table
+
+  function planText(plan) {
+    if (!plan) return "–";
+    const parts = [];
+    if (plan.micro_batch) parts.push(`micro-batch ${plan.micro_batch} × ${plan.accumulation}`);
+    if (plan.checkpointing) parts.push("checkpointing");
+    if (plan.bf16) parts.push("bf16");
+    return parts.join(", ") || "as asked";
+  }
+
+  function columns() {
+    const o = overview;
+    const cols = [
+      { label: "#", sort: "number", num: true, cell: (r) => r.number },
+      { label: "State", sort: "state", cell: (r) => VT.badge(r.state) },
+    ];
+    const value = (r, i) => (r.feasible ? VT.num(r.values ? r.values[i] : null) : el("span", { class: "muted", title: "infeasible: the value is a placeholder", text: "–" }));
+    o.directions.forEach((_, i) => cols.push({ label: objectiveName(i), sort: i === 0 ? "value" : null, num: true, cell: (r) => value(r, i) }));
+    for (const p of o.params) {
+      cols.push({ label: p.name, sort: `param:${p.name}`, num: p.kind !== "categorical", cell: (r) => (p.name in r.params ? VT.num(r.params[p.name]) : "–") });
+    }
+    cols.push(
+      { label: "Outcome", sort: "outcome", cell: (r) => r.outcome || "–" },
+      { label: "Plan", cell: (r) => el("span", { class: "plan", title: r.plan ? r.plan.reason : "", text: planText(r.plan) }) },
+      { label: "Predicted", sort: "predicted", num: true, cell: (r) => VT.bytes(r.predicted_bytes) },
+      { label: "Measured", sort: "measured", num: true, cell: (r) => VT.bytes(r.measured_bytes) },
+      { label: "Worker", sort: "worker", cell: (r) => r.worker || "–" },
+      { label: "Duration", sort: "duration", num: true, cell: (r) => VT.duration(r.duration_s) },
+    );
+    return cols;
+  }
+
+  function renderTableHead(cols) {
+    const head = el(
+      "tr",
+      {},
+      cols.map((c) => {
+        const sorted = c.sort && c.sort === table.sort ? `sorted-${table.order}` : "";
+        return el("th", {
+          class: [c.num ? "num" : "", c.sort ? "sortable" : "", sorted].join(" ").trim(),
+          "data-sort": c.sort || null,
+          text: c.label,
+          onclick: c.sort
+            ? () => {
+                table.order = table.sort === c.sort && table.order === "desc" ? "asc" : table.sort === c.sort ? "desc" : c.sort === "number" ? "desc" : "asc";
+                table.sort = c.sort;
+                table.offset = 0;
+                loadTable();
+              }
+            : null,
+        });
+      }),
+    );
+    fill(document.querySelector("#trials thead"), head);
+  }
+
+  function syncOptions(select, values, extra) {
+    const wanted = ["", ...values, ...extra];
+    const have = [...select.options].map((o) => o.value);
+    if (have.join("\u0000") === wanted.join("\u0000")) return;
+    const keep = select.value;
+    fill(select, wanted.map((v) => el("option", { value: v, text: v || "all" })));
+    select.value = wanted.includes(keep) ? keep : "";
+  }
+
+  async function loadTable() {
+    const query = new URLSearchParams({ sort: table.sort, order: table.order, offset: table.offset, limit: table.limit });
+    for (const s of table.states) query.append("state", s);
+    if (table.outcome) query.append("outcome", table.outcome);
+    if (table.worker) query.set("worker", table.worker);
+    await latestOnly("table", () => VT.api(`${BASE}/trials?${query}`), (d) => {
+      const cols = columns();
+      renderTableHead(cols);
+      const rows = d.rows.map((r) =>
+        el(
+          "tr",
+          { class: `clickable${r.number === selected ? " selected" : ""}`, "data-number": r.number, onclick: () => selectTrial(r.number, true) },
+          cols.map((c) => el("td", { class: c.num ? "num" : "", "data-col": c.sort || c.label.toLowerCase() }, c.cell(r))),
+        ),
+      );
+      fill(document.querySelector("#trials tbody"), rows.length ? rows : el("tr", {}, el("td", { colspan: cols.length, class: "muted", text: "No trial matches the filters." })));
+      syncOptions(document.getElementById("outcome-filter"), d.outcomes, ["none"]);
+      syncOptions(document.getElementById("worker-filter"), d.workers, []);
+      const last = Math.min(d.offset + d.rows.length, d.total);
+      document.getElementById("page-info").textContent = d.total ? `${(d.offset + 1).toLocaleString()}–${last.toLocaleString()} of ${d.total.toLocaleString()}` : "0 trials";
+      document.getElementById("prev-page").disabled = d.offset === 0;
+      document.getElementById("next-page").disabled = last >= d.total;
+    }, null);
+  }
+
+  function setupTableControls() {
+    fill(
+      document.getElementById("state-filter"),
+      STATES.map((s) =>
+        el("label", {}, el("input", { type: "checkbox", value: s, onchange: (e) => {
+          table.states = e.target.checked ? [...table.states, s] : table.states.filter((x) => x !== s);
+          table.offset = 0;
+          loadTable();
+        } }), s.toLowerCase()),
+      ),
+    );
+    const onSelect = (id, key) => document.getElementById(id).addEventListener("change", (e) => {
+      table[key] = key === "limit" ? Number(e.target.value) : e.target.value;
+      table.offset = 0;
+      loadTable();
+    });
+    onSelect("outcome-filter", "outcome");
+    onSelect("worker-filter", "worker");
+    onSelect("page-size", "limit");
+    document.getElementById("prev-page").addEventListener("click", () => {
+      table.offset = Math.max(0, table.offset - table.limit);
+      loadTable();
+    });
+    document.getElementById("next-page").addEventListener("click", () => {
+      table.offset += table.limit;
+      loadTable();
+    });
+    for (const id of ["region-x", "region-y"]) document.getElementById(id).addEventListener("change", () => loadRegions());
+  }
+
+  // ------------------------------------------------------------------ live
+
+  let missing = false;
+
+  function showMissing() {
+    missing = true;
+    fill(
+      document.querySelector("main"),
+      el("section", { class: "card" }, el("h1", { text: NAME }), el("p", { class: "muted", text: "There is no study of this name (it may have been deleted)." }), el("a", { href: "/", text: "All studies" })),
+    );
+  }
+
+  async function tick() {
+    if (missing) return;
+    try {
+      overview = await VT.api(BASE);
+    } catch (error) {
+      if (error.status === 404) return showMissing();
+      throw error;
+    }
+    renderHeader(overview);
+    if (overview.revision === revision) return;
+    revision = overview.revision;
+    setupRegionSelectors(overview.params);
+    if (!selectedByUser && overview.best) selected = overview.best.number;
+    const jobs = [loadHistory(), loadMemory(), loadCalibration(), loadRegions(), loadTable(), loadCurve()];
+    if (Date.now() - importancesAt > IMPORTANCE_EVERY_MS) jobs.push(loadImportances());
+    const results = await Promise.allSettled(jobs);
+    const failed = results.find((r) => r.status === "rejected");
+    if (failed) throw failed.reason;
+    document.body.dataset.rendered = revision;
+  }
+
+  let refresh = null;
+
+  async function main() {
+    await VT.start("studies");
+    setupTableControls();
+    refresh = VT.poll(tick, 3000);
+    VT.onAuthChange(() => {
+      revision = null;
+      refresh.now();
+    });
+  }
+
+  main().catch((error) => VT.errorBox(document.querySelector("main"), error));
+})();

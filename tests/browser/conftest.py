@@ -1,0 +1,165 @@
+"""Browser fixtures: a live server with studies run by real CPU workers, and headless Chromium.
+
+One server and one pair of workers serve every browser test of the session (starting them and
+running the study takes most of the time); each test opens its own page.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+
+from service.client import Client
+from service.testing import ServerProcess, server_factory, sqlite_url, upgrade_database
+from tests.browser.chromium import CHROMIUM, launch
+from tests.e2e.conftest import WorkerProcess
+
+REPO = Path(__file__).resolve().parents[2]
+
+ARTIFACTS = REPO / "test-artifacts"
+# A failure bound for things that take seconds, never an assertion on time.
+PATIENCE_S = 150.0
+# Heartbeats every 2 s: a worker shows as stale after 5 s without one.
+FLEET = {"heartbeat_interval_s": 2.0}
+STUDY = "dash-quadratic"
+XSS_PARAM_STUDY = "dash-xss-params"
+# Names that would run script if a page ever put them into innerHTML.
+XSS_PARAM = '<img src=x onerror="window.__xss=1">'
+XSS_STUDY = "<script>window.__xss=1</script>"
+N_TRIALS = 30
+
+
+def quadratic_spec(name: str, n_trials: int, **extra: Any) -> dict[str, Any]:
+    """A quadratic study whose widths and batches make trials fit, resize, route, OOM or not fit.
+
+    On a 64 MiB card only narrow models fit; width 1024 must go to the 256 MiB card; width 4096
+    fits no card (infeasible); micro-batches above 192 run out of memory though predicted to fit.
+    """
+    spec = {
+        "name": name,
+        "task": "quadratic",
+        "search_space": {
+            "x": {"type": "float", "low": -2.0, "high": 3.0},
+            "y": {"type": "float", "low": -2.0, "high": 2.0},
+            "batch_size": {"type": "categorical", "choices": [32, 64, 128, 256]},
+            "width": {"type": "categorical", "choices": [64, 256, 1024, 4096]},
+        },
+        "sampler": {"name": "random", "args": {"seed": 3}},
+        "pruner": {"name": "median", "args": {"n_startup_trials": 8}},
+        "n_trials": n_trials,
+        "budget": {"max_steps": 20, "eval_every": 4},
+        "task_config": {"step_seconds": 0.002, "oom_above_micro_batch": 192},
+        "memory_policy": {"resizes": ["micro_batch", "checkpointing"]},
+    }
+    return spec | extra
+
+
+@dataclass
+class Live:
+    """The live server, its database and what the tests look for."""
+
+    server: ServerProcess
+    database_url: str
+    workers: list[WorkerProcess]
+    directory: Path
+    client: Client
+    made: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        """The server's base URL."""
+        return self.server.url
+
+
+def wait_for(check: Callable[[], bool], what: str, timeout: float = PATIENCE_S) -> None:
+    """Poll ``check`` until true; fail naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"gave up waiting for {what}")
+        time.sleep(0.3)
+
+
+def seed_plain_optuna_study(url: str, name: str) -> None:
+    """A study made by plain Optuna in the same database, its name and parameter hostile."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(storage=url, study_name=name)
+    study.optimize(lambda t: t.suggest_float("<b>bold</b>", 0, 1) ** 2, n_trials=3)
+
+
+@pytest.fixture(scope="session")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    """A server on SQLite, two CPU workers (64 and 256 MiB cards) and a finished quadratic study."""
+    directory = tmp_path_factory.mktemp("dashboard")
+    url = upgrade_database(sqlite_url(directory))
+    with server_factory(directory) as start:
+        server = start(url, **FLEET)
+        with Client(server.url) as client:
+            client.create_study(quadratic_spec(STUDY, N_TRIALS))
+            hostile = quadratic_spec(XSS_PARAM_STUDY, 3)
+            hostile["search_space"] = {XSS_PARAM: {"type": "float", "low": 0.0, "high": 1.0}}
+            client.create_study(hostile)
+            seed_plain_optuna_study(url, XSS_STUDY)
+            workers = [
+                WorkerProcess(server.url, "64MiB", directory / "small-card.log"),
+                WorkerProcess(server.url, "256MiB", directory / "large-card.log"),
+            ]
+            live = Live(server, url, workers, directory, client)
+            try:
+                wait_for(lambda: client.get_study(STUDY).state == "done", f"{STUDY} to finish")
+                yield live
+            finally:
+                for worker in workers:
+                    worker.stop()
+                    print(f"----- {worker.name}\n{worker.logs()[-4000:]}")
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator[Any]:
+    """Headless Chromium from the Debian package (never a downloaded one)."""
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} is not installed (apt-get install chromium)")
+    with launch() as browser:
+        yield browser
+
+
+@dataclass
+class Page:
+    """A browser page that records console errors, uncaught exceptions and dialogs."""
+
+    page: Any
+    errors: list[str] = field(default_factory=list)
+    dialogs: list[str] = field(default_factory=list)
+
+    def screenshot(self, name: str) -> Path:
+        """A full-page screenshot under test-artifacts/."""
+        ARTIFACTS.mkdir(exist_ok=True)
+        path = ARTIFACTS / f"{name}.png"
+        self.page.screenshot(path=str(path), full_page=True)
+        return path
+
+
+@pytest.fixture
+def open_page(browser: Any) -> Iterator[Callable[[str], Page]]:
+    """open_page(url) -> Page, in a fresh browser context (its own sessionStorage)."""
+    contexts: list[Any] = []
+
+    def open_(url: str) -> Page:
+        context = browser.new_context(viewport={"width": 1500, "height": 1000})
+        contexts.append(context)
+        page = Page(context.new_page())
+        page.page.on("console", lambda m: page.errors.append(m.text) if m.type == "error" else None)
+        page.page.on("pageerror", lambda e: page.errors.append(f"uncaught: {e}"))
+        page.page.on("dialog", lambda d: (page.dialogs.append(d.message), d.dismiss()))
+        page.page.goto(url)
+        return page
+
+    yield open_
+    for context in contexts:
+        context.close()

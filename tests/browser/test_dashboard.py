@@ -1,0 +1,247 @@
+"""The dashboard in headless Chromium against a live server whose study real CPU workers ran."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy.orm import Session
+
+from service import auth
+from service.db import make_engine
+from service.testing import ServerFactory
+from tests.browser.conftest import (
+    N_TRIALS,
+    STUDY,
+    XSS_PARAM,
+    XSS_PARAM_STUDY,
+    XSS_STUDY,
+    Live,
+    Page,
+    quadratic_spec,
+)
+
+pytestmark = pytest.mark.browser
+
+OpenPage = Callable[[str], Page]
+WAIT_MS = 60_000
+DASH = "\u2013"  # an en dash, as in the pager's "1-25 of 30"
+PLOTS = ("history", "memory", "calibration", "regions", "curve")
+
+
+def study_url(live: Live, name: str) -> str:
+    """The study page's URL, the name escaped as the studies page links it."""
+    from urllib.parse import quote
+
+    return f"{live.url}/studies/{quote(name, safe='')}"
+
+
+def wait_rendered(page: Page) -> None:
+    """Until the study page has drawn everything once."""
+    page.page.wait_for_function("() => document.body.dataset.rendered", timeout=WAIT_MS)
+
+
+def points(page: Page, plot: str) -> int:
+    """Markers drawn in one of the study page's scatter plots."""
+    selector = f"#plot-{plot} .scatterlayer .trace .points path"
+    return int(page.page.locator(selector).count())
+
+
+def column(page: Page, key: str) -> list[str]:
+    """The text of one column of the trial table, top to bottom."""
+    return [
+        t.strip()
+        for t in page.page.locator(f"#trials tbody td[data-col='{key}']").all_inner_texts()
+    ]
+
+
+def wait_table(page: Page, check: str) -> None:
+    """Until a JS predicate over the trial table's rows holds."""
+    rows = "[...document.querySelectorAll('#trials tbody tr')]"
+    js = f"() => {{ const rows = {rows}; return {check}; }}"
+    page.page.wait_for_function(js, timeout=WAIT_MS)
+
+
+def test_studies_page_lists_studies_with_their_counts(live: Live, open_page: OpenPage) -> None:
+    page = open_page(f"{live.url}/")
+    row = page.page.locator(f"tr[data-study='{STUDY}']")
+    row.wait_for(timeout=WAIT_MS)
+    text = row.inner_text()
+    assert "done" in text
+    assert f"{N_TRIALS} / {N_TRIALS}" in text
+    assert "quadratic" in text
+    page.screenshot("dashboard-studies")
+    assert page.errors == []
+
+
+def test_study_page_draws_every_plot_with_points(live: Live, open_page: OpenPage) -> None:
+    page = open_page(study_url(live, STUDY))
+    wait_rendered(page)
+    for plot in PLOTS:
+        assert points(page, plot) > 0, f"the {plot} plot has no points"
+    assert page.page.locator("#plot-importances .barlayer .point").count() >= 2
+    legend = " ".join(page.page.locator("#plot-regions .legendtext").all_text_contents())
+    assert "infeasible" in legend, legend  # width 4096 fits no card of the fleet
+    assert "as asked" in legend, legend
+    assert page.page.locator("#calibration-stats tbody tr").count() >= 1
+    page.page.wait_for_timeout(300)  # let plotly finish its transitions before the picture
+    page.screenshot("dashboard-study")
+    assert page.errors == []
+
+
+def test_trial_table_sorts_filters_and_pages(live: Live, open_page: OpenPage) -> None:
+    page = open_page(study_url(live, STUDY))
+    wait_rendered(page)
+    page.page.select_option("#page-size", "25")
+    wait_table(page, "rows.length === 25")
+    info = page.page.locator("#page-info")
+    assert info.inner_text().startswith(f"1{DASH}25 of ")
+    assert column(page, "number")[0] == str(N_TRIALS - 1)  # newest first
+    page.page.click("#next-page")
+    page.page.wait_for_function(
+        f"() => document.querySelector('#page-info').textContent.startsWith('26{DASH}')",
+        timeout=WAIT_MS,
+    )
+    assert column(page, "number")[0] == str(N_TRIALS - 26)
+    page.page.click("#trials th[data-sort='number']")  # back to the first page, oldest first
+    wait_table(page, "rows.length === 25 && rows[0].querySelector('td').textContent === '0'")
+    page.page.check("#state-filter input[value='COMPLETE']")
+    wait_table(page, "rows.every(r => r.querySelector('.badge').textContent === 'COMPLETE')")
+    outcomes = page.page.locator("#outcome-filter option").all_inner_texts()
+    chosen = next(o for o in outcomes if o not in ("all", "none"))
+    page.page.select_option("#outcome-filter", chosen)
+    wait_table(
+        page,
+        f"rows.every(r => r.querySelector(\"td[data-col='outcome']\").textContent === '{chosen}')",
+    )
+    workers = page.page.locator("#worker-filter option").all_inner_texts()
+    page.page.select_option("#outcome-filter", "")
+    page.page.select_option("#worker-filter", "large-card")
+    assert "large-card" in workers
+    wait_table(
+        page,
+        "rows.every(r => r.querySelector(\"td[data-col='worker']\").textContent === 'large-card')",
+    )
+    assert page.errors == []
+
+
+def test_region_map_and_curve_follow_the_users_choice(live: Live, open_page: OpenPage) -> None:
+    page = open_page(study_url(live, STUDY))
+    wait_rendered(page)
+    page.page.select_option("#region-x", "x")
+    page.page.select_option("#region-y", "y")
+    page.page.wait_for_function(
+        "() => document.querySelector('#plot-regions .xtitle')?.textContent === 'x'"
+        " && document.querySelector('#plot-regions .ytitle')?.textContent === 'y'",
+        timeout=WAIT_MS,
+    )
+    assert points(page, "regions") > 0
+    page.page.click("#trials tbody tr[data-number='3']")
+    page.page.wait_for_function(
+        "() => document.querySelector('#curve-title').textContent === 'Trial #3'", timeout=WAIT_MS
+    )
+    assert page.errors == []
+
+
+def test_hostile_names_render_as_text(live: Live, open_page: OpenPage) -> None:
+    page = open_page(f"{live.url}/")
+    page.page.locator("td.name a").first.wait_for(timeout=WAIT_MS)
+    assert XSS_STUDY in page.page.locator("td.name a").all_inner_texts()
+    assert_no_script_ran(page)
+
+    page = open_page(study_url(live, XSS_STUDY))
+    wait_rendered(page)
+    assert page.page.locator("#study-name").inner_text() == XSS_STUDY
+    assert "<b>bold</b>" in page.page.locator("#trials thead th").all_inner_texts()
+    title = page.page.locator("#plot-regions .xtitle").text_content()
+    assert title == "<b>bold</b>"  # plotly shows the markup, does not apply it
+    assert_no_script_ran(page)
+
+    page = open_page(study_url(live, XSS_PARAM_STUDY))
+    wait_rendered(page)
+    assert XSS_PARAM in page.page.locator("#trials thead th").all_inner_texts()
+    assert page.page.locator("main img").count() == 0
+    assert_no_script_ran(page)
+
+
+def assert_no_script_ran(page: Page) -> None:
+    """No injected script ran, no dialog opened, no error was logged."""
+    page.page.wait_for_timeout(200)
+    assert page.page.evaluate("() => window.__xss") is None
+    assert page.dialogs == []
+    assert page.errors == []
+
+
+def test_fleet_page_shows_workers_their_cards_and_trials(live: Live, open_page: OpenPage) -> None:
+    page = open_page(f"{live.url}/fleet")
+    for name in ("small-card", "large-card"):
+        row = page.page.locator(f"tr[data-worker='{name}'][data-state='live']")
+        row.wait_for(timeout=WAIT_MS)  # a heartbeat late on a busy machine passes
+        assert "MiB" in row.inner_text()
+    done = [int(t) for t in page.page.locator("#workers tbody td.num").all_inner_texts()]
+    assert sum(done) >= N_TRIALS // 2
+    assert "Live workers" in page.page.locator("#fleet-summary").inner_text()
+    page.screenshot("dashboard-fleet")
+    assert page.errors == []
+
+
+def test_pages_update_without_a_reload(live: Live, open_page: OpenPage) -> None:
+    page = open_page(f"{live.url}/")
+    page.page.locator(f"tr[data-study='{STUDY}']").wait_for(timeout=WAIT_MS)
+    name = f"dash-live-{uuid.uuid4().hex[:6]}"
+    live.client.create_study(quadratic_spec(name, 4))
+    row = page.page.locator(f"tr[data-study='{name}']")
+    row.wait_for(timeout=WAIT_MS)  # appears on a poll: the page is not reloaded
+    page.page.wait_for_function(
+        f"() => document.querySelector(\"tr[data-study='{name}']\").textContent.includes('4 / 4')",
+        timeout=WAIT_MS,
+    )
+    assert page.errors == []
+
+
+# ---------------------------------------------------------------- auth on
+
+
+@pytest.fixture
+def secured(live: Live, start_server: ServerFactory) -> Iterator[tuple[str, dict[str, str]]]:
+    """A second server with auth on, on the live database, and a read and an admin token."""
+    engine = make_engine(live.database_url)
+    tokens = {}
+    with Session(engine) as session, session.begin():
+        for scope in ("read", "admin"):
+            tokens[scope] = auth.create_token(session, f"dashboard-{scope}", [scope])[1]
+    engine.dispose()
+    server = start_server(live.database_url, auth="on")
+    yield server.url, tokens
+
+
+def sign_in(page: Page, token: str) -> None:
+    """Fill the login box the page shows."""
+    page.page.locator("#login input[name='token']").fill(token)
+    page.page.locator("#login button[type='submit']").click()
+
+
+def test_login_and_read_only_viewers_see_no_write_buttons(
+    secured: tuple[str, dict[str, str]], open_page: OpenPage
+) -> None:
+    url, tokens = secured
+    page = open_page(f"{url}/studies/{STUDY}")
+    page.page.locator("#login").wait_for(timeout=WAIT_MS)  # 401: the page asks for a token
+    sign_in(page, tokens["read"])
+    wait_rendered(page)
+    assert points(page, "history") > 0
+    assert page.page.locator("[data-action]").count() == 0
+    assert "read" in page.page.locator("#auth").inner_text()
+
+    page.page.goto(f"{url}/")  # the token stays for the tab (sessionStorage)
+    page.page.locator(f"tr[data-study='{STUDY}']").wait_for(timeout=WAIT_MS)
+    assert page.page.locator("[data-action]").count() == 0
+
+    admin = open_page(f"{url}/studies/{STUDY}")
+    admin.page.locator("#login").wait_for(timeout=WAIT_MS)
+    sign_in(admin, tokens["admin"])
+    admin.page.locator("[data-action='delete']").wait_for(timeout=WAIT_MS)
+    errors: list[Any] = [e for e in page.errors + admin.errors if "401" not in e]
+    assert errors == []
