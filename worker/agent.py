@@ -19,6 +19,7 @@ from typing import Any
 from service.wire import (
     Assignment,
     Calibration,
+    CardConstants,
     CompleteRequest,
     FailKind,
     FailRequest,
@@ -130,6 +131,7 @@ class Agent:
         self._running: _Running | None = None
         self._heartbeats: threading.Thread | None = None
         self._heartbeats_stop = threading.Event()
+        self._beat_now = threading.Event()
 
     # ------------------------------------------------------------ life cycle
 
@@ -157,6 +159,7 @@ class Agent:
     def close(self) -> None:
         """Stop heartbeating and tell the server this worker leaves."""
         self._heartbeats_stop.set()
+        self._beat_now.set()
         if self._heartbeats is not None:
             self._heartbeats.join(timeout=5.0)
         if self.registered is not None:
@@ -196,6 +199,8 @@ class Agent:
         if assignment is None:
             return False
         self.trials_run += 1
+        # Renew the new lease at once: it started ticking before a slow answer reached us.
+        self._beat_now.set()
         self.event("assigned", assignment, attempt=assignment.attempt, params=assignment.params)
         try:
             self._run_trial(assignment)
@@ -391,6 +396,9 @@ class Agent:
             device=self.options.device,
             card=self.card.info.model_copy(update={"free_bytes": self.free_bytes()}),
             tasks=sorted(self.runners),
+            constants=CardConstants.model_validate(
+                {k: v for k, v in self.card.constants.items() if k in CardConstants.model_fields}
+            ),
         )
 
     def _calibration(self, task: str) -> Calibration | None:
@@ -408,7 +416,11 @@ class Agent:
     def _heartbeat_loop(self) -> None:
         assert self.registered is not None
         interval = self.registered.heartbeat_interval_s
-        while not self._heartbeats_stop.wait(interval):
+        while True:
+            self._beat_now.wait(interval)
+            self._beat_now.clear()
+            if self._heartbeats_stop.is_set():
+                return
             try:
                 reply = self.client.heartbeat(
                     self.registered.worker_id,

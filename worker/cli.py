@@ -93,13 +93,10 @@ def worker_command(args: argparse.Namespace) -> int:
 
 def tasks_command(args: argparse.Namespace) -> int:
     """Print the task names a worker would advertise, and the modules that failed to load."""
-    from worker.registry import discover
+    from worker.registry import discover, format_listing
 
-    found = discover(args.tasks)
-    for name in sorted(found.runners):
-        print(name)
-    for error in found.errors:
-        print(f"error: {error}", file=sys.stderr)
+    found = discover(args.tasks, entry_points=not args.no_entry_points)
+    print(format_listing(found))
     return 0 if found.runners else 1
 
 
@@ -114,9 +111,9 @@ def _run_one(args: argparse.Namespace) -> int:
     except gpu.DeviceError as error:
         print(f"vramtune worker: {error}", file=sys.stderr)
         return 2
-    found = discover(args.tasks)
-    for problem in found.errors:
-        log.error("task not loaded: %s", problem)
+    found = discover(args.tasks, entry_points=not args.no_entry_points)
+    for source, problem in found.errors.items():
+        log.error("task %s not loaded: %s", source, problem)
     if not found.runners:
         print("vramtune worker: no task to advertise", file=sys.stderr)
         return 2
@@ -169,6 +166,8 @@ def _child_argv(args: argparse.Namespace, index: int) -> list[str]:
         argv += ["--memory-limit", str(args.memory_limit)]
     for module in args.tasks:
         argv += ["--tasks", module]
+    if args.no_entry_points:
+        argv.append("--no-entry-points")
     if args.max_trials is not None:
         argv += ["--max-trials", str(args.max_trials)]
     if args.exit_when_idle is not None:
@@ -180,10 +179,9 @@ def _card_constants(device: str) -> dict[str, int]:
     """Memory the trace cannot see, measured on a real card (nothing on a simulated one)."""
     if device == "cpu":
         return {}
-    from worker.predictor import measure_card_constants
+    from worker.predictor import measure_card_constants  # imports torch: a GPU worker only
 
-    constants: dict[str, int] = measure_card_constants(device)
-    return constants
+    return dict(measure_card_constants(device).model_dump())
 
 
 def _stop_on_signals() -> threading.Event:
@@ -211,7 +209,12 @@ def _add_tasks_option(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="MODULE",
-        help="also load tasks from this module (repeatable); entry points are always read",
+        help="also load tasks from this module or .py file (repeatable)",
+    )
+    parser.add_argument(
+        "--no-entry-points",
+        action="store_true",
+        help="only the --tasks modules, not the installed vramtune.tasks entry points",
     )
 
 

@@ -105,8 +105,7 @@ def choose_plan(
 ) -> Decision:
     """The cheapest plan that fits `free_bytes` less the policy's margin, or a hand-back."""
     chooser = _Chooser(runner, config, card, calibration, runner.batch_size(config))
-    as_asked = Plan()
-    first = runner.predict(config, as_asked, card)
+    first = chooser.predict(Plan())
     if first.method == "none":
         return _blind_plan(chooser.batch, policy, plans_tried, first)
     margin_budget = int(free_bytes * (1.0 - policy.margin))
@@ -139,15 +138,16 @@ class _Chooser:
         self.card = card
         self.calibration = calibration
         self.batch = batch
+        self._predictions: dict[tuple[object, ...], Prediction] = {}
 
     def predict(self, plan: Plan) -> Prediction:
-        """The runner's prediction with the service's calibration applied."""
-        raw = self.runner.predict(self.config, plan, self.card)
-        if self.calibration is None:
-            return raw
-        from service.calibration import apply_calibration  # only needed once the service has data
-
-        return apply_calibration(raw, self.calibration)
+        """The runner's prediction with the service's calibration applied (once per plan)."""
+        key = _key(plan)
+        if key not in self._predictions:
+            raw = self.runner.predict(self.config, plan, self.card)
+            calibrated = raw if self.calibration is None else _calibrated(raw, self.calibration)
+            self._predictions[key] = calibrated
+        return self._predictions[key]
 
     def below_tried(self, budget: int, plans_tried: Sequence[PlanOut]) -> int:
         """An OOM shows this card cannot hold what the tried plan was predicted to need."""
@@ -265,6 +265,16 @@ def _blind_plan(
         micro //= 2
     reason = f"no prediction and every plan down to micro-batch {max(micro, 1)} ran out of memory"
     return HandBack(0, None, reason)
+
+
+def _calibrated(prediction: Prediction, calibration: Calibration) -> Prediction:
+    """The prediction corrected by the service's fit (service.calibration, pydantic only)."""
+    try:
+        from service.calibration import apply_calibration
+    except ImportError:  # a server without the calibration module serves the identity
+        return prediction
+    calibrated: Prediction = apply_calibration(prediction, calibration)
+    return calibrated
 
 
 def footprint(prediction: Prediction) -> int:

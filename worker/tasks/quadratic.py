@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from service.wire import Measured, Plan, Prediction, TrainBudget
 from worker.policy import expected_slowdown
@@ -43,12 +45,12 @@ class QuadraticConfig:
     @classmethod
     def of(cls, config: Config) -> QuadraticConfig:
         """Read the known keys of a trial's configuration, ignoring the others."""
-        fields = cls.__dataclass_fields__
+        kinds: dict[str, Callable[[Any], Any]] = {
+            name: type(value) for name, value in vars(cls()).items()
+        }
         try:
             # Each key takes the type of its default: a string where a number belongs fails here.
-            parsed = cls(
-                **{k: type(f.default)(config[k]) for k, f in fields.items() if k in config}
-            )
+            parsed = cls(**{k: kind(config[k]) for k, kind in kinds.items() if k in config})
             for name in ("batch_size", "width", "objectives"):
                 if int(getattr(parsed, name)) < 1:
                     raise ValueError(f"{name} must be >= 1, got {getattr(parsed, name)}")

@@ -1,0 +1,117 @@
+"""The agent in-process (run_once) against a real server: every way a trial can end."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from service.client import Client
+from service.testing import ServerProcess
+from tests.e2e.conftest import Studies, finished
+from worker.agent import Agent, AgentOptions
+from worker.api import ServerClient
+from worker.gpu import parse_size, simulated_card
+from worker.runner import CardSpec
+from worker.tasks.quadratic import QuadraticTask
+
+X = {"x": {"type": "float", "low": -2.0, "high": 2.0}}
+
+
+@pytest.fixture
+def agent(fleet_server: ServerProcess) -> Iterator[Agent]:
+    """An in-process agent on a 64 MiB simulated card (registered on first use)."""
+    card = CardSpec(info=simulated_card(parse_size("64MiB")))
+    made = Agent(
+        ServerClient(fleet_server.url),
+        {"quadratic": QuadraticTask()},
+        card,
+        AgentOptions(name="in-process"),
+    )
+    yield made
+    made.close()
+
+
+def test_no_work_is_not_an_error(agent: Agent) -> None:
+    assert agent.run_once() is False
+
+
+def test_a_completed_trial_carries_its_value_plan_and_peaks(agent: Agent, studies: Studies) -> None:
+    name = studies.create(X, n_trials=1)
+    assert agent.run_once() is True
+    [trial] = studies.trials(name)
+    assert trial.state == "COMPLETE"
+    assert trial.values == [
+        pytest.approx((trial.params["x"] - 1) ** 2 + 0.25 + 0.05 * 9 + 0.05 * 9)
+    ]
+    assert trial.plan is not None and trial.plan.reason.startswith("as asked")
+    assert trial.predicted_peak_bytes == trial.measured_peak_bytes
+    assert trial.worker == "in-process"
+    assert trial.outcome == "as_asked"
+
+
+def test_a_configuration_the_task_refuses_fails_with_the_tasks_message(
+    agent: Agent, studies: Studies
+) -> None:
+    name = studies.create(X, n_trials=1, task_config={"batch_size": 0})
+    assert agent.run_once() is True
+    [trial] = studies.trials(name)
+    assert trial.state == "FAIL"
+    assert "batch_size must be >= 1" in trial.user_attrs["vramtune.fail_reason"]
+    assert trial.outcome == "failed"
+
+
+def test_the_pruner_prunes_through_intermediate_reports(agent: Agent, studies: Studies) -> None:
+    pruner = {"name": "threshold", "args": {"upper": -1.0}}  # every value is above: prune at once
+    name = studies.create(X, n_trials=1, pruner=pruner)
+    assert agent.run_once() is True
+    [trial] = studies.trials(name)
+    assert trial.state == "PRUNED"
+    assert list(trial.intermediate) == [5]
+
+
+def test_a_wrong_number_of_values_fails_the_trial_not_the_worker(
+    agent: Agent, studies: Studies
+) -> None:
+    name = studies.create(X, n_trials=1, directions=["minimize", "minimize"])
+    assert agent.run_once() is True
+    [trial] = studies.trials(name)
+    assert trial.state == "FAIL"
+    name = studies.create(
+        X, n_trials=1, directions=["minimize", "minimize"], task_config={"objectives": 2}
+    )
+    assert agent.run_once() is True
+    [trial] = studies.trials(name)
+    assert trial.state == "COMPLETE" and trial.values is not None and len(trial.values) == 2
+
+
+def test_heartbeats_keep_a_trial_longer_than_its_lease(agent: Agent, studies: Studies) -> None:
+    # Lease TTL 3 s; this trial runs about 3 s and more, and must complete under its first lease.
+    budget = {"max_steps": 200, "eval_every": 50}
+    name = studies.create(X, n_trials=1, task_config={"step_seconds": 0.02}, budget=budget)
+    assert agent.run_once() is True
+    [trial] = studies.trials(name)
+    assert trial.state == "COMPLETE" and trial.attempt == 0  # attempts count from 0
+
+
+def test_pausing_the_study_stops_the_trial_and_gives_it_back(
+    agent: Agent, studies: Studies, fleet_server: ServerProcess
+) -> None:
+    budget = {"max_steps": 150, "eval_every": 50}
+    name = studies.create(X, n_trials=1, task_config={"step_seconds": 0.02}, budget=budget)
+    cycle = threading.Thread(target=agent.run_once)
+    cycle.start()
+    studies.wait_until(name, lambda trials: any(t.state == "RUNNING" for t in trials))
+    with Client(fleet_server.url) as client:
+        client.pause(name)
+        cycle.join(60)
+        assert not cycle.is_alive(), "the stop order ended the run"
+        [paused] = studies.trials(name)
+        assert paused.state != "FAIL"
+        assert agent.run_once() is False, "a paused study offers nothing"
+        client.resume(name)
+    assert agent.run_once() is True
+    [trial] = studies.wait_until(name, finished(1))
+    assert trial.state == "COMPLETE"
+    assert trial.attempt == paused.attempt, "an interrupted run is not a failed attempt"

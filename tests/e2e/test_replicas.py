@@ -1,0 +1,67 @@
+"""Two server replicas on one PostgreSQL, sixteen workers: one worker per trial at a time."""
+
+from __future__ import annotations
+
+import itertools
+import signal
+from collections import defaultdict
+from datetime import datetime
+
+import pytest
+import sqlalchemy as sa
+
+from service.client import Client
+from service.testing import ServerFactory, upgrade_database
+from tests.e2e.conftest import FAST_FLEET, Studies, WorkerFactory, finished
+
+N_WORKERS = 16
+N_TRIALS = 48
+# Sixteen workers heartbeating two servers on two cores: slower periods than FAST_FLEET's, and
+# more patience (a bound on failure, not a timing assertion).
+FLEET = FAST_FLEET | {"lease_ttl_s": 8.0, "heartbeat_interval_s": 1.0, "worker_stale_s": 8.0}
+PATIENCE_S = 300.0
+
+
+@pytest.mark.slow
+def test_two_servers_sixteen_workers_share_one_study_without_double_assignment(
+    postgres_url: str, servers: ServerFactory, start_worker: WorkerFactory
+) -> None:
+    upgrade_database(postgres_url)
+    replicas = [servers(postgres_url, **FLEET) for _ in range(2)]
+    with Client(replicas[0].url) as client:
+        studies = Studies(client)
+        name = studies.create(
+            {"x": {"type": "float", "low": -2.0, "high": 2.0}},
+            n_trials=N_TRIALS,
+            task_config={"step_seconds": 0.01},
+            budget={"max_steps": 20, "eval_every": 10},
+        )
+        workers = [start_worker(replicas[i % 2].url) for i in range(N_WORKERS)]
+        trials = studies.wait_until(name, finished(N_TRIALS), PATIENCE_S)
+        for worker in workers:
+            worker.signal(signal.SIGTERM)
+        assert [worker.wait(PATIENCE_S) for worker in workers] == [0] * N_WORKERS
+    assert [t.state for t in trials] == ["COMPLETE"] * N_TRIALS
+    assert sorted(t.number for t in trials) == list(range(N_TRIALS))
+    assert len({t.id for t in trials}) == N_TRIALS
+    assert len({t.worker for t in trials}) > 1, "the work was shared"
+    _assert_one_lease_at_a_time(postgres_url)
+
+
+def _assert_one_lease_at_a_time(url: str) -> None:
+    """No trial ever had two leases whose lifetimes overlap."""
+    engine = sa.create_engine(url)
+    with engine.connect() as connection:
+        rows = connection.execute(
+            sa.text("SELECT trial_id, created_at, ended_at FROM vramtune_leases ORDER BY id")
+        ).all()
+    engine.dispose()
+    leases: dict[int, list[tuple[datetime, datetime]]] = defaultdict(list)
+    for trial_id, created, ended in rows:
+        assert ended is not None, f"trial {trial_id} still has a live lease"
+        leases[trial_id].append((created, ended))
+    assert len(leases) == N_TRIALS
+    for trial_id, spans in leases.items():
+        spans.sort()
+        for (_, end), (start, _) in itertools.pairwise(spans):
+            assert end <= start, f"trial {trial_id} had two leases at once"

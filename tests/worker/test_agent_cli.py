@@ -1,0 +1,88 @@
+"""`vramtune worker` and `vramtune tasks` as real subprocesses (no server needed)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from service.testing import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+QUADRATIC_ONLY = ["--tasks", "worker.tasks.quadratic", "--no-entry-points"]
+
+
+def vramtune(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("VRAMTUNE_")}
+    return subprocess.run(
+        [sys.executable, "-m", "service", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env=clean | env,
+        check=False,
+    )
+
+
+def test_tasks_lists_what_a_worker_would_advertise() -> None:
+    result = vramtune("tasks", *QUADRATIC_ONLY)
+    assert result.returncode == 0, result.stderr
+    assert "quadratic" in result.stdout
+    assert "digits-mlp" not in result.stdout
+
+
+def test_a_worker_needs_a_server() -> None:
+    result = vramtune("worker", "--device", "cpu", "--memory-limit", "1GiB")
+    assert result.returncode == 2
+    assert "--server or VRAMTUNE_SERVER" in result.stderr
+
+
+def test_a_cpu_worker_needs_its_simulated_cards_size() -> None:
+    result = vramtune("worker", "--server", "http://127.0.0.1:9", "--device", "cpu")
+    assert result.returncode == 2
+    assert "--memory-limit" in result.stderr
+
+
+def test_a_size_that_is_not_one_is_refused_by_name() -> None:
+    result = vramtune("worker", "--device", "cpu", "--memory-limit", "lots")
+    assert result.returncode == 2
+    assert "--memory-limit" in result.stderr and "not a size" in result.stderr
+
+
+def test_no_gpu_here_is_said_plainly() -> None:
+    result = vramtune("worker", "--device", "cuda:0", *QUADRATIC_ONLY, VRAMTUNE_SERVER="http://x")
+    if "NVIDIA" in result.stderr:  # a machine with a GPU got past this point
+        return
+    assert result.returncode == 2
+    assert "no GPU cuda:0" in result.stderr
+
+
+def test_the_worker_commands_do_not_import_torch() -> None:
+    code = "import sys, worker.cli, worker.agent; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO, check=False).returncode == 0
+
+
+def test_a_worker_waits_for_its_server_and_still_exits_cleanly_on_sigterm(tmp_path: Path) -> None:
+    server = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    command = [sys.executable, "-m", "service", "worker", "--device", "cpu"]
+    command += ["--memory-limit", "64MiB", *QUADRATIC_ONLY]
+    with (tmp_path / "worker.log").open("wb") as log:
+        worker = subprocess.Popen(
+            command,
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=os.environ | {"VRAMTUNE_SERVER": server},
+        )
+    deadline = time.monotonic() + 60
+    while "retrying" not in (tmp_path / "worker.log").read_text():
+        assert worker.poll() is None, (tmp_path / "worker.log").read_text()
+        assert time.monotonic() < deadline, "the worker never tried to register"
+        time.sleep(0.1)
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(30) == 0
+    assert "/workers" in (tmp_path / "worker.log").read_text()
