@@ -1,0 +1,223 @@
+"""The dashboard's JSON endpoints on SQLite and PostgreSQL, on trials run through the protocol."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from service.settings import Settings
+from service.testing import fresh_postgres_database, sqlite_url, upgrade_database
+
+V = "/api/v1"
+D = f"{V}/dashboard/studies"
+STUDY = "api-study"
+N_TRIALS = 12
+MIB = 1024 * 1024
+CARD = 512 * MIB
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def client(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[TestClient]:
+    """create_app on a migrated database, one study whose trials one worker ran, in four ways."""
+    from service.app import create_app
+
+    with ExitStack() as stack:
+        if request.param == "sqlite":
+            url = sqlite_url(tmp_path_factory.mktemp("dashboard-api"))
+        else:
+            url = stack.enter_context(fresh_postgres_database())
+        upgrade_database(url)
+        app = create_app(Settings(database_url=url, auth="off"))
+        client = stack.enter_context(TestClient(app))
+        run_study(client)
+        yield client
+
+
+def run_study(client: TestClient) -> None:
+    """Every trial: as asked, resized, OOM then retried, or handed back (infeasible)."""
+    spec = {
+        "name": STUDY,
+        "task": "quadratic",
+        "search_space": {
+            "x": {"type": "float", "low": -1.0, "high": 1.0},
+            "width": {"type": "categorical", "choices": [64, 256]},
+        },
+        "sampler": {"name": "random", "args": {"seed": 5}},
+        "pruner": {"name": "none"},
+        "n_trials": N_TRIALS,
+    }
+    assert client.post(f"{V}/studies", json=spec).status_code == 201
+    card = {"model": "sim-512MiB", "total_bytes": CARD, "free_bytes": CARD, "simulated": True}
+    worker = {"name": "api-worker", "device": "cpu", "card": card, "tasks": ["quadratic"]}
+    worker_id = ok(client.post(f"{V}/workers", json=worker))["worker_id"]
+    for _ in range(4 * N_TRIALS):
+        response = client.post(f"{V}/workers/{worker_id}/next", json={"free_bytes": CARD})
+        if response.status_code == 204:
+            return
+        run_trial(client, ok(response))
+    pytest.fail("the study never ran out of trials")
+
+
+def run_trial(client: TestClient, job: dict[str, Any]) -> None:
+    """Start, report and end one assignment according to its trial number."""
+    trial, lease, number = job["trial_id"], job["lease"], job["number"]
+    peak = (40 + 10 * number) * MIB
+    prediction = {"peak_allocated_bytes": peak, "peak_reserved_bytes": peak}
+    plan: dict[str, Any] = {"micro_batch": 8, "accumulation": 4} if number % 4 == 1 else {}
+    if number % 4 == 3:
+        handback = {"lease": lease, "min_footprint_bytes": 2 * CARD, "reason": "too big"}
+        ok(client.post(f"{V}/trials/{trial}/handback", json=handback))
+        return
+    ok(
+        client.post(
+            f"{V}/trials/{trial}/start",
+            json={"lease": lease, "plan": plan, "prediction": prediction},
+        )
+    )
+    for step in (1, 2, 3):
+        report = {"lease": lease, "step": step, "value": 1.0 / step + number}
+        ok(client.post(f"{V}/trials/{trial}/report", json=report))
+    measured = {"peak_allocated_bytes": int(peak * 1.05)}
+    if number % 4 == 2 and job["attempt"] == 0:
+        oom = {"lease": lease, "kind": "oom", "plan": plan, "measured": measured, "message": "OOM"}
+        ok(client.post(f"{V}/trials/{trial}/fail", json=oom))
+        return
+    done = {"lease": lease, "values": [float(number)], "plan": plan, "prediction": prediction}
+    done |= {"measured": measured, "duration_s": 1.0 + number}
+    ok(client.post(f"{V}/trials/{trial}/complete", json=done))
+
+
+def ok(response: Any) -> Any:
+    """The JSON of a 2xx answer (the body in the failure message otherwise)."""
+    assert response.status_code < 300, response.text
+    return response.json() if response.content else None
+
+
+def get(client: TestClient, path: str, **params: Any) -> Any:
+    return ok(client.get(path, params=params))
+
+
+def test_studies_list_counts_and_best_feasible_value(client: TestClient) -> None:
+    (study,) = [s for s in get(client, D)["studies"] if s["name"] == STUDY]
+    assert study["finished"] == N_TRIALS
+    assert study["state"] == "done"
+    assert sum(study["counts"].values()) == N_TRIALS
+    # numbers 3, 7, 11 were handed back (infeasible): their placeholder values never count
+    assert study["best_value"] == 0.0
+
+
+def test_overview_history_and_memory_exclude_infeasible_trials(client: TestClient) -> None:
+    overview = get(client, f"{D}/{STUDY}")
+    assert overview["infeasible"] == 3
+    assert [p["name"] for p in overview["params"]] == ["x", "width"]
+    assert overview["card_models"] == ["sim-512MiB"]
+    history = get(client, f"{D}/{STUDY}/history")
+    feasible = [n for n in range(N_TRIALS) if n % 4 != 3]
+    assert history["numbers"] == feasible
+    assert history["best_values"] == [0.0, 0.0]  # trial 0 is best from the start
+    memory = get(client, f"{D}/{STUDY}/memory")
+    assert sorted(memory["numbers"]) == feasible
+    assert memory["front_numbers"] == [0]  # lowest peak and lowest value
+
+
+def test_calibration_counts_every_run_per_card(client: TestClient) -> None:
+    (card,) = get(client, f"{D}/{STUDY}/calibration")["cards"]
+    assert card["card_model"] == "sim-512MiB"
+    assert card["n"] >= 9  # every started run, the OOM attempts included
+    assert card["under_fraction"] == 1.0  # every run measured 5 % above its prediction
+    assert card["median_abs_error"] == pytest.approx(0.05, abs=0.001)
+
+
+def test_regions_name_each_outcome(client: TestClient) -> None:
+    regions = get(client, f"{D}/{STUDY}/regions", x="x", y="width")
+    names = {c["name"]: c["count"] for c in regions["categories"]}
+    assert names == {"infeasible": 3, "resized after oom": 3, "resized": 3, "as asked": 3}
+    assert regions["total"] == N_TRIALS
+
+
+def test_trial_table_sorts_filters_and_pages(client: TestClient) -> None:
+    page = get(client, f"{D}/{STUDY}/trials", sort="duration", order="desc", limit=5)
+    durations = [r["duration_s"] for r in page["rows"]]
+    assert page["total"] == N_TRIALS and len(durations) == 5
+    assert durations == sorted(durations, reverse=True)
+    by_width = get(client, f"{D}/{STUDY}/trials", sort="param:width", limit=N_TRIALS)["rows"]
+    widths = [r["params"]["width"] for r in by_width]
+    assert widths == sorted(widths)
+    resized = get(client, f"{D}/{STUDY}/trials", outcome="resized", limit=50)
+    assert resized["total"] == 3 and all(r["plan"]["micro_batch"] == 8 for r in resized["rows"])
+    second = get(client, f"{D}/{STUDY}/trials", sort="number", offset=10, limit=5)
+    assert [r["number"] for r in second["rows"]] == [10, 11]
+    infeasible = [r for r in by_width if r["outcome"] == "infeasible"]
+    assert len(infeasible) == 3 and not any(r["feasible"] for r in infeasible)
+    assert get(client, f"{D}/{STUDY}/trials", worker="nobody")["total"] == 0
+
+
+def test_one_trial_has_its_curve_and_runs(client: TestClient) -> None:
+    trial = get(client, f"{D}/{STUDY}/trials/2")
+    assert trial["intermediate_steps"] == [1, 2, 3]
+    assert trial["observations"][0]["outcome"] == "oom"
+    assert trial["attempt"] == 1
+
+
+def test_importances_use_optunas_evaluator(client: TestClient) -> None:
+    found = get(client, f"{D}/{STUDY}/importances")
+    assert found["evaluator"] == "PedAnovaImportanceEvaluator"
+    assert found["n_used"] == N_TRIALS - 3
+    assert {i["name"] for i in found["importances"]} <= {"x", "width"}
+
+
+def test_fleet_lists_the_worker_and_its_card(client: TestClient) -> None:
+    (worker,) = get(client, f"{V}/dashboard/fleet")["workers"]
+    assert worker["name"] == "api-worker"
+    assert worker["total_bytes"] == CARD
+    assert worker["trials_done"] >= 1
+
+
+@pytest.mark.parametrize(
+    ("path", "params", "field"),
+    [
+        (f"{D}/{STUDY}/trials", {"sort": "nonsense"}, "sort"),
+        (f"{D}/{STUDY}/trials", {"limit": 0}, "limit"),
+        (f"{D}/{STUDY}/regions", {"x": "x", "y": "missing"}, "y"),
+        (f"{D}/{STUDY}/history", {"objective": 1}, "objective"),
+        (f"{D}/{STUDY}/history", {"max_points": 1}, "max_points"),
+    ],
+)
+def test_bad_queries_get_a_422_naming_the_field(
+    client: TestClient, path: str, params: dict[str, Any], field: str
+) -> None:
+    response = client.get(path, params=params)
+    assert response.status_code == 422
+    assert response.json()["detail"][0]["loc"] == ["query", field]
+
+
+def test_an_unknown_study_is_a_404(client: TestClient) -> None:
+    for suffix in ("", "/history", "/trials", "/trials/0"):
+        assert client.get(f"{D}/no-such-study{suffix}").status_code == 404
+
+
+def test_pages_and_assets_are_served_with_their_types(client: TestClient, tmp_path: Path) -> None:
+    for path in ("/", f"/studies/{STUDY}", "/fleet"):
+        response = client.get(path)
+        assert response.headers["content-type"].startswith("text/html")
+        assert "script-src 'self'" in response.headers["content-security-policy"]
+    plotly = client.get("/dashboard/static/plotly.min.js")
+    assert plotly.status_code == 200 and len(plotly.content) > 1_000_000
+    cached = client.get(
+        "/dashboard/static/common.js", headers={"If-None-Match": plotly.headers["etag"]}
+    )
+    assert cached.status_code == 200
+    etag = cached.headers["etag"]
+    assert (
+        client.get("/dashboard/static/common.js", headers={"If-None-Match": etag}).status_code
+        == 304
+    )
+    assert client.get("/dashboard/static/shell.html").status_code == 404
+    assert client.get("/dashboard/static/..%2Fpages.py").status_code == 404
