@@ -1,0 +1,775 @@
+"""Trials per second: raw Optuna vs Optuna's gRPC proxy vs vramtune, side by side.
+
+One cell = (system, database, sampler, pre-filled trials, N workers). Each cell gets a fresh
+database, a study pre-filled with COMPLETE trials, N client processes that warm up, wait at a
+common start, run for ``--duration`` seconds, finish what they hold and report. Then the cell
+checks that every trial of the study is COMPLETE exactly once (contiguous numbers, one tell per
+trial, the clients' completed ids equal the study's new trials).
+
+- raw: each process ``optuna.load_study`` on its own cached RDBStorage, ask/tell.
+- grpc: one ``run_grpc_proxy_server`` process over the cached RDBStorage, N processes with
+  ``GrpcStorageProxy`` (needs ``grpcio`` and ``protobuf``, installed for this benchmark only).
+- vramtune: one real ``vramtune serve`` (uvicorn) subprocess; N processes, each a simulated worker
+  doing register, then next -> start -> complete over HTTP/1.1 keep-alive.
+
+Usage: ``python bench/service_throughput.py --preset default`` (the cells of the committed
+results), or pick a matrix: ``--systems raw,vramtune --databases postgresql --samplers random
+--prefill 0 --workers 1,16 --duration 10``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import itertools
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import optuna
+import psutil
+import sqlalchemy as sa
+from optuna.distributions import FloatDistribution
+from optuna.storages import RDBStorage
+from optuna.storages._cached_storage import _CachedStorage
+from optuna.storages._rdb import models
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from service.db import engine_kwargs, make_engine, make_sessions  # noqa: E402
+from service.migrate import upgrade  # noqa: E402
+from service.optuna_glue import make_storage  # noqa: E402
+from service.studies import create_study  # noqa: E402
+from service.wire import API_PREFIX, StudyCreate  # noqa: E402
+
+PG_ADMIN_URL = os.environ.get("BENCH_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/postgres")
+PG_HOST = os.environ.get("BENCH_PG_HOST", "postgres@127.0.0.1:5432")
+STUDY = "bench"
+SPACE = {"x": FloatDistribution(-10.0, 10.0), "y": FloatDistribution(-10.0, 10.0)}
+CARD_BYTES = 80 * 10**9
+READY_TIMEOUT_S = 600.0
+
+optuna.logging.set_verbosity(optuna.logging.ERROR)
+
+
+def objective(x: float, y: float) -> float:
+    """The trivial objective every system evaluates."""
+    return (x - 2.0) ** 2 + (y + 1.0) ** 2
+
+
+# ---------------------------------------------------------------- cells and results
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One measurement: a system on a database with a sampler, a pre-fill and N workers."""
+
+    system: str
+    database: str
+    sampler: str
+    prefill: int
+    workers: int
+
+    def label(self) -> str:
+        """A short name for logs."""
+        return f"{self.system}/{self.database}/{self.sampler}/{self.prefill}/N={self.workers}"
+
+
+@dataclass
+class ClientReport:
+    """What one client process did during a cell."""
+
+    calls: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    completed: list[tuple[int, float]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    empty_nexts: int = 0
+
+    def timed(self, name: str, started: float, wall_started: float) -> None:
+        """Record a call that started at perf ``started`` (wall clock ``wall_started``)."""
+        self.calls.setdefault(name, []).append((wall_started, time.perf_counter() - started))
+
+
+@dataclass
+class CellResult:
+    """The figures of one cell."""
+
+    cell: Cell
+    duration_s: float
+    trials: int
+    trials_per_s: float
+    latency_ms: dict[str, dict[str, float]]
+    errors: int
+    error_samples: list[str]
+    check: dict[str, Any]
+    server_cpu_s: float | None = None
+    server_rss_mib: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) by nearest rank."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def latency_summary(
+    reports: list[ClientReport], start: float, end: float
+) -> dict[str, dict[str, float]]:
+    """p50/p99/mean in ms per call name, over calls started inside the window."""
+    merged: dict[str, list[float]] = {}
+    for report in reports:
+        for name, calls in report.calls.items():
+            merged.setdefault(name, []).extend(d for t, d in calls if start <= t < end)
+    return {
+        name: {
+            "n": len(values),
+            "p50_ms": round(percentile(values, 0.50) * 1000, 2),
+            "p99_ms": round(percentile(values, 0.99) * 1000, 2),
+            "mean_ms": round(statistics.fmean(values) * 1000, 2),
+        }
+        for name, values in sorted(merged.items())
+        if values
+    }
+
+
+# ---------------------------------------------------------------- databases
+
+
+def pg_admin(sql: str) -> None:
+    """Run one statement on the PostgreSQL server outside a transaction."""
+    import psycopg
+
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as connection:
+        connection.execute(sql)  # type: ignore[arg-type]
+
+
+@contextlib.contextmanager
+def fresh_database(kind: str, tag: str) -> Iterator[str]:
+    """A new empty database for one cell, dropped afterwards; yields its SQLAlchemy URL."""
+    if kind == "postgresql":
+        name = f"vt_bench_{tag}_{os.getpid()}"
+        pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        pg_admin(f'CREATE DATABASE "{name}"')
+        try:
+            yield f"postgresql+psycopg://{PG_HOST}/{name}"
+        finally:
+            pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        return
+    directory = tempfile.mkdtemp(prefix="vt-bench-")
+    try:
+        yield f"sqlite:///{directory}/bench.db"
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def rdb_storage(url: str) -> RDBStorage:
+    """Optuna's RDBStorage with the engine options vramtune uses (WAL and busy timeout)."""
+    storage = RDBStorage(url, engine_kwargs=engine_kwargs(url))
+    if url.startswith("sqlite"):
+        with storage.engine.connect() as connection:
+            connection.exec_driver_sql("PRAGMA journal_mode=WAL")
+    return storage
+
+
+def cached_storage(url: str) -> _CachedStorage:
+    """What ``optuna.load_study(storage=url)`` builds (``optuna.storages.get_storage``)."""
+    return _CachedStorage(rdb_storage(url))
+
+
+def prefill(engine: sa.Engine, study_id: int, count: int, seed: int = 0) -> None:
+    """Add ``count`` COMPLETE trials to a study in one transaction, through Optuna's models."""
+    if count == 0:
+        return
+    rng = random.Random(seed)
+    now = datetime.now(UTC).replace(tzinfo=None)
+    with engine.begin() as connection:
+        highest = sa.func.coalesce(sa.func.max(models.TrialModel.trial_id), 0)
+        first = connection.scalar(sa.select(highest))
+        assert first is not None
+        trials, params, values = [], [], []
+        for number in range(count):
+            trial_id = first + 1 + number
+            x, y = rng.uniform(-10, 10), rng.uniform(-10, 10)
+            trials.append(
+                {
+                    "trial_id": trial_id,
+                    "number": number,
+                    "study_id": study_id,
+                    "state": "COMPLETE",
+                    "datetime_start": now,
+                    "datetime_complete": now,
+                }
+            )
+            for name, value in (("x", x), ("y", y)):
+                params.append(
+                    {
+                        "trial_id": trial_id,
+                        "param_name": name,
+                        "param_value": value,
+                        "distribution_json": optuna.distributions.distribution_to_json(SPACE[name]),
+                    }
+                )
+            values.append(
+                {
+                    "trial_id": trial_id,
+                    "objective": 0,
+                    "value": objective(x, y),
+                    "value_type": "FINITE",
+                }
+            )
+        connection.execute(sa.insert(models.TrialModel.__table__), trials)
+        connection.execute(sa.insert(models.TrialParamModel.__table__), params)
+        connection.execute(sa.insert(models.TrialValueModel.__table__), values)
+    if engine.dialect.name == "postgresql":
+        with engine.begin() as connection:  # explicit ids: move the sequence past them
+            connection.exec_driver_sql(
+                "SELECT setval(pg_get_serial_sequence('trials', 'trial_id'),"
+                " (SELECT MAX(trial_id) FROM trials))"
+            )
+
+
+def make_sampler(name: str) -> optuna.samplers.BaseSampler:
+    """The same sampler for every system: Optuna's defaults."""
+    return optuna.samplers.RandomSampler() if name == "random" else optuna.samplers.TPESampler()
+
+
+def setup_optuna_study(url: str, cell: Cell) -> None:
+    """A plain Optuna study, pre-filled (raw and grpc)."""
+    storage = rdb_storage(url)
+    try:
+        study = optuna.create_study(study_name=STUDY, storage=storage)
+        prefill(storage.engine, study._study_id, cell.prefill)
+    finally:
+        storage.engine.dispose()
+
+
+def setup_vramtune_study(url: str, cell: Cell) -> None:
+    """Migrate, create the study with the service's own use case, pre-fill it."""
+    engine = make_engine(url)
+    try:
+        upgrade(engine)
+        storage = make_storage(url)
+        spec = StudyCreate.model_validate(
+            {
+                "name": STUDY,
+                "task": "quadratic",
+                "search_space": {n: {"type": "float", "low": -10, "high": 10} for n in SPACE},
+                "sampler": {"name": cell.sampler},
+                "n_trials": 10**6,
+            }
+        )
+        with make_sessions(engine).begin() as session:
+            row = create_study(session, storage, spec)
+            study_id = row.study_id
+        prefill(engine, study_id, cell.prefill)
+        storage._backend.engine.dispose()  # type: ignore[attr-defined]
+    finally:
+        engine.dispose()
+
+
+# ---------------------------------------------------------------- processes
+
+
+def free_port() -> int:
+    """A free TCP port on loopback."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll ``predicate`` until true; raise after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            if predicate():
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"{what} not ready after {timeout_s:.0f} s")
+
+
+def http_ok(port: int, path: str) -> bool:
+    """Whether GET path answers 200."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        connection.request("GET", path)
+        return connection.getresponse().status == 200
+    finally:
+        connection.close()
+
+
+@contextlib.contextmanager
+def vramtune_server(url: str) -> Iterator[tuple[int, psutil.Process]]:
+    """A real ``vramtune serve`` subprocess on the cell's database."""
+    port = free_port()
+    env = {**os.environ, "VRAMTUNE_DATABASE_URL": url, "VRAMTUNE_LOG_LEVEL": "warning"}
+    env.update(
+        {
+            k[len("BENCH_SERVER_") :]: v
+            for k, v in os.environ.items()
+            if k.startswith("BENCH_SERVER_")
+        }
+    )
+    command = [sys.executable, "-m", "service", "serve", "--port", str(port)]
+    if os.environ.get("BENCH_SERVER_SCRIPT"):  # an experiment: a script that takes the port
+        command = [sys.executable, os.environ["BENCH_SERVER_SCRIPT"], str(port)]
+    profile = os.environ.get("BENCH_PYSPY")  # a path: record the server with py-spy
+    if profile:
+        py_spy = str(Path(sys.executable).with_name("py-spy"))
+        extra = os.environ.get("BENCH_PYSPY_ARGS", "").split()  # e.g. --gil
+        command = [py_spy, "record", "-r", "50", "-f", "raw", *extra, "-o", profile, "--", *command]
+    process = subprocess.Popen(command, env=env, cwd=REPO)
+    try:
+        wait_until(lambda: http_ok(port, f"{API_PREFIX}/health"), 60, "vramtune server")
+        # Warm the server's Optuna cache of the study (a real server has it warm too).
+        wait_until(lambda: http_ok(port, f"{API_PREFIX}/studies/{STUDY}"), 120, "study read")
+        server = psutil.Process(process.pid)
+        yield port, server.children()[0] if profile else server
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def grpc_server_main(url: str, port: int) -> None:
+    """The gRPC proxy server process over the cached RDB storage."""
+    from optuna.storages import run_grpc_proxy_server
+
+    run_grpc_proxy_server(cached_storage(url), host="127.0.0.1", port=port)
+
+
+@contextlib.contextmanager
+def grpc_server(url: str) -> Iterator[tuple[int, psutil.Process]]:
+    """Optuna's gRPC storage proxy in its own process."""
+    port = free_port()
+    process = mp.get_context("fork").Process(target=grpc_server_main, args=(url, port))
+    process.start()
+    assert process.pid is not None
+    try:
+
+        def listening() -> bool:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return True
+
+        wait_until(listening, 60, "gRPC proxy")
+        yield port, psutil.Process(process.pid)
+    finally:
+        process.terminate()
+        process.join(15)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+# ---------------------------------------------------------------- clients
+
+
+@dataclass
+class Start:
+    """Shared by a cell's clients: readiness, the common start and the deadline."""
+
+    ready: Any
+    go: Any
+    window: Any  # mp.Array('d', [start, end])
+
+
+def optuna_client(cell: Cell, target: str | int, index: int, start: Start, out: Any) -> None:
+    """A raw (target = URL) or gRPC (target = port) Optuna client: ask, evaluate, tell."""
+    report = ClientReport()
+    try:
+        if cell.system == "raw":
+            storage: Any = cached_storage(str(target))
+        else:
+            from optuna.storages import GrpcStorageProxy
+
+            storage = GrpcStorageProxy(host="127.0.0.1", port=int(target))
+        study = optuna.load_study(
+            study_name=STUDY, storage=storage, sampler=make_sampler(cell.sampler)
+        )
+        study.get_trials(deepcopy=False)  # warm the cache, as a long-running process has it
+        start.ready.put(index)
+        start.go.wait()
+        _, end = start.window[:]
+        while time.time() < end:
+            one_optuna_trial(study, report)
+    except Exception:
+        report.errors.append(traceback.format_exc(limit=3))
+    out.put((index, asdict(report)))
+
+
+def one_optuna_trial(study: optuna.Study, report: ClientReport) -> None:
+    """One ask and one tell, each timed; errors are recorded, not raised."""
+    wall, began = time.time(), time.perf_counter()
+    try:
+        trial = study.ask(SPACE)
+    except Exception as exc:
+        report.errors.append(f"ask: {type(exc).__name__}: {exc}")
+        return
+    report.timed("ask", began, wall)
+    value = objective(trial.params["x"], trial.params["y"])
+    wall, began = time.time(), time.perf_counter()
+    try:
+        study.tell(trial, value)
+    except Exception as exc:
+        report.errors.append(f"tell: {type(exc).__name__}: {exc}")
+        return
+    report.timed("tell", began, wall)
+    report.completed.append((trial._trial_id, time.time()))
+
+
+class Http:
+    """A keep-alive HTTP/1.1 JSON client on loopback (lean, so the client costs little CPU)."""
+
+    def __init__(self, port: int) -> None:
+        self.connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+
+    def post(self, path: str, body: Any) -> tuple[int, Any]:
+        """POST JSON; the status and the decoded body (None when empty)."""
+        payload = json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        try:
+            self.connection.request("POST", API_PREFIX + path, payload, headers)
+            response = self.connection.getresponse()
+        except (ConnectionError, http.client.HTTPException):
+            self.connection.close()  # reconnect once: a keep-alive socket may have been closed
+            self.connection.request("POST", API_PREFIX + path, payload, headers)
+            response = self.connection.getresponse()
+        data = response.read()
+        return response.status, json.loads(data) if data else None
+
+
+def register(http_client: Http, index: int) -> int:
+    """Register a simulated worker with a large card; its id."""
+    card = {
+        "model": "bench-card",
+        "total_bytes": CARD_BYTES,
+        "free_bytes": CARD_BYTES,
+        "simulated": True,
+    }
+    body = {"name": f"bench-{index}", "device": "cpu", "card": card, "tasks": ["quadratic"]}
+    status, reply = http_client.post("/workers", body)
+    if status not in (200, 201):
+        raise RuntimeError(f"register: {status} {reply}")
+    return int(reply["worker_id"])
+
+
+def vramtune_client(cell: Cell, port: int, index: int, start: Start, out: Any) -> None:
+    """A simulated worker: next -> start -> complete until the deadline."""
+    report = ClientReport()
+    try:
+        client = Http(port)
+        worker_id = register(client, index)
+        start.ready.put(index)
+        start.go.wait()
+        _, end = start.window[:]
+        while time.time() < end:
+            one_vramtune_trial(client, worker_id, report)
+    except Exception:
+        report.errors.append(traceback.format_exc(limit=3))
+    out.put((index, asdict(report)))
+
+
+def timed_post(
+    client: Http, report: ClientReport, name: str, path: str, body: Any
+) -> tuple[int, Any]:
+    """POST and record the call's latency under ``name``."""
+    wall, began = time.time(), time.perf_counter()
+    status, reply = client.post(path, body)
+    report.timed(name, began, wall)
+    return status, reply
+
+
+def one_vramtune_trial(client: Http, worker_id: int, report: ClientReport) -> None:
+    """The protocol for one trial; a non-2xx answer is an error, recorded."""
+    status, assignment = timed_post(
+        client, report, "next", f"/workers/{worker_id}/next", {"free_bytes": CARD_BYTES}
+    )
+    if status == 204:
+        report.empty_nexts += 1
+        return
+    if status != 200:
+        report.errors.append(f"next: {status} {assignment}")
+        return
+    trial_id, lease = assignment["trial_id"], assignment["lease"]
+    status, reply = timed_post(
+        client, report, "start", f"/trials/{trial_id}/start", {"lease": lease, "plan": {}}
+    )
+    if status != 200:
+        report.errors.append(f"start: {status} {reply}")
+        return
+    value = objective(assignment["params"]["x"], assignment["params"]["y"])
+    body = {
+        "lease": lease,
+        "values": [value],
+        "plan": {},
+        "duration_s": 0.0,
+        "measured": {"peak_allocated_bytes": 1 << 20},
+    }
+    status, reply = timed_post(client, report, "complete", f"/trials/{trial_id}/complete", body)
+    if status != 200:
+        report.errors.append(f"complete: {status} {reply}")
+        return
+    report.completed.append((trial_id, time.time()))
+
+
+def run_clients(
+    cell: Cell, target: Callable[..., None], arg: str | int, duration_s: float
+) -> tuple[list[ClientReport], float, float]:
+    """Fork N clients, start them together once all are warm, collect their reports."""
+    context = mp.get_context("fork")
+    start = Start(context.Queue(), context.Event(), context.Array("d", [0.0, 0.0]))
+    out = context.Queue()
+    processes = [
+        context.Process(target=target, args=(cell, arg, i, start, out), daemon=True)
+        for i in range(cell.workers)
+    ]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    for _ in processes:
+        start.ready.get(timeout=max(1.0, deadline - time.monotonic()))
+    begin = time.time() + 0.2
+    start.window[:] = [begin, begin + duration_s]
+    start.go.set()
+    reports = [ClientReport(**out.get(timeout=duration_s + 300)[1]) for _ in processes]
+    for process in processes:
+        process.join(30)
+    return reports, begin, begin + duration_s
+
+
+# ---------------------------------------------------------------- checks
+
+
+def check_study(url: str, prefilled: int, reports: list[ClientReport]) -> dict[str, Any]:
+    """Every trial COMPLETE exactly once, and the clients' completed ids are the new trials."""
+    storage = rdb_storage(url)
+    try:
+        study_id = storage.get_study_id_from_name(STUDY)
+        trials = storage.get_all_trials(study_id, deepcopy=False)
+        with storage.engine.connect() as connection:
+            values_per_trial = dict(
+                connection.execute(
+                    sa.select(models.TrialValueModel.trial_id, sa.func.count()).group_by(
+                        models.TrialValueModel.trial_id
+                    )
+                ).all()
+            )
+    finally:
+        storage.engine.dispose()
+    states: dict[str, int] = {}
+    for trial in trials:
+        states[trial.state.name] = states.get(trial.state.name, 0) + 1
+    numbers = sorted(t.number for t in trials)
+    told = [tid for r in reports for tid, _ in r.completed]
+    new_ids = sorted(t._trial_id for t in trials if t.number >= prefilled)
+    problems = []
+    if states.get("COMPLETE", 0) != len(trials):
+        problems.append(f"not all COMPLETE: {states}")
+    if numbers != list(range(len(trials))):
+        problems.append("trial numbers are not 0..n-1 exactly once")
+    if len(told) != len(set(told)):
+        problems.append(f"{len(told) - len(set(told))} trials completed twice by clients")
+    if sorted(told) != new_ids:
+        problems.append(f"clients completed {len(told)} trials, the study has {len(new_ids)} new")
+    if any(values_per_trial.get(t._trial_id, 0) != 1 for t in trials):
+        problems.append("a trial has other than one stored value")
+    return {"ok": not problems, "problems": problems, "states": states, "new_trials": len(new_ids)}
+
+
+# ---------------------------------------------------------------- one cell
+
+
+@contextlib.contextmanager
+def system_under_test(
+    cell: Cell, url: str
+) -> Iterator[tuple[Callable[..., None], str | int, psutil.Process | None]]:
+    """Set up the study and whatever server the system needs; yields client, target, server."""
+    if cell.system == "vramtune":
+        setup_vramtune_study(url, cell)
+        with vramtune_server(url) as (port, process):
+            yield vramtune_client, port, process
+        return
+    setup_optuna_study(url, cell)
+    if cell.system == "raw":
+        yield optuna_client, url, None
+        return
+    with grpc_server(url) as (port, process):
+        yield optuna_client, port, process
+
+
+def run_cell(cell: Cell, duration_s: float, tag: str) -> CellResult:
+    """Measure one cell on a fresh database."""
+    with fresh_database(cell.database, tag) as url:
+        with system_under_test(cell, url) as (client, target, server):
+            cpu_before = sum(server.cpu_times()[:2]) if server else 0.0
+            reports, begin, end = run_clients(cell, client, target, duration_s)
+            server_cpu = sum(server.cpu_times()[:2]) - cpu_before if server else None
+            server_rss = server.memory_info().rss / 2**20 if server else None
+        check = check_study(url, cell.prefill, reports)
+    done = sum(1 for r in reports for _, t in r.completed if begin <= t < end)
+    errors = [e for r in reports for e in r.errors]
+    notes = []
+    empty = sum(r.empty_nexts for r in reports)
+    if empty:
+        notes.append(f"{empty} next calls answered 204 (no work)")
+    return CellResult(
+        cell=cell,
+        duration_s=duration_s,
+        trials=done,
+        trials_per_s=round(done / duration_s, 2),
+        latency_ms=latency_summary(reports, begin, end),
+        errors=len(errors),
+        error_samples=errors[:5],
+        check=check,
+        server_cpu_s=None if server_cpu is None else round(server_cpu, 2),
+        server_rss_mib=None if server_rss is None else round(server_rss, 1),
+        notes=notes,
+    )
+
+
+# ---------------------------------------------------------------- matrix and output
+
+PRESETS: dict[str, list[tuple[str, str, int, list[int]]]] = {
+    # (database, sampler, prefill, workers): the cells the committed results hold.
+    "default": [
+        ("postgresql", "random", 0, [1, 4, 16, 64]),
+        ("postgresql", "tpe", 10_000, [1, 4, 16, 64]),
+        ("sqlite", "random", 0, [16]),
+    ],
+    "smoke": [("sqlite", "random", 0, [1, 4])],
+}
+
+
+def cells_of(args: argparse.Namespace) -> list[Cell]:
+    """The cells to run, from a preset or the product of the matrix flags."""
+    systems = args.systems.split(",")
+    if args.preset:
+        groups = PRESETS[args.preset]
+    else:
+        groups = [
+            (db, sampler, int(prefill), [int(n) for n in args.workers.split(",")])
+            for db, sampler, prefill in itertools.product(
+                args.databases.split(","), args.samplers.split(","), args.prefill.split(",")
+            )
+        ]
+    return [
+        Cell(system, db, sampler, prefill, n)
+        for db, sampler, prefill, ns in groups
+        for n in ns
+        for system in systems
+    ]
+
+
+def ratio(value: float, base: float | None) -> str:
+    """value / base as '3.2x', or '-' without a base."""
+    return f"{value / base:.1f}x" if base else "-"
+
+
+def markdown(results: list[CellResult], meta: dict[str, Any]) -> str:
+    """The results as a Markdown report: one table per (database, sampler, pre-fill)."""
+    lines = [
+        "# Service throughput: raw Optuna vs Optuna gRPC proxy vs vramtune",
+        "",
+        f"Run {meta['date']} on {meta['machine']}; {meta['duration_s']} s per cell; "
+        f"Optuna {meta['optuna']}, Python {meta['python']}. Generated by "
+        "`bench/service_throughput.py`; raw figures in `service_throughput.json`.",
+        "",
+        "trials/s counts trials completed inside the window; latencies are per call (raw and "
+        "gRPC: ask, tell; vramtune: next, start, complete over HTTP); `check` = every trial of the "
+        "study COMPLETE exactly once and the clients' completed trials are exactly the study's "
+        "new ones.",
+        "",
+    ]
+    groups: dict[tuple[str, str, int], list[CellResult]] = {}
+    for result in results:
+        c = result.cell
+        groups.setdefault((c.database, c.sampler, c.prefill), []).append(result)
+    for (db, sampler, pre), group in groups.items():
+        lines += [f"## {db}, {sampler}, {pre:,} trials pre-filled", ""]
+        lines += [
+            "| N | system | trials/s | x raw | p50 / p99 ms per call | errors | check |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        raw = {r.cell.workers: r.trials_per_s for r in group if r.cell.system == "raw"}
+        for r in sorted(group, key=lambda r: (r.cell.workers, r.cell.system != "raw")):
+            calls = ", ".join(
+                f"{name} {v['p50_ms']:g} / {v['p99_ms']:g}" for name, v in r.latency_ms.items()
+            )
+            check = "ok" if r.check["ok"] else "FAIL: " + "; ".join(r.check["problems"])
+            lines.append(
+                f"| {r.cell.workers} | {r.cell.system} | {r.trials_per_s:g} | "
+                f"{ratio(r.trials_per_s, raw.get(r.cell.workers))} | {calls} | {r.errors} | "
+                f"{check} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the chosen cells and write the Markdown and JSON results."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS))
+    parser.add_argument("--systems", default="raw,grpc,vramtune")
+    parser.add_argument("--databases", default="postgresql")
+    parser.add_argument("--samplers", default="random")
+    parser.add_argument("--prefill", default="0")
+    parser.add_argument("--workers", default="1,4,16,64")
+    parser.add_argument("--duration", type=float, default=12.0, help="seconds per cell")
+    parser.add_argument(
+        "--out",
+        default=str(REPO / "bench/results/service_throughput"),
+        help="path prefix of the .md and .json results; '' to skip writing",
+    )
+    args = parser.parse_args(argv)
+    results = []
+    for number, cell in enumerate(cells_of(args)):
+        began = time.monotonic()
+        result = run_cell(cell, args.duration, f"{number}")
+        results.append(result)
+        print(
+            f"{cell.label():40s} {result.trials_per_s:8.1f} trials/s  errors {result.errors}"
+            f"  check {'ok' if result.check['ok'] else result.check['problems']}"
+            f"  {json.dumps(result.latency_ms)}  ({time.monotonic() - began:.0f} s)",
+            flush=True,
+        )
+    meta = {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{os.cpu_count()} cores, {platform.platform()}",
+        "duration_s": args.duration,
+        "optuna": optuna.__version__,
+        "python": platform.python_version(),
+        "argv": sys.argv[1:] if argv is None else argv,
+    }
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(f"{args.out}.json").write_text(
+            json.dumps({"meta": meta, "cells": [asdict(r) for r in results]}, indent=1)
+        )
+        Path(f"{args.out}.md").write_text(markdown(results, meta))
+    return 0 if all(r.check["ok"] and not r.errors for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,373 @@
+"""Fault and load helpers: a fleet of real worker processes, a TCP proxy we can cut, and a
+reader of what the database holds at the end.
+
+Workers are real `vramtune worker` processes (`python -m worker.cli worker`) running only the
+quadratic task: such a process starts in ~0.5 s of CPU and ~35 MB, so 32 of them fit on 2 cores.
+Everything runs on loopback; waits are failure bounds, never assertions on time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from optuna.storages import RDBStorage
+from optuna.trial import FrozenTrial
+from sqlalchemy import create_engine, select
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session
+
+from service.tables import LeaseRow, StudyRow, TrialRow
+from service.wire import API_PREFIX
+
+REPO = Path(__file__).resolve().parents[2]
+PATIENCE_S = 150.0  # a failure bound for what takes seconds; never an assertion on time
+# Short periods, so that a killed worker's lease is reaped in seconds (a lease must still
+# outlive a slow call on a loaded 2-core machine).
+FAST_FLEET = {
+    "lease_ttl_s": 4.0,
+    "heartbeat_interval_s": 0.5,
+    "reaper_interval_s": 0.5,
+    "worker_stale_s": 4.0,
+}
+
+
+# ---------------------------------------------------------------- workers
+
+
+@dataclass
+class WorkerProcess:
+    """One `vramtune worker` subprocess with its log file."""
+
+    name: str
+    log_path: Path
+    process: subprocess.Popen[bytes]
+
+    def alive(self) -> bool:
+        """Whether it is still running."""
+        return self.process.poll() is None
+
+    def events(self) -> list[dict[str, Any]]:
+        """The structured (JSON) events it logged: registered, assigned, completed, ..."""
+        found = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            start = line.find('{"event"')
+            if start >= 0:
+                try:
+                    found.append(json.loads(line[start:]))
+                except json.JSONDecodeError:  # a line cut short by SIGKILL
+                    continue
+        return found
+
+    def running_a_trial(self) -> bool:
+        """Whether its last event says a trial started and has not ended."""
+        events = self.events()
+        return bool(events) and events[-1]["event"] == "started"
+
+    def logs(self) -> str:
+        """Everything it wrote."""
+        return self.log_path.read_text(errors="replace")
+
+
+class Fleet:
+    """Starts worker processes, kills them, and gathers what they logged."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.workers: list[WorkerProcess] = []
+
+    def start(self, server: str, count: int, *options: str) -> list[WorkerProcess]:
+        """``count`` workers on a server, each a simulated 1 GiB card running the quadratic task."""
+        started = [self._start_one(server, options) for _ in range(count)]
+        self.workers += started
+        return started
+
+    def _start_one(self, server: str, options: tuple[str, ...]) -> WorkerProcess:
+        name = f"rel-{len(self.workers)}-{uuid.uuid4().hex[:4]}"
+        command = [sys.executable, "-m", "worker.cli", "worker", "--server", server]
+        command += ["--device", "cpu", "--memory-limit", "1GiB", "--poll", "0.2", "--name", name]
+        command += ["--tasks", "worker.tasks.quadratic", "--no-entry-points", *options]
+        log_path = self.log_dir / f"{name}.log"
+        with log_path.open("ab") as log:
+            process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", "VRAMTUNE_LOG_LEVEL": "INFO"},
+            )
+        return WorkerProcess(name, log_path, process)
+
+    def kill_random(self, rng: random.Random) -> WorkerProcess | None:
+        """SIGKILL a random live worker, one running a trial if any is; None when none is left."""
+        live = [w for w in self.workers if w.alive()]
+        busy = [w for w in live if w.running_a_trial()]
+        if not live:
+            return None
+        victim = rng.choice(busy or live)
+        victim.process.kill()
+        victim.process.wait()
+        return victim
+
+    def events(self) -> list[dict[str, Any]]:
+        """Every worker's events."""
+        return [event for worker in self.workers for event in worker.events()]
+
+    def stop_all(self) -> dict[str, int]:
+        """SIGTERM every live worker; exit code by name (-9 for those killed)."""
+        for worker in self.workers:
+            if worker.alive():
+                worker.process.send_signal(signal.SIGTERM)
+        codes = {}
+        for worker in self.workers:
+            try:
+                codes[worker.name] = worker.process.wait(30)
+            except subprocess.TimeoutExpired:
+                worker.process.kill()
+                codes[worker.name] = worker.process.wait()
+        return codes
+
+
+# ---------------------------------------------------------------- a TCP proxy we can cut
+
+
+class TcpProxy:
+    """Forwards a loopback port to a target; ``cut()`` drops every connection and refuses new
+    ones (a database that became unreachable), ``restore()`` forwards again."""
+
+    def __init__(self, target_host: str, target_port: int) -> None:
+        self.target = (target_host, target_port)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self.listener.getsockname()[1])
+        self.open = threading.Event()
+        self.open.set()
+        self.closed = threading.Event()
+        self._lock = threading.Lock()
+        self._sockets: set[socket.socket] = set()
+        threading.Thread(target=self._accept_loop, name="proxy-accept", daemon=True).start()
+
+    def cut(self) -> None:
+        """Refuse new connections and reset the ones that exist."""
+        self.open.clear()
+        with self._lock:
+            for sock in self._sockets:
+                _close(sock)
+            self._sockets.clear()
+
+    def restore(self) -> None:
+        """Forward again."""
+        self.open.set()
+
+    def close(self) -> None:
+        """Stop listening and drop everything."""
+        self.closed.set()
+        self.cut()
+        _close(self.listener)
+
+    def _accept_loop(self) -> None:
+        while not self.closed.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            if not self.open.is_set():
+                _close(client)  # the database "is not there"
+                continue
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                _close(client)
+                continue
+            with self._lock:
+                self._sockets |= {client, upstream}
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while chunk := source.recv(65536):
+                sink.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for sock in (source, sink):
+                _close(sock)
+            with self._lock:
+                self._sockets -= {source, sink}
+
+
+def _close(sock: socket.socket) -> None:
+    """Reset a socket (SO_LINGER 0), ignoring one already closed."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        sock.close()
+    except OSError:
+        pass
+
+
+# ---------------------------------------------------------------- studies and the outcome
+
+
+def quadratic_study(name: str, n_trials: int, step_seconds: float = 0.01) -> dict[str, Any]:
+    """A quadratic study of ``n_trials`` short trials (20 steps, two intermediate reports)."""
+    return {
+        "name": name,
+        "task": "quadratic",
+        "search_space": {
+            "x": {"type": "float", "low": -3, "high": 3},
+            "y": {"type": "float", "low": -3, "high": 3},
+        },
+        "sampler": {"name": "random", "args": {"seed": 7}},
+        "pruner": {"name": "none"},
+        "n_trials": n_trials,
+        "budget": {"max_steps": 20, "eval_every": 10},
+        "task_config": {"step_seconds": step_seconds},
+    }
+
+
+def create_study(server_url: str, n_trials: int, step_seconds: float = 0.01) -> str:
+    """Create a quadratic study over REST; its name."""
+    name = f"rel-{uuid.uuid4().hex[:8]}"
+    body = quadratic_study(name, n_trials, step_seconds)
+    response = httpx.post(f"{server_url}{API_PREFIX}/studies", json=body, timeout=60)
+    assert response.status_code == 201, response.text
+    return name
+
+
+@dataclass
+class Outcome:
+    """What the database holds about one study: Optuna's trials and vramtune's rows."""
+
+    trials: list[FrozenTrial]
+    rows: dict[int, TrialRow]
+    leases: dict[int, list[LeaseRow]] = field(default_factory=dict)
+
+    def states(self) -> dict[str, int]:
+        """Trials by TrialState name."""
+        counted: dict[str, int] = {}
+        for trial in self.trials:
+            counted[trial.state.name] = counted.get(trial.state.name, 0) + 1
+        return counted
+
+    def finished(self) -> int:
+        """Trials COMPLETE, FAIL or PRUNED."""
+        return sum(1 for t in self.trials if t.state.is_finished())
+
+    def active_leases(self) -> list[LeaseRow]:
+        """Leases still active."""
+        return [lease for leases in self.leases.values() for lease in leases if lease.active]
+
+
+def read_outcome(url: str, study: str) -> Outcome:
+    """Read the study's trials (Optuna), trial rows and leases (vramtune) straight from the DB."""
+    storage = RDBStorage(url, skip_table_creation=True, skip_compatibility_check=True)
+    engine = create_engine(url)
+    try:
+        study_id = storage.get_study_id_from_name(study)
+        trials = storage.get_all_trials(study_id)
+        with Session(engine) as session:
+            assert session.scalar(select(StudyRow).where(StudyRow.name == study)) is not None
+            rows = {
+                r.trial_id: r
+                for r in session.scalars(select(TrialRow).where(TrialRow.study_id == study_id))
+            }
+            leases: dict[int, list[LeaseRow]] = {}
+            query = select(LeaseRow).where(LeaseRow.trial_id.in_(rows)).order_by(LeaseRow.id)
+            for lease in session.scalars(query):
+                leases.setdefault(lease.trial_id, []).append(lease)
+            session.expunge_all()
+    finally:
+        storage.engine.dispose()
+        engine.dispose()
+    return Outcome(trials, rows, leases)
+
+
+def poll_outcome(
+    url: str, study: str, done: Callable[[Outcome], bool], timeout_s: float = PATIENCE_S
+) -> Outcome:
+    """Read the outcome until ``done(outcome)``; fail with the trial states after ``timeout_s``.
+
+    A read that fails to connect is retried: the database may be full of other tests' clients.
+    """
+    deadline = time.monotonic() + timeout_s
+    outcome = None
+    while True:
+        try:
+            outcome = read_outcome(url, study)
+        except OperationalError as error:
+            print(f"outcome unreadable for now: {error}")
+        else:
+            if done(outcome):
+                return outcome
+        if time.monotonic() > deadline:
+            states = None if outcome is None else outcome.states()
+            pytest.fail(f"study {study} not there after {timeout_s:.0f} s: {states}")
+        time.sleep(0.4)
+
+
+def wait_for_budget(url: str, study: str, n_trials: int) -> Outcome:
+    """Poll until every trial of the budget is finished."""
+    return poll_outcome(
+        url, study, lambda o: len(o.trials) >= n_trials and o.finished() == len(o.trials)
+    )
+
+
+def wait_for_finished(url: str, study: str, count: int) -> Outcome:
+    """Poll until at least ``count`` trials of the study are finished."""
+    return poll_outcome(url, study, lambda o: o.finished() >= count)
+
+
+def assert_accounted(outcome: Outcome, n_trials: int) -> None:
+    """The budget exactly, every trial COMPLETE or FAIL with a reason, numbers told once, no
+    trial held by two leases at once, and no lease left active."""
+    assert len(outcome.trials) == n_trials, f"{len(outcome.trials)} trials for {n_trials}"
+    assert sorted(t.number for t in outcome.trials) == list(range(n_trials))
+    states = outcome.states()
+    assert set(states) <= {"COMPLETE", "FAIL"}, states
+    for trial in outcome.trials:
+        row = outcome.rows[trial._trial_id]
+        assert row.status == "done", (trial.number, row.status)
+        if trial.state.name == "FAIL":
+            assert row.message, f"trial {trial.number} FAILED without a reason"
+        else:
+            assert trial.values is not None and len(trial.values) == 1
+    assert outcome.active_leases() == []
+    for trial_id, leases in outcome.leases.items():
+        assert_no_overlap(trial_id, leases)
+        completing = [
+            lease for lease in leases if (lease.resolution or {}).get("call") == "complete"
+        ]
+        assert len(completing) <= 1, f"trial {trial_id} completed under {len(completing)} leases"
+
+
+def assert_no_overlap(trial_id: int, leases: list[LeaseRow]) -> None:
+    """A trial's leases follow one another: each ended before the next was granted."""
+    ordered = sorted(leases, key=lambda lease: lease.created_at)
+    for earlier, later in itertools.pairwise(ordered):
+        assert earlier.ended_at is not None and earlier.ended_at <= later.created_at, (
+            f"trial {trial_id}: lease {later.id} granted while lease {earlier.id} was active"
+        )
+
+
+def completed_by_workers(events: list[dict[str, Any]]) -> dict[int, int]:
+    """How many times workers logged a trial completed and acknowledged as complete."""
+    counts: dict[int, int] = {}
+    for event in events:
+        if event.get("event") == "completed" and event.get("resolution") == "complete":
+            counts[event["trial_id"]] = counts.get(event["trial_id"], 0) + 1
+    return counts
