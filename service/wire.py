@@ -52,9 +52,10 @@ MAX_CHOICES = 256
 MAX_FLOAT_STEPS = 10**15  # grid points of a stepped float (Optuna's Decimal checks fail beyond)
 Key = Annotated[str, Field(min_length=1, max_length=128)]
 # A fixed setting or a sampler/pruner argument: a JSON scalar, finite, bounded in length.
+# Smart union: JSON true stays a bool and 1.0 a float (left_to_right made them 1 and 1).
 ConfigValue = Annotated[
     Annotated[str, Field(max_length=4096)] | int | Finite | bool | None,
-    Field(union_mode="left_to_right"),
+    Field(union_mode="smart"),
 ]
 
 
@@ -103,7 +104,7 @@ class CategoricalParam(Wire):
     """One of a list of choices (strings, numbers, booleans or null)."""
 
     type: Literal["categorical"] = "categorical"
-    choices: list[Annotated[ParamValue, Field(union_mode="left_to_right")]] = Field(
+    choices: list[Annotated[ParamValue, Field(union_mode="smart")]] = Field(
         min_length=1, max_length=MAX_CHOICES
     )
 

@@ -57,7 +57,7 @@ def best(name: str, session: SessionDep, storage: StorageDep) -> ParetoFront:
 
 @router.post("/{name}/pause")
 def pause(name: str, session: SessionDep, storage: StorageDep) -> StudySummary:
-    """Stop handing out new trials; running ones finish."""
+    """Pause: no new trials are handed out, and workers are told to stop running ones."""
     return studies.summarize(storage, studies.set_paused(session, name, True))
 
 

@@ -1,0 +1,105 @@
+"""The `vramtune` study commands as subprocesses against a live server; the Python client."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from service.client import ApiError, Client
+from service.testing import run_vramtune, server_factory, sqlite_url, upgrade_database
+
+SPEC = {
+    "name": "cli-study",
+    "task": "quadratic",
+    "search_space": {
+        "lr": {"type": "float", "low": 0.0001, "high": 0.1, "log": True},
+        "layers": {"type": "int", "low": 1, "high": 4},
+    },
+    "sampler": {"name": "tpe", "args": {"n_startup_trials": 5}},
+    "n_trials": 3,
+}
+
+
+@pytest.fixture(scope="module")
+def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A live server on a SQLite database of its own."""
+    url = upgrade_database(sqlite_url(tmp_path_factory.mktemp("db")))
+    with server_factory(tmp_path_factory.mktemp("logs")) as start:
+        yield start(url).url
+
+
+def cli(server_url: str, *args: str) -> tuple[int, str, str]:
+    """Run `vramtune ARGS` against the server; (exit code, stdout, stderr)."""
+    result = run_vramtune(*args, env={"VRAMTUNE_SERVER": server_url})
+    return result.returncode, result.stdout, result.stderr
+
+
+def test_study_commands(server_url: str, tmp_path: Path) -> None:
+    spec_file = tmp_path / "study.yaml"
+    spec_file.write_text(yaml.safe_dump(SPEC))
+    code, out, err = cli(server_url, "study", "create", str(spec_file))
+    assert (code, err) == (0, "")
+    assert "created study cli-study" in out
+
+    code, out, _ = cli(server_url, "study", "list")
+    header, row = out.splitlines()[:2]
+    assert header.split() == ["NAME", "TASK", "STATE", "TRIALS", "RUNNING", "BEST"]
+    assert row.split()[:4] == ["cli-study", "quadratic", "running", "0/3"]
+
+    code, out, _ = cli(server_url, "--json", "study", "show", "cli-study")
+    assert json.loads(out)["spec"]["sampler"] == SPEC["sampler"]
+    code, out, _ = cli(server_url, "study", "show", "cli-study")
+    assert "lr:" in out and "sampler    tpe" in out
+
+    code, out, _ = cli(server_url, "study", "pause", "cli-study", "--json")
+    assert json.loads(out)["state"] == "paused"
+    code, out, _ = cli(server_url, "study", "resume", "cli-study")
+    assert out.strip() == "study cli-study is running"
+    code, out, _ = cli(server_url, "study", "best", "cli-study", "--json")
+    assert json.loads(out) == {"trials": []}
+
+    code, _, err = cli(server_url, "study", "create", str(spec_file))
+    assert code == 1
+    assert "already exists" in err and "409" in err
+
+    code, out, _ = cli(server_url, "study", "delete", "cli-study")
+    assert (code, out.strip()) == (0, "deleted study cli-study")
+    code, _, err = cli(server_url, "study", "show", "cli-study")
+    assert code == 1 and "not found" in err
+
+
+def test_create_from_json_reports_the_bad_field(server_url: str, tmp_path: Path) -> None:
+    bad = {**SPEC, "name": "bad", "search_space": {"lr": {"type": "float", "low": 1, "high": 0}}}
+    spec_file = tmp_path / "bad.json"
+    spec_file.write_text(json.dumps(bad))
+    code, _, err = cli(server_url, "study", "create", str(spec_file))
+    assert code == 1
+    assert "search_space.lr.float" in err and "must not exceed" in err
+
+
+def test_unreachable_server_is_a_clear_error() -> None:
+    result = run_vramtune("study", "list", "--server", "http://127.0.0.1:9")
+    assert result.returncode == 1
+    assert "cannot reach the server" in result.stderr
+
+
+def test_python_client(server_url: str) -> None:
+    with Client(server_url) as client:
+        summary = client.create_study({**SPEC, "name": "client-study"})
+        assert summary.state == "running"
+        assert client.get_study("client-study") == summary
+        assert "client-study" in [s.name for s in client.list_studies()]
+        assert client.trials("client-study", states=["complete"]).total == 0
+        assert client.pause("client-study").state == "paused"
+        assert client.resume("client-study").state == "running"
+        assert client.pareto_front("client-study").trials == []
+        with pytest.raises(TimeoutError):
+            client.wait("client-study", timeout_s=0.2, poll_s=0.05)
+        client.delete("client-study")
+        with pytest.raises(ApiError) as caught:
+            client.get_study("client-study")
+        assert caught.value.status == 404
