@@ -128,33 +128,41 @@ class ServerClient:
 
     def start(self, trial_id: int, body: StartRequest) -> TrialAck:
         """The plan chosen and the prediction; the trial starts running."""
-        return self._model(TrialAck, "POST", f"/trials/{trial_id}/start", body)
+        return self._trial(TrialAck, trial_id, "start", body, None)
 
     def report(
         self, trial_id: int, body: ReportRequest, retry_for_s: float | None = None
     ) -> ReportReply:
         """An intermediate value; the reply says whether the pruner prunes."""
-        path = f"/trials/{trial_id}/report"
-        return self._model(ReportReply, "POST", path, body, retry_for_s=retry_for_s)
+        return self._trial(ReportReply, trial_id, "report", body, retry_for_s)
 
     def complete(
         self, trial_id: int, body: CompleteRequest, retry_for_s: float | None = None
     ) -> TrialAck:
         """The trial's value(s); retried until delivered (idempotent under the same lease)."""
-        path = f"/trials/{trial_id}/complete"
-        return self._model(TrialAck, "POST", path, body, retry_for_s=retry_for_s)
+        return self._trial(TrialAck, trial_id, "complete", body, retry_for_s)
 
     def fail(self, trial_id: int, body: FailRequest, retry_for_s: float | None = None) -> TrialAck:
         """The trial could not finish: OOM, error, interrupted or pruned."""
-        path = f"/trials/{trial_id}/fail"
-        return self._model(TrialAck, "POST", path, body, retry_for_s=retry_for_s)
+        return self._trial(TrialAck, trial_id, "fail", body, retry_for_s)
 
     def hand_back(
         self, trial_id: int, body: HandBackRequest, retry_for_s: float | None = None
     ) -> TrialAck:
         """The trial does not fit this card; the server routes it."""
-        path = f"/trials/{trial_id}/handback"
-        return self._model(TrialAck, "POST", path, body, retry_for_s=retry_for_s)
+        return self._trial(TrialAck, trial_id, "handback", body, retry_for_s)
+
+    def _trial(
+        self,
+        model: type[Model],
+        trial_id: int,
+        call: str,
+        body: BaseModel,
+        retry_for_s: float | None,
+    ) -> Model:
+        return self._model(
+            model, "POST", f"/trials/{trial_id}/{call}", body, retry_for_s=retry_for_s
+        )
 
     # ------------------------------------------------------------ transport
 

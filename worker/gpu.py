@@ -11,7 +11,9 @@ import functools
 import importlib.metadata
 import os
 import re
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any, TypeVar
 
 from service.wire import CardInfo
 
@@ -31,6 +33,7 @@ _UNITS = {
     "tb": 1000**4,
     "tib": 1024**4,
 }
+T = TypeVar("T")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
@@ -85,13 +88,21 @@ def gpu_count() -> int:
         return 0
 
 
-def card_info(device_index: int) -> CardInfo | None:
-    """Name, uuid, memory and versions of GPU `device_index`; None when there is no such GPU."""
+def _ask(device_index: int, question: Callable[[Any, Any], T]) -> T | None:
+    """question(nvml, handle) for GPU `device_index`; None without NVML, that GPU or an answer."""
     nvml = _nvml()
     if nvml is None or not 0 <= device_index < gpu_count():
         return None
     try:
-        handle = nvml.nvmlDeviceGetHandleByIndex(device_index)
+        return question(nvml, nvml.nvmlDeviceGetHandleByIndex(device_index))
+    except nvml.NVMLError:
+        return None
+
+
+def card_info(device_index: int) -> CardInfo | None:
+    """Name, uuid, memory and versions of GPU `device_index`; None when there is no such GPU."""
+
+    def facts(nvml: Any, handle: Any) -> CardInfo:
         memory = nvml.nvmlDeviceGetMemoryInfo(handle)
         cuda = int(nvml.nvmlSystemGetCudaDriverVersion())
         return CardInfo(
@@ -104,19 +115,13 @@ def card_info(device_index: int) -> CardInfo | None:
             cuda_version=f"{cuda // 1000}.{cuda % 1000 // 10}",
             torch_version=torch_version(),
         )
-    except nvml.NVMLError:
-        return None
+
+    return _ask(device_index, facts)
 
 
 def free_bytes(device_index: int) -> int | None:
     """Free memory of GPU `device_index` now, or None without NVML."""
-    nvml = _nvml()
-    if nvml is None or not 0 <= device_index < gpu_count():
-        return None
-    try:
-        return int(nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(device_index)).free)
-    except nvml.NVMLError:
-        return None
+    return _ask(device_index, lambda nvml, handle: int(nvml.nvmlDeviceGetMemoryInfo(handle).free))
 
 
 def process_used_bytes(device_index: int) -> int | None:
@@ -125,19 +130,14 @@ def process_used_bytes(device_index: int) -> int | None:
     NVML's per-process figure can be missing inside containers (no PID namespace mapping); it
     is reported beside torch's own counters, never instead of them.
     """
-    nvml = _nvml()
-    if nvml is None or not 0 <= device_index < gpu_count():
+
+    def own(nvml: Any, handle: Any) -> int | None:
+        for process in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if process.pid == os.getpid() and process.usedGpuMemory is not None:
+                return int(process.usedGpuMemory)
         return None
-    try:
-        handle = nvml.nvmlDeviceGetHandleByIndex(device_index)
-        processes = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
-    except nvml.NVMLError:
-        return None
-    pid = os.getpid()
-    for process in processes:
-        if process.pid == pid and process.usedGpuMemory is not None:
-            return int(process.usedGpuMemory)
-    return None
+
+    return _ask(device_index, own)
 
 
 def simulated_card(memory_limit: int) -> CardInfo:

@@ -8,7 +8,8 @@ models (worker/predictor), so resizing, routing and the OOM path behave as they 
 
 where `shrink` is 1/2 with activation checkpointing and 1/2 again with bf16. Running a plan whose
 peak exceeds the card raises `OutOfMemory` at `oom_step`, as a real CUDA OOM does once the
-optimizer state exists.
+optimizer state exists. A run sleeps `startup_seconds` (a real task builds its model and loads
+its data), then `step_seconds` per step times the plan's expected slowdown (worker/policy.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class QuadraticConfig:
     weight_bytes: int = 64 * 1024
     activation_bytes: int = 4 * 1024
     step_seconds: float = 0.002
+    startup_seconds: float = 0.0
     oom_step: int = 2
     oom_above_micro_batch: int = 0
     objectives: int = 1
@@ -95,6 +97,7 @@ class QuadraticTask:
         micro = _micro_batch(cfg, plan)
         step_seconds = cfg.step_seconds * expected_slowdown(plan, int(cfg.batch_size))
         started = time.monotonic()
+        time.sleep(cfg.startup_seconds)  # building the model and loading data, on a real task
         step = 0
         for step in range(1, _max_steps(budget) + 1):
             reason = reporter.stop_reason()
