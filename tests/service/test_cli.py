@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Iterator
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
 import yaml
 
+from service.cli import main
 from service.client import ApiError, Client
 from service.testing import run_vramtune, server_factory, sqlite_url, upgrade_database
 
@@ -33,9 +36,11 @@ def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def cli(server_url: str, *args: str) -> tuple[int, str, str]:
-    """Run `vramtune ARGS` against the server; (exit code, stdout, stderr)."""
-    result = run_vramtune(*args, env={"VRAMTUNE_SERVER": server_url})
-    return result.returncode, result.stdout, result.stderr
+    """Run `vramtune ARGS` in process against the live server; (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = main(["--server", server_url, *args])
+    return code, out.getvalue(), err.getvalue()
 
 
 def test_study_commands(server_url: str, tmp_path: Path) -> None:
@@ -79,6 +84,12 @@ def test_create_from_json_reports_the_bad_field(server_url: str, tmp_path: Path)
     code, _, err = cli(server_url, "study", "create", str(spec_file))
     assert code == 1
     assert "search_space.lr.float" in err and "must not exceed" in err
+
+
+def test_console_entry_point_reads_the_server_from_the_env(server_url: str) -> None:
+    result = run_vramtune("--json", "study", "list", env={"VRAMTUNE_SERVER": server_url})
+    assert result.returncode == 0, result.stderr
+    assert isinstance(json.loads(result.stdout), list)
 
 
 def test_unreachable_server_is_a_clear_error() -> None:

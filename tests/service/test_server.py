@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 from datetime import datetime
+from pathlib import Path
 
 import httpx
 import optuna
@@ -24,6 +25,7 @@ from service.testing import (
     free_port,
     fresh_postgres_database,
     run_vramtune,
+    sqlite_url,
     upgrade_database,
 )
 
@@ -112,10 +114,8 @@ def test_unexpected_errors_are_a_bare_500() -> None:
     assert "secret" not in response.text
 
 
-def test_server_process_restarts_on_its_port(
-    migrated_url: str, start_server: ServerFactory
-) -> None:
-    server = start_server(migrated_url, log_level="debug")
+def test_server_process_restarts_on_its_port(tmp_path: Path, start_server: ServerFactory) -> None:
+    server = start_server(upgrade_database(sqlite_url(tmp_path)), log_level="debug")
     assert httpx.get(f"{server.url}/api/v1/health").json() == {"status": "ok"}
     url = server.url
     server.restart()
