@@ -36,7 +36,7 @@ class Discovery:
     runners: dict[str, TrialRunner] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
-    """Where each runner came from: 'module:attribute'."""
+    """Where each runner came from: 'module:attribute' or 'path/to/file.py:attribute'."""
 
     def add(self, candidate: object, source: str) -> None:
         """Turn `candidate` into a runner and keep it, or record why it cannot be one."""
@@ -77,7 +77,7 @@ def discover(extra: Sequence[str] = (), *, entry_points: bool = True) -> Discove
         if not candidates:
             found.errors[spec] = f"no Task or TrialRunner found in {spec}"
         for attribute, candidate in candidates.items():
-            found.add(candidate, f"{module.__name__}:{attribute}")
+            found.add(candidate, f"{spec}:{attribute}")
     return found
 
 
