@@ -168,6 +168,46 @@ class GPTTask(_SmallTask):
         return idx, torch.randint(0, 64, (micro_batch, 32), device=device)
 
 
+class EncoderTask(_SmallTask):
+    """torch's TransformerEncoder, which deep-copies its layer (fake tensors must follow)."""
+
+    name = "test-encoder"
+
+    def build_model(self, config: Config) -> nn.Module:
+        width = int(config["width"])
+        layer = nn.TransformerEncoderLayer(width, 4, 2 * width, batch_first=True)
+        return nn.Sequential(
+            nn.Embedding(64, width), nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        )
+
+    def example_batch(self, config: Config, micro_batch: int, device: torch.device) -> Batch:
+        idx = torch.randint(0, 64, (micro_batch, 16), device=device)
+        return idx, torch.randint(0, int(config["width"]), (micro_batch, 16), device=device)
+
+
+class LSTMTask(_SmallTask):
+    """An LSTM, whose CPU kernel (oneDNN) sizes a workspace the fake kernel does not."""
+
+    name = "test-lstm"
+
+    def build_model(self, config: Config) -> nn.Module:
+        return _LSTM(int(config["width"]))
+
+    def example_batch(self, config: Config, micro_batch: int, device: torch.device) -> Batch:
+        x = torch.randn(micro_batch, 12, 16, device=device)
+        return x, torch.randint(0, int(config["width"]), (micro_batch, 12), device=device)
+
+
+class _LSTM(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(16, width, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.rnn(x)[0]
+        return out
+
+
 class DataDependentTask(MLPTask):
     """Reads a loss value in Python: fake tensors cannot trace it."""
 
@@ -213,7 +253,7 @@ def _fresh_cache() -> Iterator[None]:
 
 
 def test_test_tasks_satisfy_the_task_protocol() -> None:
-    for task in (MLPTask(), CNNTask(), GPTTask(), DataDependentTask()):
+    for task in (MLPTask(), CNNTask(), GPTTask(), EncoderTask(), LSTMTask(), DataDependentTask()):
         assert isinstance(task, Task)
 
 
@@ -231,6 +271,16 @@ def test_fake_cpu_prediction_equals_the_real_cpu_peak_to_the_byte(
     assert prediction.peak_allocated_bytes == measured_cpu_peak(task, config, plan)
     assert prediction.peak_reserved_bytes == prediction.peak_allocated_bytes
     assert sum(prediction.breakdown.values()) == prediction.peak_allocated_bytes
+
+
+@pytest.mark.parametrize("task", [EncoderTask(), LSTMTask()], ids=lambda t: t.name)
+def test_deep_copied_layers_and_onednn_workspaces_are_counted_as_the_real_run_does(
+    task: _SmallTask,
+) -> None:
+    config = {"width": 32, "batch_size": 4}
+    prediction = predict(task, config, Plan())
+    assert prediction.method == "trace", prediction.reason
+    assert prediction.peak_allocated_bytes == measured_cpu_peak(task, config, Plan())
 
 
 def test_the_simulated_cpu_card_uses_the_plain_fake_cpu_trace() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,7 +19,11 @@ from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException,
     FakeTensorMode,
     UnsupportedFakeTensorException,
+    unset_fake_temporarily,
 )
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
 
 from service.wire import Plan
 from worker.memory import MemoryLimitExceeded, MemoryTracker
@@ -89,7 +94,7 @@ def trace_training(task: Task, config: Config, plan: Plan, target: Target) -> Tr
     tracker = MemoryTracker(device_type=target.device.type, record_events=target.cuda)
     fake = FakeTensorMode()
     try:
-        with fake, _emulation(target), tracker:
+        with fake, _FakeDeepcopy(), _emulation(target), _onednn_workspaces(), tracker:
             _run_steps(task, config, plan, target, tracker)
     except (TaskConfigError, MemoryLimitExceeded):
         raise
@@ -132,6 +137,72 @@ def _run_steps(
         loss = train_step(task, model, optimizer, next_batch, batch_size, plan, device)
         tracker.label_training_state(model, optimizer)
     del loss
+
+
+class _FakeDeepcopy(TorchFunctionMode):
+    """copy.deepcopy of a fake tensor as a clone in the same fake mode.
+
+    torch's own deepcopy of a fake tensor lands in another fake mode, which then refuses to mix
+    (nn.TransformerEncoder deep-copies its layer); a clone is what a real deepcopy allocates.
+    """
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if func is not torch.Tensor.__deepcopy__:
+            return func(*args, **(kwargs or {}))
+        tensor, memo = args
+        if id(tensor) not in memo:
+            with torch.no_grad():
+                copy = tensor.clone()
+            if isinstance(tensor, nn.Parameter):
+                copy = nn.Parameter(copy, requires_grad=tensor.requires_grad)
+            else:
+                copy.requires_grad_(tensor.requires_grad)
+            memo[id(tensor)] = copy
+        return memo[id(tensor)]
+
+
+class _OneDnnWorkspaces(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Gives fake `mkldnn_rnn_layer` (the CPU LSTM/GRU) the workspace oneDNN really allocates.
+
+    Its fake kernel returns an empty workspace; oneDNN sizes it from the shapes alone, so one
+    real call on zeros of the same shapes (cached) tells the size.
+    """
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.mkldnn_rnn_layer.default:
+            size = _onednn_workspace_bytes(args)
+            out = (*out[:3], torch.empty(size, dtype=torch.uint8, device=out[3].device))
+        return out
+
+
+def _onednn_workspaces() -> TorchDispatchMode:
+    return _OneDnnWorkspaces()  # type: ignore[no-untyped-call]
+
+
+_WORKSPACES: dict[tuple[Any, ...], int] = {}
+
+
+def _onednn_workspace_bytes(args: tuple[Any, ...]) -> int:
+    key = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else repr(a) for a in args)
+    if key not in _WORKSPACES:
+        with unset_fake_temporarily():
+            zeros = tree_map_only(torch.Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype), args)
+            workspace = torch.ops.aten.mkldnn_rnn_layer.default(*zeros)[3]
+        _WORKSPACES[key] = workspace.untyped_storage().nbytes()
+    return _WORKSPACES[key]
 
 
 def refuse_compiled(model: nn.Module) -> None:
