@@ -169,6 +169,7 @@ def _trial(
         "state": state,
         "outcome": outcome,
         "plan": plan,
+        "need": need,
         "predicted": min(need, int(worker.total_bytes * 0.9)) if plan else need,
         "measured": measured,
         "worker": worker,
@@ -190,8 +191,8 @@ def _fate(
 ) -> tuple[TrialState, str, dict[str, Any] | None, int | None]:
     """State, outcome, plan and measured peak of a trial needing ``need`` bytes on ``card``."""
     fits = int(card * 0.9)
-    if need > 8 * fits:
-        return TrialState.FAIL, "infeasible", None, None
+    if need > 8 * fits:  # as vramtune ends it: COMPLETE, a placeholder value, a constraint > 0
+        return TrialState.COMPLETE, "infeasible", None, None
     if rng.random() < 0.01:
         return TrialState.FAIL, "oom", {"micro_batch": 8}, int(card * 0.99)
     if rng.random() < 0.08:
@@ -207,7 +208,7 @@ def _bulk(session: Session, rows: list[dict[str, Any]], study_id: int) -> None:
     """Insert every row of every table in a handful of executemany statements."""
     first_id = 1 + (session.query(models.TrialModel.trial_id).count())
     dist_json = {name: distribution_to_json(dist) for name, dist in SPACE.items()}
-    trials, params, values, steps, records, observations = [], [], [], [], [], []
+    trials, params, values, steps, records, observations, attrs = [], [], [], [], [], [], []
     for offset, row in enumerate(rows):
         trial_id = first_id + offset
         trials.append(
@@ -229,7 +230,7 @@ def _bulk(session: Session, rows: list[dict[str, Any]], study_id: int) -> None:
             }
             for k, v in row["params"].items()
         ]
-        n_steps = STEPS if row["state"] != TrialState.FAIL else 2
+        n_steps = {"infeasible": 0, "oom": 2}.get(row["outcome"], STEPS)  # never ran / died early
         steps += [
             {
                 "trial_id": trial_id,
@@ -249,6 +250,7 @@ def _bulk(session: Session, rows: list[dict[str, Any]], study_id: int) -> None:
                 }
             )
         records.append(_record(trial_id, study_id, row))
+        attrs += _constraints(trial_id, row)
         if row["measured"] is not None:
             observations.append(_observation(trial_id, study_id, row))
     for table, batch in (
@@ -256,10 +258,21 @@ def _bulk(session: Session, rows: list[dict[str, Any]], study_id: int) -> None:
         (models.TrialParamModel.__table__, params),
         (models.TrialValueModel.__table__, values),
         (models.TrialIntermediateValueModel.__table__, steps),
+        (models.TrialSystemAttributeModel.__table__, attrs),
         (TrialRow.__table__, records),
         (MemoryObservationRow.__table__, observations),
     ):
         session.execute(insert(table), batch)
+
+
+def _constraints(trial_id: int, row: dict[str, Any]) -> list[dict[str, Any]]:
+    """The memory constraint vramtune sets on every trial, in Optuna's new and old keys."""
+    worker: WorkerRow = row["worker"]
+    violation = row["need"] / (8 * 0.9 * worker.total_bytes) - 1  # > 0: fits no card
+    return [
+        {"trial_id": trial_id, "key": "constraints:memory", "value_json": json.dumps(violation)},
+        {"trial_id": trial_id, "key": "constraints", "value_json": json.dumps([violation])},
+    ]
 
 
 def _record(trial_id: int, study_id: int, row: dict[str, Any]) -> dict[str, Any]:
@@ -404,9 +417,8 @@ def page_time(url: str, ready_js: str, timeout_s: float, shot: str) -> dict[str,
 
 VRAMTUNE_READY = """() => {
   if (!document.body.dataset.rendered) return false;
-  const plots = [...document.querySelectorAll('.plot')]
-    .filter(p => !p.classList.contains('hidden'));
-  return plots.length >= 6 && plots.every(p => p.querySelector('.main-svg'));
+  const plots = [...document.querySelectorAll('.plot')];
+  return plots.length === 6 && plots.every(p => Number(p.dataset.points) > 0);
 }"""
 # optuna-dashboard's study page is drawn once its plots hold points (history and the others).
 OPTUNA_READY = """() =>
@@ -504,8 +516,8 @@ def markdown(r: dict[str, Any]) -> str:
         "",
         "| dashboard | study page drawn |",
         "|---|---|",
-        f"| vramtune (first visit, plotly.js not cached) | {_seconds(r.get('vramtune_page'))} |",
-        f"| vramtune (again, new browser) | {_seconds(r.get('vramtune_page_again'))} |",
+        f"| vramtune, first visit (server just started) | {_seconds(r.get('vramtune_page'))} |",
+        f"| vramtune, second visit (new browser) | {_seconds(r.get('vramtune_page_again'))} |",
         f"| optuna-dashboard 0.21.0 | {_seconds(r.get('optuna_dashboard_page'))} |",
         "",
         "vramtune's JSON endpoints on this study (first call, best of two more):",

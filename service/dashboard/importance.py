@@ -120,7 +120,8 @@ def _compute(
     objective: int,
     n_complete: int,
 ) -> Importances:
-    trials = sample_trials(session, study_id, objective, n_complete)
+    skip = schema.infeasible(session, study_id)  # their values are placeholders
+    trials = sample_trials(session, study_id, objective, n_complete, skip)
     evaluator = "PedAnovaImportanceEvaluator"
     note = None
     found: dict[str, float] = {}
@@ -137,7 +138,7 @@ def _compute(
     return Importances(
         objective=objective,
         evaluator=evaluator,
-        n_complete=n_complete,
+        n_complete=n_complete - len(skip),
         n_used=len(trials),
         importances=[Importance(name=k, importance=float(v)) for k, v in found.items()],
         note=note if note or found else "no parameter varies across the sampled trials",
@@ -146,9 +147,9 @@ def _compute(
 
 
 def sample_trials(
-    session: Session, study_id: int, objective: int, n_complete: int
+    session: Session, study_id: int, objective: int, n_complete: int, skip: set[int]
 ) -> list[FrozenTrial]:
-    """Every k-th feasible completed trial (at most MAX_SAMPLE) as FrozenTrials."""
+    """Every k-th completed trial not in ``skip`` (at most MAX_SAMPLE) as FrozenTrials."""
     stride = max(1, -(-n_complete // MAX_SAMPLE))
     ranked = (
         select(T.c.trial_id, V.c.value, func.row_number().over(order_by=T.c.number).label("rank"))
@@ -161,7 +162,6 @@ def sample_trials(
         .subquery()
     )
     chosen = select(ranked.c.trial_id, ranked.c.value).where((ranked.c.rank - 1) % stride == 0)
-    skip = schema.infeasible(session, study_id)  # their values are placeholders
     values = {tid: float(value) for tid, value in session.execute(chosen) if tid not in skip}
     params: dict[int, dict[str, Any]] = defaultdict(dict)
     dists: dict[int, dict[str, BaseDistribution]] = defaultdict(dict)
@@ -177,9 +177,3 @@ def sample_trials(
         create_trial(params=params[tid], distributions=dists[tid], value=value)
         for tid, value in values.items()
     ]
-
-
-def clear_cache() -> None:
-    """Forget every cached result (tests)."""
-    with _cache_lock:
-        _cache.clear()

@@ -165,7 +165,7 @@ class Importances(BaseModel):
 
     objective: int
     evaluator: str
-    n_complete: int
+    n_complete: int = Field(description="Completed feasible trials.")
     n_used: int
     importances: list[Importance]
     note: str | None = Field(None, description="Why there are none, when there are none.")

@@ -6,6 +6,7 @@ running the study takes most of the time); each test opens its own page.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -14,8 +15,11 @@ from typing import Any
 
 import optuna
 import pytest
+from sqlalchemy.orm import Session
 
+from service import auth
 from service.client import Client
+from service.db import make_engine
 from service.testing import ServerProcess, server_factory, sqlite_url, upgrade_database
 from tests.browser.chromium import CHROMIUM, launch
 from tests.e2e.conftest import WorkerProcess
@@ -62,19 +66,29 @@ def quadratic_spec(name: str, n_trials: int, **extra: Any) -> dict[str, Any]:
 
 @dataclass
 class Live:
-    """The live server, its database and what the tests look for."""
+    """The live server (auth on), its database, its tokens by scope."""
 
     server: ServerProcess
     database_url: str
     workers: list[WorkerProcess]
     directory: Path
     client: Client
-    made: list[str] = field(default_factory=list)
+    tokens: dict[str, str]
 
     @property
     def url(self) -> str:
         """The server's base URL."""
         return self.server.url
+
+
+def make_tokens(url: str) -> dict[str, str]:
+    """One token per scope, written to the database as `vramtune token create` would."""
+    engine = make_engine(url)
+    try:
+        with Session(engine) as session, session.begin():
+            return {s: auth.create_token(session, f"browser-{s}", [s])[1] for s in auth.SCOPES}
+    finally:
+        engine.dispose()
 
 
 def wait_for(check: Callable[[], bool], what: str, timeout: float = PATIENCE_S) -> None:
@@ -95,22 +109,24 @@ def seed_plain_optuna_study(url: str, name: str) -> None:
 
 @pytest.fixture(scope="session")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
-    """A server on SQLite, two CPU workers (64 and 256 MiB cards) and a finished quadratic study."""
+    """A server with auth on, two CPU workers (64 and 256 MiB cards), a finished study."""
     directory = tmp_path_factory.mktemp("dashboard")
     url = upgrade_database(sqlite_url(directory))
+    tokens = make_tokens(url)
     with server_factory(directory) as start:
-        server = start(url, **FLEET)
-        with Client(server.url) as client:
+        server = start(url, auth="on", **FLEET)
+        with Client(server.url, token=tokens["admin"]) as client:
             client.create_study(quadratic_spec(STUDY, N_TRIALS))
             hostile = quadratic_spec(XSS_PARAM_STUDY, 3)
             hostile["search_space"] = {XSS_PARAM: {"type": "float", "low": 0.0, "high": 1.0}}
             client.create_study(hostile)
             seed_plain_optuna_study(url, XSS_STUDY)
+            worker_token = ("--token", tokens["worker"])
             workers = [
-                WorkerProcess(server.url, "64MiB", directory / "small-card.log"),
-                WorkerProcess(server.url, "256MiB", directory / "large-card.log"),
+                WorkerProcess(server.url, "64MiB", directory / "small-card.log", *worker_token),
+                WorkerProcess(server.url, "256MiB", directory / "large-card.log", *worker_token),
             ]
-            live = Live(server, url, workers, directory, client)
+            live = Live(server, url, workers, directory, client, tokens)
             try:
                 wait_for(lambda: client.get_study(STUDY).state == "done", f"{STUDY} to finish")
                 yield live
@@ -145,14 +161,23 @@ class Page:
         return path
 
 
+OpenPage = Callable[..., Page]
+
+
 @pytest.fixture
-def open_page(browser: Any) -> Iterator[Callable[[str], Page]]:
-    """open_page(url) -> Page, in a fresh browser context (its own sessionStorage)."""
+def open_page(browser: Any, live: Live) -> Iterator[OpenPage]:
+    """open_page(url, token="admin") -> Page in a fresh browser context; token=None: signed out.
+
+    The token is put in the tab's sessionStorage, where the login box keeps it.
+    """
     contexts: list[Any] = []
 
-    def open_(url: str) -> Page:
+    def open_(url: str, token: str | None = "admin") -> Page:
         context = browser.new_context(viewport={"width": 1500, "height": 1000})
         contexts.append(context)
+        if token is not None:
+            value = json.dumps(live.tokens[token])
+            context.add_init_script(f"sessionStorage.setItem('vramtune.token', {value})")
         page = Page(context.new_page())
         page.page.on("console", lambda m: page.errors.append(m.text) if m.type == "error" else None)
         page.page.on("pageerror", lambda e: page.errors.append(f"uncaught: {e}"))

@@ -1,6 +1,5 @@
 // vramtune dashboard: what every page shares. No framework, no build step.
-// Every user-supplied string reaches the page through textContent (never innerHTML), and
-// through plotText() before plotly, which reads a little HTML in its labels.
+// Every user-supplied string reaches the page through textContent, never innerHTML.
 "use strict";
 
 const VT = (() => {
@@ -40,11 +39,6 @@ const VT = (() => {
   function fill(node, ...children) {
     node.replaceChildren();
     return append(node, children);
-  }
-
-  /** A string made literal for plotly's label markup (it renders <b>, <a>, <br> and entities). */
-  function plotText(value) {
-    return String(value).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
   }
 
   // ------------------------------------------------------------------ formatting
@@ -249,9 +243,11 @@ const VT = (() => {
       try {
         await task();
         liveStatus("live");
+        notice(null);
       } catch (error) {
         liveStatus("error", error.message);
-        if (error.status !== 401) console.warn("vramtune: refresh failed:", error.message);
+        if (error.status === 403) notice(`This token may not see this page: ${error.message}`);
+        else if (error.status !== 401) console.warn("vramtune: refresh failed:", error.message);
       } finally {
         running = false;
         if (again) {
@@ -267,6 +263,17 @@ const VT = (() => {
     });
     tick();
     return { now: tick };
+  }
+
+  /** A message under the header (null hides it). */
+  function notice(message) {
+    let node = document.getElementById("notice");
+    if (!message) return node && node.remove();
+    if (!node) {
+      node = el("div", { id: "notice", class: "notice", role: "alert" });
+      document.querySelector("main").prepend(node);
+    }
+    node.textContent = message;
   }
 
   function liveStatus(kind, message) {
@@ -304,52 +311,18 @@ const VT = (() => {
 
   const COLORS = ["#4f6bed", "#e8743b", "#19a979", "#945ecf", "#ed4a7b", "#13a4b4", "#bf399e", "#6c8893"];
 
-  function layout(extra) {
-    return Object.assign(
-      {
-        margin: { l: 64, r: 16, t: 8, b: 48 },
-        font: { family: "system-ui, -apple-system, Segoe UI, sans-serif", size: 12, color: "#27313f" },
-        paper_bgcolor: "rgba(0,0,0,0)",
-        plot_bgcolor: "#fbfcfe",
-        hovermode: "closest",
-        showlegend: true,
-        legend: { orientation: "h", y: -0.22, x: 0 },
-        xaxis: { gridcolor: "#e6e9f0", zeroline: false, automargin: true },
-        yaxis: { gridcolor: "#e6e9f0", zeroline: false, automargin: true },
-      },
-      extra,
-    );
-  }
-
-  const PLOT_CONFIG = {
-    displaylogo: false,
-    responsive: true,
-    modeBarButtonsToRemove: ["select2d", "lasso2d", "toggleSpikelines", "hoverCompareCartesian"],
-  };
-
-  /** Resolves once plotly.js (loaded async, beside the data requests) has run. */
-  function plotlyReady() {
-    if (window.Plotly) return Promise.resolve();
-    const tag = document.getElementById("plotly-min-js");
-    return new Promise((resolve, reject) => {
-      tag.addEventListener("load", resolve, { once: true });
-      tag.addEventListener("error", () => reject(new Error("plotly.js did not load")), { once: true });
-    });
-  }
-
-  /** Draw (or redraw in place) a plot; an empty series shows ``empty`` instead. */
-  async function plot(node, traces, plotLayout, empty) {
-    const hasPoints = traces.some((t) => (t.x || t.y || []).length > 0);
+  /** Draw (or redraw in place) a plot; one without points shows ``empty`` instead. */
+  function plot(node, spec, empty) {
+    const hasPoints = spec.traces.some((t) => t.x.length > 0);
     const message = node.parentElement.querySelector(".empty");
-    await plotlyReady();
     if (message) message.textContent = hasPoints ? "" : empty;
     node.classList.toggle("hidden", !hasPoints);
-    if (hasPoints) await Plotly.react(node, traces, layout(plotLayout), PLOT_CONFIG);
-    else Plotly.purge(node);
+    if (hasPoints) Plot.draw(node, spec);
+    else node.dataset.points = "0";
   }
 
   return {
-    api, can, onAuthChange, poll, start, el, fill, plotText, bytes, byteScale, num, duration, ago,
+    api, can, onAuthChange, poll, start, el, fill, bytes, byteScale, num, duration, ago,
     badge, errorBox, plot, COLORS, HttpError,
   };
 })();

@@ -2,24 +2,29 @@
 "use strict";
 
 (() => {
-  const { el, fill, plotText } = VT;
+  const { el, fill } = VT;
   const NAME = decodeURIComponent(location.pathname.replace(/^\/studies\//, ""));
   const BASE = `/dashboard/studies/${encodeURIComponent(NAME)}`;
   const STATES = ["COMPLETE", "RUNNING", "WAITING", "PRUNED", "FAIL"];
   const IMPORTANCE_EVERY_MS = 15000;
+  // Points per scatter plot (the server thins to this, keeping extremes and fronts exact).
+  const POINTS = 2000;
+  const EVALUATORS = { PedAnovaImportanceEvaluator: "PED-ANOVA", FanovaImportanceEvaluator: "fANOVA" };
+  const LARGE_STUDY = 2000;
+  const LARGE_REDRAW_MS = 10000;
   const MEMORY_PARAM = /batch|width|seq|len|hidden|dim|layer|head|size|embed/i;
   const REGION_STYLE = {
     "as asked": { color: "#19a979", symbol: "circle" },
     resized: { color: "#4f6bed", symbol: "diamond" },
     routed: { color: "#945ecf", symbol: "square" },
-    "resized after oom": { color: "#e8743b", symbol: "triangle-up" },
+    "resized after oom": { color: "#e8743b", symbol: "triangle" },
     oom: { color: "#d64545", symbol: "x" },
-    infeasible: { color: "#2d2d2d", symbol: "x-thin-open" },
-    "waiting for a larger card": { color: "#d98a00", symbol: "hourglass" },
-    pruned: { color: "#a0a8b8", symbol: "circle-open" },
-    failed: { color: "#ed4a7b", symbol: "circle-x-open" },
+    infeasible: { color: "#2d2d2d", symbol: "x" },
+    "waiting for a larger card": { color: "#d98a00", symbol: "square" },
+    pruned: { color: "#a0a8b8", symbol: "open" },
+    failed: { color: "#ed4a7b", symbol: "open" },
     running: { color: "#13a4b4", symbol: "star" },
-    waiting: { color: "#c9b037", symbol: "circle-dot" },
+    waiting: { color: "#c9b037", symbol: "open" },
   };
 
   const table = { sort: "number", order: "desc", states: [], outcome: "", worker: "", offset: 0, limit: 50 };
@@ -28,6 +33,7 @@
   let selected = null;
   let selectedByUser = false;
   let importancesAt = 0;
+  let plotsAt = 0;
   const sequence = {};
 
   /** Run ``load`` for ``key``; an answer that a newer call of the same key overtook is dropped. */
@@ -35,7 +41,7 @@
     const ticket = (sequence[key] = (sequence[key] || 0) + 1);
     try {
       const data = await load();
-      if (ticket === sequence[key]) await render(data);
+      if (ticket === sequence[key]) render(data);
     } catch (error) {
       if (ticket === sequence[key] && card) showCardError(card, error);
       if (error.status === 401) return;
@@ -118,34 +124,30 @@
     return data.downsampled ? ` · ${shown.toLocaleString()} drawn` : "";
   }
 
-  function onPick(node) {
-    if (node.dataset.pickBound) return;
-    node.dataset.pickBound = "1";
-    node.on("plotly_click", (event) => {
-      const point = event.points && event.points[0];
-      if (point && Number.isInteger(point.customdata)) selectTrial(point.customdata, true);
-    });
-  }
+  const pick = (number) => selectTrial(number, true);
 
   async function loadHistory() {
-    await latestOnly("history", () => VT.api(`${BASE}/history`), async (d) => {
-      const node = document.getElementById("plot-history");
-      await VT.plot(
-        node,
-        [
-          { type: "scatter", mode: "markers", name: "trial", x: d.numbers, y: d.values, customdata: d.numbers, marker: { size: 5, color: VT.COLORS[0], opacity: 0.6 }, hovertemplate: "trial #%{x}<br>%{y}<extra></extra>" },
-          { type: "scatter", mode: "lines", name: "best so far", x: d.best_numbers, y: d.best_values, line: { shape: "hv", color: VT.COLORS[1], width: 2.5 }, hovertemplate: "best %{y} (trial #%{x})<extra></extra>" },
-        ],
-        { xaxis: { title: { text: "trial" }, gridcolor: "#e6e9f0" }, yaxis: { title: { text: plotText(objectiveName(0)) }, gridcolor: "#e6e9f0" } },
+    await latestOnly("history", () => VT.api(`${BASE}/history?max_points=${POINTS}`), (d) => {
+      VT.plot(
+        document.getElementById("plot-history"),
+        {
+          x: { title: "trial" },
+          y: { title: objectiveName(0) },
+          keepView: true,
+          onClick: pick,
+          traces: [
+            { name: "trial", mode: "markers", x: d.numbers, y: d.values, data: d.numbers, color: VT.COLORS[0], size: 5, opacity: 0.6, hover: (i) => `trial #${d.numbers[i]}\n${VT.num(d.values[i])}` },
+            { name: "best so far", mode: "lines", shape: "hv", x: d.best_numbers, y: d.best_values, color: VT.COLORS[1], width: 2.5 },
+          ],
+        },
         "No completed trial yet.",
       );
-      if (d.total) onPick(node);
       hint("history-hint", `${d.total.toLocaleString()} completed${thinned(d, d.numbers.length)}`);
     }, "card-history");
   }
 
   async function loadMemory() {
-    await latestOnly("memory", () => VT.api(`${BASE}/memory`), async (d) => {
+    await latestOnly("memory", () => VT.api(`${BASE}/memory?max_points=${POINTS}`), (d) => {
       const scale = VT.byteScale(d.measured_bytes);
       const byCard = new Map();
       d.numbers.forEach((n, i) => {
@@ -156,47 +158,40 @@
         group.y.push(d.values[i]);
         group.n.push(n);
       });
+      const point = (g, prefix = "") => (i) => `${prefix}trial #${g.n[i]}\n${VT.num(g.x[i])} ${scale.name}\n${VT.num(g.y[i])}`;
       const traces = [...byCard.entries()].map(([card, g], i) => ({
-        type: "scatter", mode: "markers", name: plotText(card), x: g.x, y: g.y, customdata: g.n,
-        marker: { size: 6, color: VT.COLORS[(i + 2) % VT.COLORS.length], opacity: 0.6 },
-        hovertemplate: `trial #%{customdata}<br>%{x:.3f} ${scale.name}<br>%{y}<extra></extra>`,
+        name: card, mode: "markers", x: g.x, y: g.y, data: g.n, color: VT.COLORS[(i + 2) % VT.COLORS.length], size: 6, opacity: 0.6, hover: point(g),
       }));
-      traces.push({
-        type: "scatter", mode: "lines+markers", name: "Pareto front",
-        x: d.front_bytes.map((b) => b / scale.div), y: d.front_values, customdata: d.front_numbers,
-        line: { shape: "hv", color: VT.COLORS[1], width: 2 }, marker: { size: 8, color: VT.COLORS[1], symbol: "diamond" },
-        hovertemplate: `front: trial #%{customdata}<br>%{x:.3f} ${scale.name}<br>%{y}<extra></extra>`,
-      });
-      const node = document.getElementById("plot-memory");
-      await VT.plot(node, traces, {
-        xaxis: { title: { text: `measured peak (${scale.name})` }, gridcolor: "#e6e9f0" },
-        yaxis: { title: { text: plotText(objectiveName(d.objective)) }, gridcolor: "#e6e9f0" },
-      }, "No completed trial with a measured peak yet.");
-      if (d.total) onPick(node);
+      const front = { x: d.front_bytes.map((b) => b / scale.div), y: d.front_values, n: d.front_numbers };
+      traces.push({ name: "Pareto front", mode: "lines+markers", shape: "hv", symbol: "diamond", x: front.x, y: front.y, data: front.n, color: VT.COLORS[1], size: 7, opacity: 1, hover: point(front, "front: ") });
+      VT.plot(
+        document.getElementById("plot-memory"),
+        { x: { title: `measured peak (${scale.name})` }, y: { title: objectiveName(d.objective) }, keepView: true, onClick: pick, traces },
+        "No completed trial with a measured peak yet.",
+      );
       hint("memory-hint", `${d.total.toLocaleString()} trials · ${d.front_numbers.length} on the front${thinned(d, d.numbers.length)}`);
     }, "card-memory");
   }
 
   async function loadCalibration() {
-    await latestOnly("calibration", () => VT.api(`${BASE}/calibration`), async (d) => {
+    await latestOnly("calibration", () => VT.api(`${BASE}/calibration?max_points=${POINTS}`), (d) => {
       const all = d.cards.flatMap((c) => [...c.predicted_bytes, ...c.measured_bytes]);
       const scale = VT.byteScale(all);
       const top = Math.max(0, ...all) / scale.div;
-      const traces = d.cards.map((c, i) => ({
-        type: "scatter", mode: "markers", name: plotText(c.card_model),
-        x: c.predicted_bytes.map((b) => b / scale.div), y: c.measured_bytes.map((b) => b / scale.div), customdata: c.numbers,
-        marker: { size: 6, color: VT.COLORS[(i + 2) % VT.COLORS.length], opacity: 0.65 },
-        hovertemplate: `trial #%{customdata}<br>predicted %{x:.3f} ${scale.name}<br>measured %{y:.3f} ${scale.name}<extra></extra>`,
-      }));
-      if (traces.length) {
-        traces.push({ type: "scatter", mode: "lines", name: "measured = predicted", x: [0, top * 1.05], y: [0, top * 1.05], line: { color: "#9aa3b5", dash: "dash", width: 1 }, hoverinfo: "skip" });
-      }
-      const node = document.getElementById("plot-calibration");
-      await VT.plot(node, traces, {
-        xaxis: { title: { text: `predicted peak (${scale.name})` }, gridcolor: "#e6e9f0", rangemode: "tozero" },
-        yaxis: { title: { text: `measured peak (${scale.name})` }, gridcolor: "#e6e9f0", rangemode: "tozero" },
-      }, "No run with a prediction yet.");
-      if (traces.length) onPick(node);
+      const traces = d.cards.map((c, i) => {
+        const x = c.predicted_bytes.map((b) => b / scale.div);
+        const y = c.measured_bytes.map((b) => b / scale.div);
+        return {
+          name: c.card_model, mode: "markers", x, y, data: c.numbers, color: VT.COLORS[(i + 2) % VT.COLORS.length], size: 6, opacity: 0.65,
+          hover: (k) => `trial #${c.numbers[k]} (${c.outcomes[k]})\npredicted ${VT.num(x[k])} ${scale.name}\nmeasured ${VT.num(y[k])} ${scale.name}`,
+        };
+      });
+      if (traces.length) traces.push({ name: "measured = predicted", mode: "lines", dash: true, width: 1, x: [0, top * 1.05], y: [0, top * 1.05], color: "#9aa3b5" });
+      VT.plot(
+        document.getElementById("plot-calibration"),
+        { x: { title: `predicted peak (${scale.name})`, zero: true }, y: { title: `measured peak (${scale.name})`, zero: true }, keepView: true, onClick: pick, traces },
+        "No run with a prediction yet.",
+      );
       const pct = (v) => (v === null ? "–" : `${(v * 100).toFixed(1)} %`);
       fill(
         document.getElementById("calibration-stats"),
@@ -218,17 +213,18 @@
     return ((((number + 1) * (salt ? 0.7548776662 : 0.5698402910)) % 1) - 0.5) * 0.6;
   }
 
+  function text(value) {
+    return value === null ? "null" : String(value);
+  }
+
   function regionAxis(name, salt) {
     const info = paramInfo(name);
-    const axis = { title: { text: plotText(name) }, gridcolor: "#e6e9f0", zeroline: false };
     if (info && info.kind === "categorical") {
-      const labels = info.choices.map((c) => plotText(c === null ? "null" : String(c)));
-      Object.assign(axis, { tickvals: labels.map((_, i) => i), ticktext: labels, range: [-0.5, labels.length - 0.5], showgrid: false });
+      const ticks = info.choices.map((c, i) => [i, text(c)]);
       const position = (v, n) => info.choices.findIndex((c) => c === v) + jitter(n, salt);
-      return { axis, place: (values, numbers) => values.map((v, i) => position(v, numbers[i])) };
+      return { axis: { title: name, ticks, range: [-0.5, ticks.length - 0.5], grid: false }, place: (values, numbers) => values.map((v, i) => position(v, numbers[i])) };
     }
-    if (info && info.log) Object.assign(axis, { type: "log", dtick: "D2" }); // 1, 2, 5 per decade
-    return { axis, place: (values) => values };
+    return { axis: { title: name, type: info && info.log ? "log" : "linear" }, place: (values) => values };
   }
 
   function setupRegionSelectors(params) {
@@ -245,46 +241,53 @@
     ys.value = names.includes(keepY) ? keepY : preferred.find((n) => n !== xs.value) || xs.value;
   }
 
+  let regionPair = "";
+
   async function loadRegions() {
     const x = document.getElementById("region-x").value;
     const y = document.getElementById("region-y").value;
     const node = document.getElementById("plot-regions");
     if (!x || !y) {
-      await VT.plot(node, [], {}, "The study has no parameters yet.");
+      VT.plot(node, { x: {}, y: {}, traces: [] }, "The study has no parameters yet.");
       return;
     }
-    const query = new URLSearchParams({ x, y });
-    await latestOnly("regions", () => VT.api(`${BASE}/regions?${query}`), async (d) => {
+    const query = new URLSearchParams({ x, y, max_points: POINTS });
+    await latestOnly("regions", () => VT.api(`${BASE}/regions?${query}`), (d) => {
       const ax = regionAxis(d.x, 0);
       const ay = regionAxis(d.y, 1);
       const traces = d.categories.map((c) => {
         const style = REGION_STYLE[c.name] || { color: "#777", symbol: "circle" };
         return {
-          type: "scatter", mode: "markers", name: `${plotText(c.name)} (${c.count})`,
-          x: ax.place(c.x, c.numbers), y: ay.place(c.y, c.numbers), customdata: c.numbers,
-          marker: { size: 7, color: style.color, symbol: style.symbol, opacity: 0.75, line: { width: 1, color: style.color } },
-          hovertemplate: `trial #%{customdata}<br>${plotText(c.name)}<extra></extra>`,
+          name: `${c.name} (${c.count})`, mode: "markers", x: ax.place(c.x, c.numbers), y: ay.place(c.y, c.numbers), data: c.numbers,
+          color: style.color, symbol: style.symbol, size: 7, opacity: 0.75,
+          hover: (i) => `trial #${c.numbers[i]}: ${c.name}\n${d.x} = ${text(c.x[i])}\n${d.y} = ${text(c.y[i])}`,
         };
       });
-      await VT.plot(node, traces, { xaxis: ax.axis, yaxis: ay.axis }, "No trial holds both parameters yet.");
-      if (d.total) onPick(node);
+      const pair = `${d.x}\u0000${d.y}`;
+      VT.plot(node, { x: ax.axis, y: ay.axis, keepView: pair === regionPair, onClick: pick, traces }, "No trial holds both parameters yet.");
+      regionPair = pair;
       hint("regions-hint", `${d.total.toLocaleString()} trials`);
     }, "card-regions");
   }
 
   async function loadImportances() {
     importancesAt = Date.now();
-    await latestOnly("importances", () => VT.api(`${BASE}/importances`), async (d) => {
+    await latestOnly("importances", () => VT.api(`${BASE}/importances`), (d) => {
       const sorted = [...d.importances].sort((a, b) => a.importance - b.importance);
-      await VT.plot(
+      const longest = Math.max(0, ...sorted.map((i) => i.name.length));
+      const top = Math.max(0.01, ...sorted.map((i) => i.importance));
+      VT.plot(
         document.getElementById("plot-importances"),
-        sorted.length
-          ? [{ type: "bar", orientation: "h", name: "importance", x: sorted.map((i) => i.importance), y: sorted.map((i) => plotText(i.name)), marker: { color: VT.COLORS[0] }, hovertemplate: "%{y}: %{x:.3f}<extra></extra>" }]
-          : [],
-        { showlegend: false, margin: { l: 120, r: 16, t: 8, b: 40 }, xaxis: { title: { text: "importance" }, gridcolor: "#e6e9f0", rangemode: "tozero" }, yaxis: { automargin: true } },
+        {
+          x: { title: "importance", range: [0, top * 1.08] },
+          y: { ticks: [], range: [-0.6, sorted.length - 0.4], grid: false },
+          legend: false,
+          marginLeft: Math.min(220, 24 + 7 * longest),
+          traces: [{ mode: "bars", x: sorted.map((i) => i.importance), y: sorted.map((_, k) => k), labels: sorted.map((i) => i.name), color: VT.COLORS[0], hover: (k) => `${sorted[k].name}: ${sorted[k].importance.toFixed(3)}` }],
+        },
         d.note || "No importances yet.",
       );
-      hint("importances-hint", d.n_used ? `Optuna ${d.evaluator.replace("ImportanceEvaluator", "")} on ${d.n_used.toLocaleString()} of ${d.n_complete.toLocaleString()} completed` : "");
+      hint("importances-hint", d.n_used ? `Optuna ${EVALUATORS[d.evaluator] || d.evaluator} on ${d.n_used.toLocaleString()} of ${d.n_complete.toLocaleString()} completed` : "");
     }, "card-importances");
   }
 
@@ -298,15 +301,19 @@
   async function loadCurve() {
     const node = document.getElementById("plot-curve");
     if (selected === null) {
-      await VT.plot(node, [], {}, "Click a trial in a plot or in the table.");
+      VT.plot(node, { x: {}, y: {}, traces: [] }, "Click a trial in a plot or in the table.");
       return;
     }
-    await latestOnly("curve", () => VT.api(`${BASE}/trials/${selected}`), async (t) => {
+    await latestOnly("curve", () => VT.api(`${BASE}/trials/${selected}`), (t) => {
       document.getElementById("curve-title").textContent = `Trial #${t.number}`;
-      await VT.plot(
+      VT.plot(
         node,
-        [{ type: "scatter", mode: "lines+markers", name: "intermediate value", x: t.intermediate_steps, y: t.intermediate_values, line: { color: VT.COLORS[0], width: 2 }, marker: { size: 5 }, hovertemplate: "step %{x}: %{y}<extra></extra>" }],
-        { showlegend: false, height: 250, xaxis: { title: { text: "step" }, gridcolor: "#e6e9f0" }, yaxis: { title: { text: "reported value" }, gridcolor: "#e6e9f0" } },
+        {
+          x: { title: "step" },
+          y: { title: "reported value" },
+          legend: false,
+          traces: [{ mode: "lines+markers", x: t.intermediate_steps, y: t.intermediate_values, color: VT.COLORS[0], size: 5, opacity: 1, hover: (i) => `step ${t.intermediate_steps[i]}: ${VT.num(t.intermediate_values[i])}` }],
+        },
         "This trial reported no intermediate value.",
       );
       hint("curve-hint", `${t.state.toLowerCase()}${t.intermediate_total ? ` · ${t.intermediate_total} reports` : ""}`);
@@ -467,7 +474,14 @@
     }
     renderHeader(overview);
     if (overview.revision === revision) return;
+    // A large running study changes on every poll: its plots are redrawn every 10 s at most.
+    const large = overview.finished + overview.running > LARGE_STUDY;
+    if (revision !== null && large && Date.now() - plotsAt < LARGE_REDRAW_MS) {
+      await loadTable();
+      return; // revision stays old: a later poll redraws the plots
+    }
     revision = overview.revision;
+    plotsAt = Date.now();
     setupRegionSelectors(overview.params);
     if (!selectedByUser && overview.best) selected = overview.best.number;
     const jobs = [loadHistory(), loadMemory(), loadCalibration(), loadRegions(), loadTable(), loadCurve()];
