@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import datetime
 from typing import Any, Literal
 
 import optuna
 from optuna.storages import BaseStorage
+from optuna.trial import TrialState
 from sqlalchemy import case, func, or_, select
 from sqlalchemy.orm import Session
 
@@ -52,12 +53,37 @@ WorkerState = Literal["live", "stale", "stopped"]
 _sqlite_writes = threading.Lock()
 
 
+_UNDO = "vramtune.undo"
+
+
 @contextmanager
 def fleet_transaction(state: AppState) -> Iterator[Session]:
-    """One use case, one transaction; serialized in-process on SQLite (see the module doc)."""
+    """One use case, one transaction; serialized in-process on SQLite (see the module doc).
+
+    If the transaction rolls back (an error, or its commit failing), the Optuna writes it made
+    are undone by the actions registered with ``on_rollback``, after the rollback.
+    """
     lock = _sqlite_writes if is_sqlite(state.settings.database_url) else nullcontext()
-    with lock, state.sessions.begin() as session:
-        yield session
+    with lock, state.sessions() as session:
+        try:
+            with session.begin():
+                yield session
+        except BaseException:
+            _undo(session)
+            raise
+
+
+def on_rollback(session: Session, action: Callable[[], object]) -> None:
+    """Undo an Optuna write (which commits on its own) if the session's transaction fails."""
+    session.info.setdefault(_UNDO, []).append(action)
+
+
+def _undo(session: Session) -> None:
+    for action in reversed(session.info.pop(_UNDO, [])):
+        try:
+            action()
+        except Exception:  # best effort: the original error is the one to report
+            log.exception("could not undo an Optuna write after a rollback")
 
 
 # ---------------------------------------------------------------- workers
@@ -310,7 +336,8 @@ def _trials_used(session: Session, study_id: int) -> int:
 def _record_asked(
     session: Session, storage: BaseStorage, row: StudyRow, asked: optuna.Trial, now: datetime
 ) -> TrialRow:
-    """vramtune's row of a trial Optuna just created; FAIL it in Optuna if that write fails."""
+    """vramtune's row of a trial Optuna just created; FAILed in Optuna if it is not recorded."""
+    on_rollback(session, lambda: storage.set_trial_state_values(asked._trial_id, TrialState.FAIL))
     trial = TrialRow(
         trial_id=asked._trial_id,
         study_id=row.study_id,
@@ -321,12 +348,5 @@ def _record_asked(
         plans_tried=[],
         updated_at=now,
     )
-    try:
-        session.add(trial)
-        session.flush()
-    except BaseException:
-        # Roll back first: on SQLite our write holds the lock Optuna's tell needs.
-        session.rollback()
-        storage.set_trial_state_values(asked._trial_id, optuna.trial.TrialState.FAIL)
-        raise
+    session.add(trial)
     return trial

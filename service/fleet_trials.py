@@ -13,23 +13,28 @@ allocated), the same number the worker would have sent.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import optuna
+from optuna.exceptions import UpdateFinishedTrialError
 from optuna.storages import BaseStorage
 from optuna.trial import TrialState
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
-from service.errors import Invalid
+from service.calibration import raw_peaks
+from service.errors import Conflict, Invalid
 from service.leases import Fenced, end, fence, resolution
 from service.optuna_glue import load_optuna_study, spec_of
 from service.routing import (
+    MAX_OOM_RETRIES,
+    attempts_left,
     headroom,
     live_capacity,
-    oom_retry_allowed,
     reoffer,
     tell_failed,
     tell_infeasible,
@@ -68,6 +73,22 @@ class TrialCall:
 def peak_of(measured: Measured) -> int:
     """The peak the card had to hold: reserved bytes when measured, else allocated."""
     return max(measured.peak_reserved_bytes or 0, measured.peak_allocated_bytes)
+
+
+@contextmanager
+def told_once(storage: BaseStorage, trial_id: int, expected: TrialState) -> Iterator[None]:
+    """Optuna's part of a call; a trial Optuna already finished as ``expected`` is not told again.
+
+    That happens when a call's own commit failed after Optuna was told (Optuna commits on its
+    own connection) and the worker retries it: the retry then completes vramtune's part. A trial
+    Optuna finished otherwise is a Conflict.
+    """
+    try:
+        yield
+    except UpdateFinishedTrialError:
+        actual = storage.get_trial(trial_id).state
+        if actual != expected:
+            raise Conflict(f"trial {trial_id} already finished in Optuna ({actual.name})") from None
 
 
 def _ack(fenced: Fenced, what: TrialResolution, detail: str = "") -> TrialAck:
@@ -135,8 +156,9 @@ def report(call: TrialCall, trial_id: int, body: ReportRequest) -> ReportReply:
         return ReportReply(prune=False)
     # Told now, so a worker that ignores the answer cannot keep the trial; its fail(pruned)
     # replays this answer and its heartbeat carries the stop order.
-    write_attrs(call.storage, trial_id, {"outcome": "pruned"})
-    study.tell(trial, state=TrialState.PRUNED, skip_if_finished=True)
+    with told_once(call.storage, trial_id, TrialState.PRUNED):
+        write_attrs(call.storage, trial_id, {"outcome": "pruned"})
+        study.tell(trial, state=TrialState.PRUNED, skip_if_finished=True)
     ack = _ack(fenced, "pruned", f"pruned at step {body.step} by the study's pruner")
     _finish(call, fenced, ack, "fail", "pruned", stop="pruned")
     return ReportReply(prune=True)
@@ -166,24 +188,22 @@ def complete(call: TrialCall, trial_id: int, body: CompleteRequest) -> TrialAck:
     values = objective_values(spec, body)  # 422 before anything is written
     worker, peak = fenced.worker, peak_of(body.measured)
     outcome = _outcome_of(body.plan, routed=fenced.trial.min_bytes > 0)
-    write_attrs(
-        call.storage,
-        trial_id,
-        {
-            "plan": body.plan.model_dump(mode="json"),
-            "predicted_peak_bytes": _predicted(body.prediction),
-            "measured_peak_bytes": peak,
-            "measured": body.measured.model_dump(mode="json"),
-            "worker": worker.name,
-            "card_model": worker.card_model,
-            "outcome": outcome,
-            "duration_s": body.duration_s,
-            "samples_per_s": body.samples_per_s,
-        },
-    )
-    write_constraint(call.storage, trial_id, min(headroom(peak, worker.total_bytes), 0.0))
-    study = load_optuna_study(call.storage, fenced.study)
-    study.tell(optuna.trial.Trial(study, trial_id), values, skip_if_finished=True)
+    attrs = {
+        "plan": body.plan.model_dump(mode="json"),
+        "predicted_peak_bytes": _predicted(body.prediction),
+        "measured_peak_bytes": peak,
+        "measured": body.measured.model_dump(mode="json"),
+        "worker": worker.name,
+        "card_model": worker.card_model,
+        "outcome": outcome,
+        "duration_s": body.duration_s,
+        "samples_per_s": body.samples_per_s,
+    }
+    with told_once(call.storage, trial_id, TrialState.COMPLETE):
+        write_attrs(call.storage, trial_id, attrs)
+        write_constraint(call.storage, trial_id, min(headroom(peak, worker.total_bytes), 0.0))
+        study = load_optuna_study(call.storage, fenced.study)
+        study.tell(optuna.trial.Trial(study, trial_id), values, skip_if_finished=True)
     trial = fenced.trial
     trial.plan = body.plan.model_dump(mode="json")
     trial.predicted_peak_bytes = _predicted(body.prediction)
@@ -224,6 +244,8 @@ def observe(
         return
     worker = fenced.worker
     plan_json = plan.model_dump(mode="json") if isinstance(plan, Plan) else (plan or {})
+    # The fit is fed the raw predictions: calibrating calibrated ones would compound.
+    raw_allocated, raw_reserved = (None, None) if prediction is None else raw_peaks(prediction)
     call.session.add(
         MemoryObservationRow(
             trial_id=fenced.trial.trial_id,
@@ -234,8 +256,8 @@ def observe(
             task=fenced.study.task,
             plan=plan_json,
             outcome=outcome,
-            predicted_allocated=None if prediction is None else prediction.peak_allocated_bytes,
-            predicted_reserved=None if prediction is None else prediction.peak_reserved_bytes,
+            predicted_allocated=raw_allocated,
+            predicted_reserved=raw_reserved,
             measured_allocated=measured.peak_allocated_bytes,
             measured_reserved=measured.peak_reserved_bytes,
             nvml_peak=measured.nvml_peak_bytes,
@@ -258,16 +280,19 @@ def fail(call: TrialCall, trial_id: int, body: FailRequest) -> TrialAck:
         reoffer(fenced.trial, call.now, next_attempt=False)
         ack = _ack(fenced, "retry", f"interrupted ({body.message}); offered again".strip())
     elif body.kind == "pruned":
-        study = load_optuna_study(call.storage, fenced.study)
-        write_attrs(call.storage, trial_id, {"outcome": "pruned"})
-        study.tell(
-            optuna.trial.Trial(study, trial_id), state=TrialState.PRUNED, skip_if_finished=True
-        )
+        with told_once(call.storage, trial_id, TrialState.PRUNED):
+            study = load_optuna_study(call.storage, fenced.study)
+            write_attrs(call.storage, trial_id, {"outcome": "pruned"})
+            study.tell(
+                optuna.trial.Trial(study, trial_id), state=TrialState.PRUNED, skip_if_finished=True
+            )
         ack = _ack(fenced, "pruned", body.message)
     else:
         reason = body.message or "the worker reported an error"
+        with told_once(call.storage, trial_id, TrialState.FAIL):
+            study = load_optuna_study(call.storage, fenced.study)
+            tell_failed(study, call.storage, trial_id, reason)
         fenced.trial.outcome = "failed"
-        tell_failed(load_optuna_study(call.storage, fenced.study), call.storage, trial_id, reason)
         ack = _ack(fenced, "failed", reason)
     return _finish(call, fenced, ack, "fail", body.kind)
 
@@ -276,21 +301,22 @@ def _out_of_memory(call: TrialCall, fenced: Fenced, body: FailRequest) -> TrialA
     """Record the plan as tried on this card model; retry once, then FAIL."""
     trial, worker = fenced.trial, fenced.worker
     plan = body.plan.model_dump(mode="json") if body.plan else (trial.plan or {})
-    tried = {**plan, "card_model": worker.card_model}
-    # A new list object: SQLAlchemy sees a JSON column change only on assignment.
-    trial.plans_tried = [*trial.plans_tried, tried]
-    trial.outcome = "oom"
-    spec = spec_of(fenced.study)
-    message = body.message or "out of memory"
-    if oom_retry_allowed(trial, spec):
+    tried = [*trial.plans_tried, {**plan, "card_model": worker.card_model}]
+    retry = len(tried) <= MAX_OOM_RETRIES and attempts_left(trial, spec_of(fenced.study))
+    if retry:
         ack = _ack(fenced, "retry", f"out of memory on {worker.card_model}; retried smaller")
-        reoffer(trial, call.now, next_attempt=True)
     else:
-        reason = f"out of memory {len(trial.plans_tried)} times; last: {message}"
-        tell_failed(
-            load_optuna_study(call.storage, fenced.study), call.storage, trial.trial_id, reason
-        )
+        reason = f"out of memory {len(tried)} times; last: {body.message or 'out of memory'}"
+        with told_once(call.storage, trial.trial_id, TrialState.FAIL):
+            study = load_optuna_study(call.storage, fenced.study)
+            tell_failed(study, call.storage, trial.trial_id, reason)
         ack = _ack(fenced, "failed", reason)
+    # vramtune's rows only after Optuna was told (see service.fleet). A new list object:
+    # SQLAlchemy sees a change of a JSON column on assignment only.
+    trial.plans_tried = tried
+    trial.outcome = "oom"
+    if retry:
+        reoffer(trial, call.now, next_attempt=True)
     observe(call, fenced, body.plan or plan, body.prediction, body.measured, "oom")
     return ack
 
@@ -316,26 +342,17 @@ def hand_back(call: TrialCall, trial_id: int, body: HandBackRequest) -> TrialAck
     capacity = live_capacity(
         call.session, fenced.study.task, call.now, call.settings.worker_stale_s, worker.id
     )
+    write_attrs(call.storage, trial_id, {"handback": handback})
+    trial.min_bytes = footprint
     if capacity >= footprint:
-        write_attrs(call.storage, trial_id, {"handback": handback})
         trial.status = "waiting"
-        trial.min_bytes = footprint
         trial.updated_at = call.now
         ack = _ack(fenced, "waiting", f"waits for a card of at least {footprint} bytes")
         return _finish(call, fenced, ack, "handback")
-    reason = (
-        f"needs {footprint} bytes; the largest live card has {max(capacity, worker.total_bytes)}"
-    )
-    write_attrs(call.storage, trial_id, {"handback": handback})
-    study = load_optuna_study(call.storage, fenced.study)
-    tell_infeasible(
-        study,
-        call.storage,
-        trial_id,
-        spec_of(fenced.study),
-        footprint,
-        max(capacity, worker.total_bytes),
-        reason,
-    )
-    trial.min_bytes = footprint
+    largest = max(capacity, worker.total_bytes)
+    reason = f"needs {footprint} bytes; the largest live card has {largest}"
+    with told_once(call.storage, trial_id, TrialState.COMPLETE):
+        study = load_optuna_study(call.storage, fenced.study)
+        spec = spec_of(fenced.study)
+        tell_infeasible(study, call.storage, trial_id, spec, footprint, largest, reason)
     return _finish(call, fenced, _ack(fenced, "infeasible", reason), "handback")

@@ -18,11 +18,13 @@ from contextlib import suppress
 from dataclasses import dataclass
 from datetime import datetime
 
+from optuna.trial import TrialState
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.fleet import fleet_transaction
 from service.leases import end, expired_lease, resolution
+from service.metrics import record_reaper_action
 from service.optuna_glue import load_optuna_study, spec_of
 from service.routing import attempts_left, live_capacity, reoffer, tell_failed, tell_infeasible
 from service.state import AppState
@@ -42,60 +44,78 @@ class Reaped:
     infeasible: int = 0
 
 
+@dataclass
+class _Pass:
+    """One pass of the reaper: where, as of when, and its tally."""
+
+    state: AppState
+    now: datetime
+    reaped: Reaped
+
+
 def reap_once(state: AppState, now: datetime | None = None) -> Reaped:
     """One pass over expired leases and stranded waiting trials, each in its own transaction."""
-    now = now or utcnow()
-    reaped = Reaped()
-    while _reap_one_lease(state, now, reaped):
+    run = _Pass(state, now or utcnow(), Reaped())
+    while _reap_one_lease(run):
         pass
     for trial_id in _waiting_trial_ids(state):
-        _route_waiting(state, trial_id, now, reaped)
-    _count(reaped)
-    return reaped
+        _route_waiting(run, trial_id)
+    _count(run.reaped)
+    return run.reaped
 
 
-def _reap_one_lease(state: AppState, now: datetime, reaped: Reaped) -> bool:
+def _reap_one_lease(run: _Pass) -> bool:
     """End one expired lease and re-offer or FAIL its trial; False when none is left."""
-    with fleet_transaction(state) as session:
-        lease = expired_lease(session, now)
+    with fleet_transaction(run.state) as session:
+        lease = expired_lease(session, run.now)
         if lease is None:
             return False
-        reaped.leases += 1
+        run.reaped.leases += 1
         trial = session.scalar(
             select(TrialRow).where(TrialRow.trial_id == lease.trial_id).with_for_update()
         )
-        if trial is None or trial.status != "leased" or trial.worker_id != lease.worker_id:
-            end(lease, now, resolution("reaper", stop="lease_lost"))  # nothing left to re-offer
-            return True
-        _lost(session, state, lease, trial, now, reaped)
+        # A trial no longer held under this lease has nothing left to re-offer.
+        held = trial is not None and trial.status == "leased" and trial.worker_id == lease.worker_id
+        if held and trial is not None and not _settled_in_optuna(run, trial):
+            _retry_or_fail(session, run, lease, trial)
+        end(lease, run.now, resolution("reaper", stop="lease_lost"))
         return True
 
 
-def _lost(
-    session: Session,
-    state: AppState,
-    lease: LeaseRow,
-    trial: TrialRow,
-    now: datetime,
-    reaped: Reaped,
-) -> None:
-    """The lease's trial: offered again with attempt + 1, or FAILed past max_attempts."""
+def _retry_or_fail(session: Session, run: _Pass, lease: LeaseRow, trial: TrialRow) -> None:
+    """Offer the trial again with attempt + 1, or FAIL it past the study's max_attempts."""
     study_row = session.get_one(StudyRow, trial.study_id)
     worker = session.get(WorkerRow, lease.worker_id)
     who = worker.name if worker else f"worker {lease.worker_id}"
     if attempts_left(trial, spec_of(study_row)):
-        reoffer(trial, now, next_attempt=True)
+        reoffer(trial, run.now, next_attempt=True)
         trial.message = f"lease lost: {who} stopped heartbeating; offered again"
-        reaped.reoffered += 1
-    else:
-        reason = f"lease lost {trial.attempt + 1} times; last: {who} stopped heartbeating"
-        study = load_optuna_study(state.storage, study_row)
-        tell_failed(study, state.storage, trial.trial_id, reason)  # before our writes
-        trial.status, trial.outcome, trial.message = "done", "failed", reason
-        trial.attempt += 1
-        trial.updated_at = now
-        reaped.failed += 1
-    end(lease, now, resolution("reaper", stop="lease_lost"))
+        run.reaped.reoffered += 1
+        return
+    reason = f"lease lost {trial.attempt + 1} times; last: {who} stopped heartbeating"
+    study = load_optuna_study(run.state.storage, study_row)
+    tell_failed(study, run.state.storage, trial.trial_id, reason)  # before our writes
+    trial.status, trial.outcome, trial.message = "done", "failed", reason
+    trial.attempt += 1
+    trial.updated_at = run.now
+    run.reaped.failed += 1
+
+
+_OUTCOMES = {TrialState.FAIL: "failed", TrialState.PRUNED: "pruned"}
+
+
+def _settled_in_optuna(run: _Pass, trial: TrialRow) -> bool:
+    """Mark done a trial Optuna has finished (or lost) already, e.g. after a failed commit."""
+    try:
+        told = run.state.storage.get_trial(trial.trial_id).state
+    except KeyError:
+        told = None  # gone from Optuna: nothing left to run or tell
+    if told is not None and not told.is_finished():
+        return False
+    trial.status, trial.updated_at = "done", run.now
+    trial.outcome = _OUTCOMES.get(told, trial.outcome) if told else "failed"
+    trial.message = f"already {told.name if told else 'gone'} in Optuna; not offered again"
+    return True
 
 
 def _waiting_trial_ids(state: AppState) -> list[int]:
@@ -104,9 +124,9 @@ def _waiting_trial_ids(state: AppState) -> list[int]:
         return list(session.scalars(query.order_by(TrialRow.updated_at)))
 
 
-def _route_waiting(state: AppState, trial_id: int, now: datetime, reaped: Reaped) -> None:
+def _route_waiting(run: _Pass, trial_id: int) -> None:
     """End a waiting trial as infeasible once no live worker's card can hold it."""
-    with fleet_transaction(state) as session:
+    with fleet_transaction(run.state) as session:
         trial = session.scalar(
             select(TrialRow)
             .where(TrialRow.trial_id == trial_id, TrialRow.status == "waiting")
@@ -115,25 +135,21 @@ def _route_waiting(state: AppState, trial_id: int, now: datetime, reaped: Reaped
         if trial is None:
             return
         study_row = session.get_one(StudyRow, trial.study_id)
-        stale_s = state.settings.worker_stale_s
-        capacity = live_capacity(session, study_row.task, now, stale_s)
-        if capacity >= trial.min_bytes:
+        stale_s = run.state.settings.worker_stale_s
+        capacity = live_capacity(session, study_row.task, run.now, stale_s)
+        if capacity >= trial.min_bytes or _settled_in_optuna(run, trial):
             return
         reason = f"needs {trial.min_bytes} bytes; no live card holds it (largest: {capacity})"
-        study = load_optuna_study(state.storage, study_row)
-        spec = spec_of(study_row)
-        tell_infeasible(study, state.storage, trial_id, spec, trial.min_bytes, capacity, reason)
+        study = load_optuna_study(run.state.storage, study_row)
+        spec, storage = spec_of(study_row), run.state.storage
+        tell_infeasible(study, storage, trial_id, spec, trial.min_bytes, capacity, reason)
         trial.status, trial.outcome, trial.message = "done", "infeasible", reason
-        trial.updated_at = now
-        reaped.infeasible += 1
+        trial.updated_at = run.now
+        run.reaped.infeasible += 1
 
 
 def _count(reaped: Reaped) -> None:
-    """Feed the reaper's counters of /metrics, when that module is installed."""
-    try:
-        from service.metrics import record_reaper_action
-    except ImportError:  # pragma: no cover - metrics are optional
-        return
+    """Feed the reaper's counters of /metrics."""
     for action in ("reoffered", "failed", "infeasible"):
         record_reaper_action(action, getattr(reaped, action))
 

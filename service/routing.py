@@ -166,11 +166,6 @@ def attempts_left(trial: TrialRow, spec: StudyCreate) -> bool:
     return trial.attempt + 1 < spec.max_attempts
 
 
-def oom_retry_allowed(trial: TrialRow, spec: StudyCreate) -> bool:
-    """An OOM (already recorded in plans_tried) is retried once, within max_attempts."""
-    return len(trial.plans_tried) <= MAX_OOM_RETRIES and attempts_left(trial, spec)
-
-
 def plans_on(plans_tried: Sequence[dict[str, Any]], card_model: str) -> list[dict[str, Any]]:
     """The plans that ran out of memory on one card model (without the card model key)."""
     return [

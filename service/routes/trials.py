@@ -11,7 +11,6 @@ from pydantic import BaseModel
 from service import fleet_trials
 from service.deps import StateDep
 from service.fleet import fleet_transaction
-from service.fleet_http import FiniteErrorsRoute
 from service.fleet_trials import TrialCall
 from service.state import AppState
 from service.studies import utcnow
@@ -25,7 +24,7 @@ from service.wire import (
     TrialAck,
 )
 
-router = APIRouter(prefix="/trials", tags=["trials"], route_class=FiniteErrorsRoute)
+router = APIRouter(prefix="/trials", tags=["trials"])
 
 TrialId = Annotated[int, Path(ge=0, le=2**63 - 1, description="Optuna's trial id.")]
 Body = TypeVar("Body", bound=BaseModel)

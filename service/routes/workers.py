@@ -9,7 +9,6 @@ from fastapi import APIRouter, Path, Query, Response
 from service import fleet
 from service.deps import StateDep
 from service.fleet_calibration import calibration_for
-from service.fleet_http import FiniteErrorsRoute
 from service.studies import utcnow
 from service.wire import (
     Assignment,
@@ -22,7 +21,7 @@ from service.wire import (
     WorkerRegistered,
 )
 
-router = APIRouter(tags=["workers"], route_class=FiniteErrorsRoute)
+router = APIRouter(tags=["workers"])
 
 WorkerId = Annotated[int, Path(ge=1, le=2**63 - 1, description="The id registration gave.")]
 Text = Annotated[str, Query(min_length=1, max_length=256)]
@@ -65,10 +64,19 @@ def stop(worker_id: WorkerId, state: StateDep) -> Response:
 
 
 @router.get("/workers")
-def list_workers(state: StateDep) -> WorkerList:
+def list_workers(
+    state: StateDep,
+    only: Annotated[
+        list[fleet.WorkerState] | None,
+        Query(alias="state", description="Keep workers in these states only."),
+    ] = None,
+) -> WorkerList:
     """Every worker: its card, live / stale / stopped, and the trials it holds."""
     with state.sessions() as session:
-        return fleet.list_workers(session, state.settings, utcnow())
+        listed = fleet.list_workers(session, state.settings, utcnow())
+    if only:
+        listed.workers = [w for w in listed.workers if w.state in only]
+    return listed
 
 
 @router.get("/calibration")

@@ -10,6 +10,7 @@ one that checks the server's own reaper loop.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import time
@@ -25,6 +26,7 @@ from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy import func, select
 
 from service.app import build_state
+from service.optuna_glue import dispose_storage
 from service.reaper import reap_once
 from service.settings import Settings
 from service.state import AppState
@@ -112,7 +114,6 @@ class Env:
     """One test's view of the shared server: its own study and task names."""
 
     http: httpx.Client
-    url: str
     state: AppState
     study: str
     task: str
@@ -137,7 +138,11 @@ class Env:
 
     def trials(self) -> list[FrozenTrial]:
         """The study's trials as Optuna itself loads them."""
-        return optuna.load_study(study_name=self.study, storage=self.url).get_trials()
+        return self.optuna_study().get_trials()
+
+    def optuna_study(self) -> optuna.Study:
+        """The study as plain Optuna loads it (on the test process's one storage)."""
+        return optuna.load_study(study_name=self.study, storage=self.state.storage)
 
     def page(self) -> dict[int, dict[str, Any]]:
         """The study's trials as GET /studies/{name}/trials shows them, by trial id."""
@@ -150,6 +155,17 @@ class Env:
         query = select(func.count()).select_from(MemoryObservationRow)
         with self.state.sessions() as session:
             return int(session.scalar(query.where(MemoryObservationRow.trial_id.in_(ids))) or 0)
+
+
+@contextlib.contextmanager
+def client_side_state(url: str) -> Iterator[AppState]:
+    """The server's database as the test process sees it; its connections given back after."""
+    state = build_state(Settings(database_url=url, lease_ttl_s=TTL_S))
+    try:
+        yield state
+    finally:
+        dispose_storage(state.storage)
+        state.engine.dispose()
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
@@ -174,17 +190,16 @@ def shared_server(shared_url: str, tmp_path_factory: pytest.TempPathFactory) -> 
 @pytest.fixture(scope="module")
 def shared_state(shared_url: str) -> Iterator[AppState]:
     """The server's database as the test process sees it, for reap_once and direct reads."""
-    app_state = build_state(Settings(database_url=shared_url, lease_ttl_s=TTL_S))
-    yield app_state
-    app_state.engine.dispose()
+    with client_side_state(shared_url) as state:
+        yield state
 
 
 @pytest.fixture
-def env(shared_server: str, shared_url: str, shared_state: AppState) -> Iterator[Env]:
+def env(shared_server: str, shared_state: AppState) -> Iterator[Env]:
     """This test's study and task names on the shared server."""
     n = next(_names)
     with httpx.Client(base_url=f"{shared_server}/api/v1", timeout=60) as http:
-        yield Env(http, shared_url, shared_state, f"study-{n}", f"task-{n}")
+        yield Env(http, shared_state, f"study-{n}", f"task-{n}")
 
 
 # ---------------------------------------------------------------- the happy path
@@ -369,6 +384,8 @@ def test_stopped_worker_leaves_its_trial_to_the_next(env: Env) -> None:
     assert taken is not None and taken["trial_id"] == held["trial_id"]
     assert taken["attempt"] == 0  # leaving is not failing
     assert (leaving.out()["state"], staying.out()["state"]) == ("stopped", "live")
+    stopped = env.http.get("/workers", params={"state": "stopped"}).json()["workers"]
+    assert leaving.id in {w["id"] for w in stopped} and staying.id not in {w["id"] for w in stopped}
     assert leaving.complete(held, 5.0).status_code == 409
     assert staying.complete(taken, 5.0).status_code == 200
 
@@ -393,9 +410,9 @@ def test_the_servers_own_reaper_reoffers_an_abandoned_trial(
     migrated_url: str, start_server: ServerFactory
 ) -> None:
     server = start_server(migrated_url, lease_ttl_s=1, reaper_interval_s=0.1)
-    with httpx.Client(base_url=f"{server.url}/api/v1", timeout=60) as http:
-        state = build_state(Settings(database_url=migrated_url))
-        env = Env(http, migrated_url, state, "abandoned", "quadratic")
+    http = httpx.Client(base_url=f"{server.url}/api/v1", timeout=60)
+    with http, client_side_state(migrated_url) as state:
+        env = Env(http, state, "abandoned", "quadratic")
         env.create_study(max_attempts=20)
         abandoned = env.worker("dies").next()
         assert abandoned is not None
@@ -411,7 +428,6 @@ def test_the_servers_own_reaper_reoffers_an_abandoned_trial(
         assert completed is not None and completed["trial_id"] == abandoned["trial_id"]
         assert completed["attempt"] >= 1
         assert [t.state for t in env.trials()] == [TrialState.COMPLETE]
-        state.engine.dispose()
 
 
 # ---------------------------------------------------------------- routing
@@ -454,7 +470,7 @@ def test_trial_no_card_can_hold_is_infeasible_with_its_constraint(env: Env) -> N
     assert infeasible.user_attrs["vramtune.placeholder_values"] is True
     assert infeasible.value == 2.0  # the worst feasible value: a placeholder
     assert feasible.system_attrs["constraints:memory"] == pytest.approx(-0.75)
-    study = optuna.load_study(study_name=env.study, storage=env.url)
+    study = env.optuna_study()
     assert study.best_trial.number == feasible.number  # Optuna skips the infeasible one
     assert env.page()[too_big["trial_id"]]["outcome"] == "infeasible"
     assert small.complete(too_big, 1.0).status_code == 409
@@ -516,3 +532,44 @@ def test_error_fails_the_trial_with_its_reason(env: Env) -> None:
     trial = env.trials()[0]
     assert trial.state == TrialState.FAIL
     assert trial.user_attrs["vramtune.fail_reason"] == "d_model % heads != 0"
+
+
+def test_a_call_retried_after_its_commit_was_lost_settles_without_a_second_tell(env: Env) -> None:
+    env.create_study(n_trials=2)
+    worker = env.worker("w1")
+    first, second = worker.next(), worker.next()
+    assert first is not None and second is not None
+    study = env.optuna_study()
+    study.tell(first["number"], 1.5)  # Optuna told, as if the server's own commit then failed
+    assert worker.complete(first, 1.5).status_code == 200
+    assert env.page()[first["trial_id"]]["outcome"] == "as_asked"
+    study.tell(second["number"], state=TrialState.FAIL)  # finished otherwise: a conflict
+    assert worker.complete(second, 2.0).status_code == 409
+    reap_once(env.state, utcnow() + LATER)
+    assert worker.next() is None  # the lease expired, and the trial is not offered again
+    assert env.page()[second["trial_id"]]["outcome"] == "failed"
+    assert [t.state for t in env.trials()] == [TrialState.COMPLETE, TrialState.FAIL]
+
+
+def test_calibration_is_fitted_from_the_runs_it_saw(env: Env) -> None:
+    env.create_study(n_trials=3)
+    model = f"Calibrated {env.task}"  # a card model of this test only
+    worker = env.worker("w1", model=model)
+    query = {"card_model": model, "torch_version": "none", "task": env.task}
+    assert env.http.get("/calibration", params=query).json()["n_observations"] == 0
+    while (assignment := worker.next()) is not None:
+        done = worker.call(
+            assignment,
+            "complete",
+            values=[1.0],
+            plan=PLAN,
+            prediction=_prediction(GIB),
+            measured={"peak_allocated_bytes": 2 * GIB},
+            duration_s=1.0,
+        )
+        assert done.status_code == 200
+    calibration = env.http.get("/calibration", params=query).json()
+    assert calibration["n_observations"] == 3
+    assert calibration["scale"] == pytest.approx(2.0)  # measured twice what was predicted
+    other = env.http.get("/calibration", params={**query, "task": "another"}).json()
+    assert other["n_observations"] == 0

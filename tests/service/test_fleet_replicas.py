@@ -7,7 +7,6 @@ replicas' reapers race to re-offer those trials while the other workers keep pul
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections import Counter, defaultdict
@@ -16,7 +15,8 @@ from typing import Any
 import httpx
 import optuna
 from optuna.trial import TrialState
-from sqlalchemy import create_engine, select
+from sqlalchemy import create_engine, func, select
+from sqlalchemy.pool import NullPool
 
 from service.tables import LeaseRow, TrialRow
 from service.testing import ServerFactory, upgrade_database
@@ -108,6 +108,8 @@ def test_two_replicas_sixteen_workers(postgres_url: str, start_server: ServerFac
     }
     assert httpx.post(f"{servers[0]}/api/v1/studies", json=spec).status_code == 201
     record, stop = Record(), threading.Event()
+    auditor = LeaseAuditor(url, stop)
+    auditor.start()
     threads = [
         threading.Thread(target=run_worker, args=(servers[i % 2], i, record, stop), daemon=True)
         for i in range(N_WORKERS)
@@ -118,7 +120,9 @@ def test_two_replicas_sixteen_workers(postgres_url: str, start_server: ServerFac
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
     stop.set()
+    auditor.join(30)
     assert not any(thread.is_alive() for thread in threads), "workers did not finish"
+    assert auditor.polls > 0 and auditor.doubles == []  # one active lease per trial at a time
     assert record.errors == []
 
     trials = optuna.load_study(study_name="replicas", storage=url).get_trials()
@@ -128,14 +132,40 @@ def test_two_replicas_sixteen_workers(postgres_url: str, start_server: ServerFac
     complete_ids = {t._trial_id for t in trials}
     assert set(record.accepted) == complete_ids
     assert set(record.accepted.values()) == {1}  # each trial's result taken exactly once
-    _assert_one_lease_at_a_time(url, complete_ids)
+    _assert_leases_of_each_trial_in_turn(url, complete_ids)
 
 
-def _assert_one_lease_at_a_time(url: str, trial_ids: set[int]) -> None:
-    """Per trial, leases never overlap in time and only the last one is a complete."""
-    engine = create_engine(url)
+class LeaseAuditor(threading.Thread):
+    """Polls the database while the workers run: no trial may ever hold two active leases."""
+
+    def __init__(self, url: str, stop: threading.Event) -> None:
+        super().__init__(daemon=True)
+        self.engine = create_engine(url, poolclass=NullPool)
+        self.stop = stop
+        self.polls = 0
+        self.doubles: list[tuple[int, int]] = []
+
+    def run(self) -> None:
+        doubled = (
+            select(LeaseRow.trial_id, func.count())
+            .where(LeaseRow.active.is_(True))
+            .group_by(LeaseRow.trial_id)
+            .having(func.count() > 1)
+        )
+        with self.engine.connect() as connection:
+            while not self.stop.wait(0.02):
+                # One statement, one snapshot: the active leases at one instant.
+                self.doubles += [(t, n) for t, n in connection.execute(doubled)]
+                connection.rollback()
+                self.polls += 1
+        self.engine.dispose()
+
+
+def _assert_leases_of_each_trial_in_turn(url: str, trial_ids: set[int]) -> None:
+    """Per trial, every lease but the last ended without a result; the last one completed it."""
+    engine = create_engine(url, poolclass=NullPool)
     with engine.connect() as connection:
-        leases = connection.execute(select(LeaseRow).order_by(LeaseRow.created_at)).all()
+        leases = connection.execute(select(LeaseRow).order_by(LeaseRow.id)).all()
         statuses = set(connection.execute(select(TrialRow.status)).scalars())
     engine.dispose()
     assert statuses == {"done"}
@@ -146,9 +176,9 @@ def _assert_one_lease_at_a_time(url: str, trial_ids: set[int]) -> None:
     reoffered = 0
     for trial_leases in by_trial.values():
         assert not any(lease.active for lease in trial_leases)
-        for earlier, later in itertools.pairwise(trial_leases):
-            assert earlier.ended_at <= later.created_at
         calls = [(lease.resolution or {}).get("call") for lease in trial_leases]
         assert calls[-1] == "complete" and calls.count("complete") == 1
+        attempts = [lease.attempt for lease in trial_leases]
+        assert attempts == sorted(attempts)
         reoffered += len(trial_leases) > 1
     assert reoffered >= N_TRIALS // 7  # the dead workers' trials went through the reapers
