@@ -217,19 +217,16 @@ def _workers(session: Session, stale_s: float) -> list[Metric]:
 
 def _leases(session: Session) -> Metric:
     now = utcnow()
-    active = session.execute(
-        select(LeaseRow.expires_at < now, func.count())
-        .where(LeaseRow.active.is_(True))
-        .group_by(LeaseRow.expires_at < now)
-    ).all()
-    counts = {"live": 0, "expired": 0}
-    for expired, n in active:
-        counts["expired" if expired else "live"] += n
+    total, expired = session.execute(
+        select(func.count(), func.count().filter(LeaseRow.expires_at < now)).where(
+            LeaseRow.active.is_(True)
+        )
+    ).one()
     return _gauge(
         "vramtune_leases_active",
         "Active leases; 'expired' ones await the reaper.",
         ["expiry"],
-        counts.items(),
+        [("live", total - expired), ("expired", expired)],
     )
 
 

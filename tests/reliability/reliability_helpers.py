@@ -264,6 +264,13 @@ class Outcome:
             counted[trial.state.name] = counted.get(trial.state.name, 0) + 1
         return counted
 
+    def row_statuses(self) -> dict[str, int]:
+        """vramtune's rows by status (leased, pending, waiting, done)."""
+        counted: dict[str, int] = {}
+        for row in self.rows.values():
+            counted[row.status] = counted.get(row.status, 0) + 1
+        return counted
+
     def finished(self) -> int:
         """Trials COMPLETE, FAIL or PRUNED."""
         return sum(1 for t in self.trials if t.state.is_finished())
@@ -315,15 +322,24 @@ def poll_outcome(
             if done(outcome):
                 return outcome
         if time.monotonic() > deadline:
-            states = None if outcome is None else outcome.states()
+            states = None if outcome is None else (outcome.states(), outcome.row_statuses())
             pytest.fail(f"study {study} not there after {timeout_s:.0f} s: {states}")
         time.sleep(0.4)
 
 
 def wait_for_budget(url: str, study: str, n_trials: int) -> Outcome:
-    """Poll until every trial of the budget is finished."""
+    """Poll until every trial of the budget is finished, in Optuna and in vramtune's rows.
+
+    Optuna is told first and vramtune's rows commit just after: wait for both.
+    """
     return poll_outcome(
-        url, study, lambda o: len(o.trials) >= n_trials and o.finished() == len(o.trials)
+        url,
+        study,
+        lambda o: (
+            len(o.trials) >= n_trials
+            and o.finished() == len(o.trials)
+            and all(row.status == "done" for row in o.rows.values())
+        ),
     )
 
 

@@ -1,0 +1,147 @@
+"""Server-side faults: the server killed and restarted, two replicas on one PostgreSQL, and the
+database unreachable for a while."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import httpx
+from reliability_helpers import (
+    FAST_FLEET,
+    Fleet,
+    TcpProxy,
+    assert_accounted,
+    completed_by_workers,
+    create_study,
+    wait_for_budget,
+    wait_for_finished,
+)
+from sqlalchemy import make_url
+
+from service.testing import ServerFactory, upgrade_database
+from service.wire import API_PREFIX
+
+# A lease outlives the outages below, so a worker's result is delivered, not re-run.
+PATIENT_FLEET = {**FAST_FLEET, "lease_ttl_s": 30.0, "worker_stale_s": 30.0}
+OUTAGE_S = 5.0
+
+
+def test_server_killed_and_restarted_loses_nothing(
+    postgres_url: str, start_server: ServerFactory, fleet: Fleet
+) -> None:
+    """kill -9 the server mid-study, start it on the same database: workers carry on."""
+    url = upgrade_database(postgres_url)
+    server = start_server(url, **PATIENT_FLEET)
+    n_trials = 48
+    study = create_study(server.url, n_trials, step_seconds=0.02)
+    fleet.start(server.url, 8, "--exit-when-idle", "30")
+    before = wait_for_finished(url, study, n_trials // 3)
+
+    server.kill()
+    time.sleep(2.0)  # workers meet a dead server and back off
+    server.start()
+    outcome = wait_for_budget(url, study, n_trials)
+
+    assert_accounted(outcome, n_trials)
+    assert outcome.states() == {"COMPLETE": n_trials}
+    after = {t._trial_id: t for t in outcome.trials}
+    for trial in before.trials:
+        if trial.state.name == "COMPLETE":  # a completed trial is never lost nor re-run
+            assert after[trial._trial_id].values == trial.values
+            assert outcome.rows[trial._trial_id].attempt == 0
+    assert all(w.alive() for w in fleet.workers), "a worker gave up on the restarted server"
+    assert set(completed_by_workers(fleet.events()).values()) == {1}
+
+
+def test_two_replicas_never_assign_a_trial_twice(
+    postgres_url: str, start_server: ServerFactory, fleet: Fleet
+) -> None:
+    """Two servers on one PostgreSQL, half the fleet on each: one lease per trial, the budget
+    exactly, each trial told once."""
+    url = upgrade_database(postgres_url)
+    replicas = [start_server(url, **PATIENT_FLEET) for _ in range(2)]
+    n_trials = 64
+    study = create_study(replicas[0].url, n_trials)
+    for replica in replicas:
+        fleet.start(replica.url, 16, "--exit-when-idle", "30")
+
+    outcome = wait_for_budget(url, study, n_trials)
+
+    assert_accounted(outcome, n_trials)  # leases of a trial never overlap; told once
+    assert outcome.states() == {"COMPLETE": n_trials}
+    assigned = Counter(e["trial_id"] for e in fleet.events() if e["event"] == "assigned")
+    assert set(assigned) == {t._trial_id for t in outcome.trials}
+    for trial_id, leases in outcome.leases.items():
+        # More than one lease only after a lost one (a heartbeat too late on a loaded machine).
+        assert assigned[trial_id] == len(leases), f"trial {trial_id}: assigned {assigned[trial_id]}"
+        assert all((lease.resolution or {}).get("call") == "reaper" for lease in leases[:-1])
+    by_replica = {
+        replica.url: {
+            e["trial_id"]
+            for w in fleet.workers[i * 16 : (i + 1) * 16]
+            for e in w.events()
+            if e["event"] == "assigned"
+        }
+        for i, replica in enumerate(replicas)
+    }
+    assert all(by_replica.values()), "one replica handed out no trial: nothing was shared"
+
+
+def statuses_during(server_url: str, worker_id: int, study: str, seconds: float) -> set[int]:
+    """Status codes of health, next-trial and study reads made while the database is away."""
+    seen = set()
+    deadline = time.monotonic() + seconds
+    with httpx.Client(base_url=server_url + API_PREFIX, timeout=20) as client:
+        while time.monotonic() < deadline:
+            seen.add(client.get("/health").status_code)
+            seen.add(client.post(f"/workers/{worker_id}/next", json={"free_bytes": 1}).status_code)
+            seen.add(client.get(f"/studies/{study}").status_code)
+            time.sleep(0.2)
+    return seen
+
+
+def register_probe(server_url: str) -> int:
+    """A worker that only asks questions (it runs nothing and advertises no study's task)."""
+    card = {"model": "probe", "total_bytes": 1, "free_bytes": 1, "simulated": True}
+    body = {"name": "probe", "device": "cpu", "card": card, "tasks": ["no-such-task"]}
+    response = httpx.post(f"{server_url}{API_PREFIX}/workers", json=body, timeout=30)
+    assert response.status_code == 201, response.text
+    return int(response.json()["worker_id"])
+
+
+def test_database_outage_is_503_and_results_wait_for_its_return(
+    postgres_url: str,
+    start_server: ServerFactory,
+    fleet: Fleet,
+    tcp_proxy: Callable[[str, int], TcpProxy],
+) -> None:
+    """The database cut off: 503s (never 500), the server recovers by itself, and the results
+    workers finished meanwhile are delivered afterwards (not lost, not re-run)."""
+    url = upgrade_database(postgres_url)
+    target = make_url(url)
+    proxy = tcp_proxy(target.host or "127.0.0.1", target.port or 5432)
+    proxied = target.set(port=proxy.port).render_as_string(hide_password=False)
+    server = start_server(proxied, **PATIENT_FLEET)
+    n_trials = 40
+    study = create_study(server.url, n_trials, step_seconds=0.03)
+    probe = register_probe(server.url)
+    fleet.start(server.url, 8, "--exit-when-idle", "30")
+    wait_for_finished(url, study, 8)
+
+    proxy.cut()
+    during = statuses_during(server.url, probe, study, OUTAGE_S)
+    proxy.restore()
+    outcome = wait_for_budget(url, study, n_trials)
+
+    assert during == {503}, f"answers while the database was away: {during}"
+    assert_accounted(outcome, n_trials)
+    assert outcome.states() == {"COMPLETE": n_trials}
+    assert all(row.attempt == 0 for row in outcome.rows.values()), "a result was re-run"
+    assert "/complete failed (HTTP 503)" in "".join(w.logs() for w in fleet.workers), (
+        "no worker had a result to keep during the outage: the test tested nothing"
+    )
+    metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
+    assert 'status="503"' in metrics
+    assert 'status="500"' not in metrics
