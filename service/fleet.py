@@ -231,10 +231,14 @@ def next_assignment(
     worker_id: int,
     body: NextRequest,
     now: datetime,
+    allowed: frozenset[str] | None = None,
 ) -> Assignment | None:
-    """Lease the worker a trial: a re-offered one that fits its card, else a new ask; or None."""
+    """Lease the worker a trial: a re-offered one that fits its card, else a new ask; or None.
+
+    ``allowed``: the study names the caller's token is limited to (None: every study).
+    """
     worker = running_worker(session, worker_id)
-    studies = _open_studies(session, worker.tasks)
+    studies = _open_studies(session, worker.tasks, allowed)
     found = _offered(session, storage, worker, studies) or _ask(session, storage, studies, now)
     worker.free_bytes = body.free_bytes  # written after Optuna's ask (see the module doc)
     if found is None:
@@ -266,9 +270,13 @@ def next_assignment(
 Found = tuple[TrialRow, StudyRow, dict[str, ParamValue]]
 
 
-def _open_studies(session: Session, tasks: Sequence[str]) -> list[StudyRow]:
+def _open_studies(
+    session: Session, tasks: Sequence[str], allowed: frozenset[str] | None
+) -> list[StudyRow]:
     """Unpaused studies of the tasks a worker runs, oldest first (a queue of studies)."""
     query = select(StudyRow).where(StudyRow.paused.is_(False), StudyRow.task.in_(tasks))
+    if allowed is not None:
+        query = query.where(StudyRow.name.in_(allowed))
     return list(session.scalars(query.order_by(StudyRow.created_at, StudyRow.study_id)))
 
 
@@ -304,6 +312,9 @@ def _ask(
 ) -> Found | None:
     """A new trial from the first study with budget left, asked of its Optuna sampler."""
     for candidate in studies:
+        # Counted first without the lock, so a spent study never serializes the fleet's asks.
+        if _trials_used(session, candidate.study_id) >= spec_of(candidate).n_trials:
+            continue
         row = _lock_open_study(session, candidate.study_id)
         if row is None or _trials_used(session, row.study_id) >= spec_of(row).n_trials:
             continue

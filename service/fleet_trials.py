@@ -124,13 +124,14 @@ _OUTCOMES = {"infeasible": "infeasible", "pruned": "pruned"}
 def start(call: TrialCall, trial_id: int, body: StartRequest) -> TrialAck:
     """The worker chose its plan and runs it: store the plan and the prediction."""
     fenced = fence(call.session, trial_id, body.lease, call.now, "start")  # never a replay
-    predicted = None if body.prediction is None else body.prediction.peak_reserved_bytes
+    predicted = _predicted(body.prediction)
     write_attrs(
         call.storage,
         trial_id,
         {
             "plan": body.plan.model_dump(mode="json"),
             "predicted_peak_bytes": predicted,
+            "prediction": None if body.prediction is None else body.prediction.model_dump(),
             "worker": fenced.worker.name,
             "card_model": fenced.worker.card_model,
             "attempt": fenced.trial.attempt,
@@ -191,6 +192,7 @@ def complete(call: TrialCall, trial_id: int, body: CompleteRequest) -> TrialAck:
     attrs = {
         "plan": body.plan.model_dump(mode="json"),
         "predicted_peak_bytes": _predicted(body.prediction),
+        "prediction": None if body.prediction is None else body.prediction.model_dump(),
         "measured_peak_bytes": peak,
         "measured": body.measured.model_dump(mode="json"),
         "worker": worker.name,
@@ -220,7 +222,8 @@ def complete(call: TrialCall, trial_id: int, body: CompleteRequest) -> TrialAck:
 
 
 def _predicted(prediction: Prediction | None) -> int | None:
-    return None if prediction is None else prediction.peak_reserved_bytes
+    """The peak the trace predicted, before calibration: what the measured peak is held to."""
+    return None if prediction is None else max(raw_peaks(prediction))
 
 
 def _outcome_of(plan: Plan, routed: bool) -> str:
@@ -309,7 +312,7 @@ def _out_of_memory(call: TrialCall, fenced: Fenced, body: FailRequest) -> TrialA
         reason = f"out of memory {len(tried)} times; last: {body.message or 'out of memory'}"
         with told_once(call.storage, trial.trial_id, TrialState.FAIL):
             study = load_optuna_study(call.storage, fenced.study)
-            tell_failed(study, call.storage, trial.trial_id, reason)
+            tell_failed(study, call.storage, trial.trial_id, reason, outcome="oom")
         ack = _ack(fenced, "failed", reason)
     # vramtune's rows only after Optuna was told (see service.fleet). A new list object:
     # SQLAlchemy sees a change of a JSON column on assignment only.

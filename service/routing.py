@@ -148,9 +148,11 @@ def tell_infeasible(
     return value
 
 
-def tell_failed(study: optuna.Study, storage: BaseStorage, trial_id: int, reason: str) -> None:
-    """Tell Optuna the trial FAILed, with the reason as a user attribute."""
-    write_attrs(storage, trial_id, {"fail_reason": reason[:4096]})
+def tell_failed(
+    study: optuna.Study, storage: BaseStorage, trial_id: int, reason: str, outcome: str = "failed"
+) -> None:
+    """Tell Optuna the trial FAILed, with the reason and the outcome as user attributes."""
+    write_attrs(storage, trial_id, {"fail_reason": reason[:4096], "outcome": outcome})
     study.tell(optuna.trial.Trial(study, trial_id), state=TrialState.FAIL, skip_if_finished=True)
 
 

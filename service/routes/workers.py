@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Query, Response
 
 from service import fleet
+from service.auth import PrincipalDep
 from service.deps import StateDep
 from service.fleet_calibration import calibration_for
 from service.studies import utcnow
@@ -46,11 +47,13 @@ def heartbeat(worker_id: WorkerId, body: Heartbeat, state: StateDep) -> Heartbea
     responses={200: {"model": Assignment}, 204: {"description": "No work for this worker now."}},
     response_model=None,
 )
-def next_trial(worker_id: WorkerId, body: NextRequest, state: StateDep) -> Assignment | Response:
+def next_trial(
+    worker_id: WorkerId, body: NextRequest, state: StateDep, principal: PrincipalDep
+) -> Assignment | Response:
     """Lease a trial to the worker (200), or 204 when no study of its tasks has work."""
     with fleet.fleet_transaction(state) as session:
         assignment = fleet.next_assignment(
-            session, state.storage, state.settings, worker_id, body, utcnow()
+            session, state.storage, state.settings, worker_id, body, utcnow(), principal.studies
         )
     return Response(status_code=204) if assignment is None else assignment
 
