@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from service.wire import CardConstants, CardInfo, Plan
+from service.wire import Calibration, CardConstants, CardInfo, Plan
 from worker.memory import MemoryTracker
 from worker.predictor import (
     CPU_TARGET,
@@ -312,6 +312,17 @@ def test_largest_micro_batch_solves_the_budget_and_confirms_it() -> None:
     micro, prediction = solved
     assert micro == 6
     assert footprint(prediction) == peaks[6] <= budget
+
+
+def test_largest_micro_batch_compares_calibrated_predictions() -> None:
+    task, config = CNNTask(), {"width": 16, "batch_size": 16}
+    budget = footprint(predict(task, config, plan_for_micro_batch(16, 8)))
+    doubled = Calibration(card_model="cpu", torch_version="2.13.0", task=task.name, scale=2.0)
+    doubled = doubled.model_copy(update={"margin_fraction": 0.0})
+    solved = largest_micro_batch(task, config, Plan(), budget, calibration=doubled)
+    assert solved is not None
+    assert solved[0] < 8 and footprint(solved[1]) <= budget
+    assert solved[1].constants["uncalibrated_reserved_bytes"] * 2 == footprint(solved[1])
 
 
 def test_largest_micro_batch_takes_the_whole_batch_or_nothing() -> None:

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from service.wire import CardConstants, Plan, Prediction
+from service.calibration import apply_calibration
+from service.wire import Calibration, CardConstants, Plan, Prediction
 from worker.predictor.allocator import replay
 from worker.predictor.probe import PhasePeaks, measure_point, probe_micro_batches, probe_prediction
 from worker.predictor.trace import CannotTrace, Target, Trace, target_for, trace_training
@@ -194,21 +195,23 @@ def largest_micro_batch(
     budget_bytes: int,
     card: CardSpec | None = None,
     *,
+    calibration: Calibration | None = None,
     target: Target | None = None,
 ) -> tuple[int, Prediction] | None:
     """The largest micro-batch whose footprint under `plan`'s flags fits `budget_bytes`.
 
     The whole batch is tried first; otherwise the peak, affine in the micro-batch, is solved
     from the line through two traces and confirmed by a trace at the solution (more traces only
-    where the peak is not affine). None when not even a micro-batch of 1 fits.
+    where the peak is not affine). Predictions are compared calibrated when `calibration` is
+    given (and returned so). None when not even a micro-batch of 1 fits.
     """
     batch = _batch_size(task, config)
     flags = {"checkpointing": plan.checkpointing, "bf16": plan.bf16}
 
     def at(micro: int) -> Prediction:
-        return predict(
-            task, config, plan_for_micro_batch(batch, micro, **flags), card, target=target
-        )
+        plan_at = plan_for_micro_batch(batch, micro, **flags)
+        prediction = predict(task, config, plan_at, card, target=target)
+        return prediction if calibration is None else apply_calibration(prediction, calibration)
 
     whole = at(batch)
     if footprint(whole) <= budget_bytes:
