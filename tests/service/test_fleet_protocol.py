@@ -26,6 +26,7 @@ from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy import func, select
 
 from service.app import build_state
+from service.fleet import fleet_transaction, next_assignment
 from service.optuna_glue import dispose_storage
 from service.reaper import reap_once
 from service.settings import Settings
@@ -39,6 +40,7 @@ from service.testing import (
     sqlite_url,
     upgrade_database,
 )
+from service.wire import Assignment, NextRequest
 
 GIB = 2**30
 PLAN = {"micro_batch": None, "accumulation": 1, "checkpointing": False, "bf16": False}
@@ -573,3 +575,24 @@ def test_calibration_is_fitted_from_the_runs_it_saw(env: Env) -> None:
     assert calibration["scale"] == pytest.approx(2.0)  # measured twice what was predicted
     other = env.http.get("/calibration", params={**query, "task": "another"}).json()
     assert other["n_observations"] == 0
+
+
+def test_next_offers_only_the_studies_a_limited_token_allows(env: Env) -> None:
+    env.create_study()
+    other = Env(env.http, env.state, f"{env.study}-other", env.task)
+    other.create_study()
+    worker = env.worker("limited")
+
+    def next_for(allowed: frozenset[str]) -> Assignment | None:
+        with fleet_transaction(env.state) as session:
+            body = NextRequest(free_bytes=GIB)
+            settings = env.state.settings
+            return next_assignment(
+                session, env.state.storage, settings, worker.id, body, utcnow(), allowed
+            )
+
+    assert env.http.post(f"/studies/{env.study}/pause").status_code == 200
+    assert next_for(frozenset({env.study})) is None  # the other study has work, not for it
+    assert env.http.post(f"/studies/{env.study}/resume").status_code == 200
+    offered = next_for(frozenset({env.study}))
+    assert offered is not None and offered.study == env.study
