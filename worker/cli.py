@@ -101,6 +101,8 @@ def tasks_command(args: argparse.Namespace) -> int:
 
 
 def _run_one(args: argparse.Namespace) -> int:
+    # First: a SIGTERM while the tasks import (torch takes seconds) must still end cleanly.
+    stop = _stop_on_signals()
     from worker.agent import Agent, AgentOptions
     from worker.api import Rejected, ServerClient, ServerUnavailable
     from worker.registry import discover
@@ -126,7 +128,8 @@ def _run_one(args: argparse.Namespace) -> int:
         exit_when_idle_s=args.exit_when_idle,
         idle_poll_s=args.poll,
     )
-    stop = _stop_on_signals()
+    if stop.is_set():
+        return 0
     agent = Agent(ServerClient(args.server, args.token), found.runners, card, options, stop)
     try:
         agent.run_forever(stop)

@@ -189,9 +189,10 @@ class _Chooser:
 
     def largest_micro_batch(self, stage: _Stage, budget: int) -> int | None:
         """Ask the predictor's solver when the runner has one, else bisect on predictions."""
-        if isinstance(self.runner, MicroBatchSearch) and self.calibration is None:
+        if isinstance(self.runner, MicroBatchSearch):
+            raw_budget = _uncalibrated_budget(budget, self.calibration)
             solved = self.runner.largest_micro_batch(
-                self.config, Plan(**stage.flags()), budget, self.card
+                self.config, Plan(**stage.flags()), raw_budget, self.card
             )
             return None if solved is None else solved[0]
         return _largest_true(
@@ -275,6 +276,14 @@ def _calibrated(prediction: Prediction, calibration: Calibration) -> Prediction:
         return prediction
     calibrated: Prediction = apply_calibration(prediction, calibration)
     return calibrated
+
+
+def _uncalibrated_budget(budget: int, calibration: Calibration | None) -> int:
+    """The raw-prediction budget whose calibrated value is `budget` (the fit's inverse)."""
+    if calibration is None:
+        return budget
+    line = budget / (1.0 + calibration.margin_fraction)
+    return max(math.floor((line - calibration.offset_bytes) / calibration.scale), 0)
 
 
 def footprint(prediction: Prediction) -> int:

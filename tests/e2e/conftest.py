@@ -224,9 +224,14 @@ def _brief(trial: TrialOut) -> dict[str, Any]:
 
 
 def finished(count: int) -> Callable[[list[TrialOut]], bool]:
-    """`count` trials, all in a finished state."""
+    """`count` trials, all finished with vramtune's outcome recorded.
+
+    The server tells Optuna first and writes its own row after, so for a moment a trial can be
+    COMPLETE without its outcome: wait for both.
+    """
     return lambda trials: (
-        len(trials) >= count and all(t.state in {"COMPLETE", "FAIL", "PRUNED"} for t in trials)
+        len(trials) >= count
+        and all(t.state in {"COMPLETE", "FAIL", "PRUNED"} and t.outcome is not None for t in trials)
     )
 
 

@@ -46,7 +46,11 @@ def test_a_completed_trial_carries_its_value_plan_and_peaks(agent: Agent, studie
         pytest.approx((trial.params["x"] - 1) ** 2 + 0.25 + 0.05 * 9 + 0.05 * 9)
     ]
     assert trial.plan is not None and trial.plan.reason.startswith("as asked")
-    assert trial.predicted_peak_bytes == trial.measured_peak_bytes
+    # The quadratic predicts exactly; the calibration adds its margin (5 % before any history).
+    assert trial.predicted_peak_bytes is not None and trial.measured_peak_bytes is not None
+    assert (
+        trial.measured_peak_bytes <= trial.predicted_peak_bytes <= 1.1 * trial.measured_peak_bytes
+    )
     assert trial.worker == "in-process"
     assert trial.outcome == "as_asked"
 

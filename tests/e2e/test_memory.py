@@ -66,14 +66,17 @@ def test_too_big_for_the_small_card_waits_for_the_large_one(
     assert trial.state == "COMPLETE"
     assert trial.worker == large.name
     assert trial.card_model == f"simulated-cpu-{LARGE}"
+    assert trial.outcome == "routed"
     assert trial.plan is not None and trial.plan.micro_batch is None
 
 
 def test_too_big_for_every_card_is_infeasible_with_its_constraint_stored(
     fleet_server: ServerProcess, studies: Studies, start_worker: WorkerFactory
 ) -> None:
-    name = studies.create(fixed(batch_size=32, width=4096))  # 256 MiB of weights alone
     workers = [start_worker(fleet_server.url, size) for size in (SMALL, LARGE)]
+    for worker in workers:  # both live before the study: the small card's hand-back may wait
+        worker.wait_for('"event": "registered"')
+    name = studies.create(fixed(batch_size=32, width=4096))  # 256 MiB of weights alone
     [trial] = studies.wait_until(name, finished(1))
     assert [w.finish() for w in workers] == [0, 0]
     assert trial.outcome == "infeasible"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import time
 from pathlib import Path
 
 from service.testing import free_port
+from worker.cli import _child_argv, add_commands
 
 REPO = Path(__file__).resolve().parents[2]
 QUADRATIC_ONLY = ["--tasks", "worker.tasks.quadratic", "--no-entry-points"]
@@ -86,3 +88,20 @@ def test_a_worker_waits_for_its_server_and_still_exits_cleanly_on_sigterm(tmp_pa
     worker.send_signal(signal.SIGTERM)
     assert worker.wait(30) == 0
     assert "/workers" in (tmp_path / "worker.log").read_text()
+
+
+def test_all_gpus_starts_one_worker_per_card_with_the_same_options() -> None:
+    parser = argparse.ArgumentParser(prog="vramtune")
+    add_commands(parser.add_subparsers(dest="command"))
+    options = "--server http://s:8000 --token vt_x --all-gpus --name box --tasks my.tasks"
+    args = parser.parse_args(
+        ["worker", *options.split(), "--max-trials", "5", "--exit-when-idle", "30"]
+    )
+    argv = _child_argv(args, 3)
+    assert argv[:4] == [sys.executable, "-m", "worker.cli", "worker"]
+    assert "--all-gpus" not in argv
+    pairs = dict(zip(argv[4::2], argv[5::2], strict=False))
+    assert pairs["--device"] == "cuda:3" and pairs["--name"] == "box-cuda3"
+    assert pairs["--server"] == "http://s:8000" and pairs["--token"] == "vt_x"
+    assert pairs["--tasks"] == "my.tasks" and pairs["--max-trials"] == "5"
+    assert pairs["--exit-when-idle"] == "30.0"

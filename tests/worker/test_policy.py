@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from service.wire import CardInfo, MemoryPolicy, Plan, PlanOut, Prediction
+from service.wire import Calibration, CardInfo, MemoryPolicy, Plan, PlanOut, Prediction
 from worker.policy import (
     HandBack,
     RunAsPlanned,
@@ -213,3 +213,28 @@ def test_expected_slowdown_grows_with_the_number_of_micro_batches() -> None:
     assert slowdowns == sorted(slowdowns)
     assert slowdowns[0] > 1.0
     assert expected_slowdown(Plan(checkpointing=True), 256) == pytest.approx(4 / 3)
+
+
+def test_the_services_calibration_is_applied_before_comparing_with_the_budget() -> None:
+    doubled = Calibration(
+        card_model="sim", torch_version="x", task="quadratic", scale=2.0, margin_fraction=0.0
+    )
+    exact = need(Plan())
+    assert isinstance(choose(exact), RunAsPlanned)
+    decision = choose_plan(QuadraticTask(), CONFIG, NO_MARGIN, CARD, exact, [], doubled)
+    assert isinstance(decision, RunAsPlanned)
+    assert decision.plan.micro_batch is not None, "twice the prediction no longer fits as asked"
+    assert footprint(decision.prediction) <= exact
+    assert footprint(decision.prediction) == 2 * need(decision.plan)
+
+
+def test_the_solver_gets_the_budget_in_uncalibrated_bytes() -> None:
+    calibration = Calibration(
+        card_model="sim", torch_version="x", task="quadratic", scale=1.5, margin_fraction=0.1
+    )
+    free = 2 * (STATIC + 150 * 256 * KIB)
+    solving = choose_plan(SolvingQuadratic(), CONFIG, NO_MARGIN, CARD, free, [], calibration)
+    bisecting = choose_plan(QuadraticTask(), CONFIG, NO_MARGIN, CARD, free, [], calibration)
+    assert isinstance(solving, RunAsPlanned) and isinstance(bisecting, RunAsPlanned)
+    assert solving.plan == bisecting.plan
+    assert footprint(solving.prediction) <= free
