@@ -21,7 +21,6 @@ from typing import Any
 
 import optuna
 from optuna.distributions import BaseDistribution
-from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState, create_trial
 from sqlalchemy import and_, func, select
 from sqlalchemy.orm import Session
@@ -29,7 +28,7 @@ from sqlalchemy.orm import Session
 from service.dashboard import schema
 from service.dashboard.errors import invalid_query
 from service.dashboard.models import Importance, Importances
-from service.dashboard.studies_view import study_facts
+from service.dashboard.studies_view import StudyFacts, infeasible, study_facts
 
 T, V, P = schema.trials, schema.values, schema.params
 MAX_SAMPLE = 1000
@@ -101,7 +100,7 @@ def importances(session: Session, name: str, objective: int) -> Importances:
             entry.n_complete == n_complete or time.monotonic() - entry.computed < FRESH_S
         ):
             return entry.result
-        result = _compute(session, facts.study_id, facts.directions, objective, n_complete)
+        result = _compute(session, facts, objective, n_complete)
         _cache[key] = _Entry(n_complete, time.monotonic(), result)
         return result
 
@@ -113,22 +112,16 @@ def _n_complete(session: Session, study_id: int) -> int:
     return int(count or 0)
 
 
-def _compute(
-    session: Session,
-    study_id: int,
-    directions: list[StudyDirection],
-    objective: int,
-    n_complete: int,
-) -> Importances:
-    skip = schema.infeasible(session, study_id)  # their values are placeholders
-    trials = sample_trials(session, study_id, objective, n_complete, skip)
+def _compute(session: Session, facts: StudyFacts, objective: int, n_complete: int) -> Importances:
+    skip = infeasible(session, facts)  # their values are placeholders
+    trials = sample_trials(session, facts.study_id, objective, n_complete, skip)
     evaluator = "PedAnovaImportanceEvaluator"
     note = None
     found: dict[str, float] = {}
     if len(trials) < MIN_TRIALS:
         note = f"needs at least {MIN_TRIALS} completed trials"
     else:
-        study = optuna.create_study(direction=directions[objective])
+        study = optuna.create_study(direction=facts.directions[objective])
         study.add_trials(trials)
         try:
             module = importlib.import_module("optuna.importance")

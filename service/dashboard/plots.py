@@ -20,7 +20,7 @@ from service.dashboard.models import (
     RegionCategory,
     Regions,
 )
-from service.dashboard.studies_view import StudyFacts, study_facts, study_space
+from service.dashboard.studies_view import StudyFacts, infeasible, study_facts, study_space
 from service.wire import ParamValue
 
 T, V = schema.trials, schema.values
@@ -49,9 +49,10 @@ def _direction(facts: StudyFacts, objective: int) -> StudyDirection:
     return facts.directions[objective]
 
 
-def _completed_values(session: Session, study_id: int, objective: int) -> list[tuple[int, float]]:
-    """(number, value) of feasible completed trials with a finite value, by number."""
-    skip = schema.infeasible(session, study_id)
+def _completed_values(
+    session: Session, study_id: int, objective: int, skip: set[int]
+) -> list[tuple[int, float]]:
+    """(number, value) of completed trials not in ``skip`` with a finite value, by number."""
     query = (
         select(T.c.trial_id, T.c.number, V.c.value)
         .join(V, and_(V.c.trial_id == T.c.trial_id, V.c.objective == objective))
@@ -69,7 +70,7 @@ def history(session: Session, name: str, objective: int, max_points: int) -> His
     """Optimization history: thinned points, the exact best-so-far line."""
     facts = study_facts(session, name)
     direction = _direction(facts, objective)
-    points = _completed_values(session, facts.study_id, objective)
+    points = _completed_values(session, facts.study_id, objective, infeasible(session, facts))
     numbers = [n for n, _ in points]
     values = [v for _, v in points]
     best = series.best_so_far(values, direction != StudyDirection.MAXIMIZE)
@@ -174,7 +175,7 @@ def regions(session: Session, name: str, x: str, y: str, max_points: int) -> Reg
         if param not in space:
             raise invalid_query(field, f"the study has no parameter {param!r}", param)
     oomed = _oomed(session, facts.study_id)
-    skip = schema.infeasible(session, facts.study_id)
+    skip = infeasible(session, facts)
     grouped: dict[str, list[tuple[int, ParamValue, ParamValue]]] = defaultdict(list)
     for tid, number, xv, yv, state, outcome, status in session.execute(
         _plane(facts.study_id, x, y)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -33,13 +34,32 @@ T, V = schema.trials, schema.values
 
 @dataclass
 class StudyFacts:
-    """What the list and the overview share about one study."""
+    """What one request knows about one study."""
 
     study_id: int
     name: str
     directions: list[StudyDirection]
     row: StudyRow | None
     counts: dict[str, int]
+    infeasible_ids: set[int] | None = field(default=None, repr=False)
+
+
+def infeasible(session: Session, facts: StudyFacts) -> set[int]:
+    """The study's trials that violate a constraint (read once per request).
+
+    vramtune's own record says so for its studies (``outcome`` is "infeasible" exactly when
+    the memory constraint it sets is > 0); a plain Optuna study's constraints are read.
+    """
+    if facts.infeasible_ids is None:
+        if facts.row is None:
+            facts.infeasible_ids = schema.infeasible(session, facts.study_id)
+        else:
+            VT = schema.vt_trials
+            query = select(VT.c.trial_id).where(
+                VT.c.study_id == facts.study_id, VT.c.outcome == "infeasible"
+            )
+            facts.infeasible_ids = set(session.scalars(query))
+    return facts.infeasible_ids
 
 
 def list_studies(session: Session) -> StudyListOut:
@@ -129,7 +149,7 @@ def _state(facts: StudyFacts) -> DashboardState:
 
 def best_feasible(session: Session, facts: StudyFacts) -> tuple[int, int, float] | None:
     """(trial id, number, value) of the best feasible completed trial by the first objective."""
-    skip = schema.infeasible(session, facts.study_id)
+    skip = infeasible(session, facts)
     minimize = facts.directions[0] != StudyDirection.MAXIMIZE
     query = (
         select(T.c.trial_id, T.c.number, V.c.value)
@@ -221,7 +241,7 @@ def overview(session: Session, name: str) -> StudyOverview:
         counts=facts.counts,
         finished=_finished(facts.counts),
         running=facts.counts.get(TrialState.RUNNING.name, 0),
-        infeasible=len(schema.infeasible(session, facts.study_id)),
+        infeasible=len(infeasible(session, facts)),
         best=_best_trial(session, facts),
         params=[schema.param_info(n, d) for n, d in study_space(session, facts).items()],
         card_models=_card_models(session, facts.study_id),
@@ -242,8 +262,6 @@ def _objective_names(session: Session, facts: StudyFacts, peak_memory_last: bool
     )
     names = [f"objective {i}" for i in range(len(facts.directions))]
     if stored:
-        import json
-
         loaded = json.loads(stored)
         if isinstance(loaded, list) and len(loaded) == len(names):
             names = [str(n) for n in loaded]

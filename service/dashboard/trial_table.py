@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 from service.dashboard import schema, series
 from service.dashboard.errors import invalid_query
 from service.dashboard.models import Observation, TrialDetail, TrialRowOut, TrialTable
-from service.dashboard.studies_view import study_facts, trial_params
+from service.dashboard.studies_view import infeasible, study_facts, trial_params
 from service.errors import NotFound
 from service.tables import MemoryObservationRow, TrialRow, WorkerRow
 from service.wire import PlanOut
@@ -66,7 +66,7 @@ def trial_table(session: Session, name: str, query: TableQuery) -> TrialTable:
         limit=query.limit,
         sort=query.sort,
         order=query.order,
-        rows=_rows_out(session, rows, schema.infeasible(session, facts.study_id)),
+        rows=_rows_out(session, rows, infeasible(session, facts)),
         workers=_study_workers(session, facts.study_id),
         outcomes=_study_outcomes(session, facts.study_id),
     )
@@ -248,7 +248,7 @@ def trial_detail(session: Session, name: str, number: int, max_points: int) -> T
     found = session.execute(query).first()
     if found is None:
         raise NotFound(f"study {name!r} has no trial {number}")
-    row = _rows_out(session, [found], schema.infeasible(session, facts.study_id))[0]
+    row = _rows_out(session, [found], infeasible(session, facts))[0]
     steps, values = _intermediate(session, found.trial_id)
     kept = series.extremes([v if v is not None else 0.0 for v in values], max_points)
     record = session.get(TrialRow, found.trial_id)
