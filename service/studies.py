@@ -6,6 +6,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from contextlib import suppress
 from datetime import UTC, datetime
+from typing import Any
 
 import optuna
 from optuna.storages import BaseStorage
@@ -15,6 +16,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from service.errors import Conflict, NotFound
+from service.leases import end_study_leases
 from service.optuna_glue import (
     SEARCH_SPACE_ATTR,
     TASK_ATTR,
@@ -25,7 +27,7 @@ from service.optuna_glue import (
     search_space_json,
     spec_of,
 )
-from service.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
+from service.tables import StudyRow, TrialRow, WorkerRow
 from service.wire import (
     ParetoFront,
     PlanOut,
@@ -172,6 +174,15 @@ def _duration(trial: FrozenTrial) -> float | None:
 
 def trial_out(trial: FrozenTrial, row: TrialRow | None, worker: WorkerRow | None) -> TrialOut:
     """One trial as Optuna and vramtune know it."""
+    # Optuna is told before vramtune's row commits, and every terminal path writes the
+    # ``vramtune.*`` user attributes first: they fill in for a row that lags by a moment.
+    attrs = trial.user_attrs
+
+    def known(column: str) -> Any:
+        value = getattr(row, column) if row is not None else None
+        return attrs.get(f"vramtune.{column}") if value is None else value
+
+    plan = known("plan")
     return TrialOut(
         id=trial._trial_id,
         number=trial.number,
@@ -182,14 +193,14 @@ def trial_out(trial: FrozenTrial, row: TrialRow | None, worker: WorkerRow | None
         datetime_start=trial.datetime_start,
         datetime_complete=trial.datetime_complete,
         duration_s=_duration(trial),
-        attempt=row.attempt if row else 0,
-        plan=_plan(row.plan) if row else None,
-        worker=worker.name if worker else None,
-        card_model=worker.card_model if worker else None,
-        predicted_peak_bytes=row.predicted_peak_bytes if row else None,
-        measured_peak_bytes=row.measured_peak_bytes if row else None,
-        outcome=row.outcome if row else None,
-        user_attrs=trial.user_attrs,
+        attempt=row.attempt if row else attrs.get("vramtune.attempt", 0),
+        plan=_plan(plan) if plan else None,
+        worker=worker.name if worker else attrs.get("vramtune.worker"),
+        card_model=worker.card_model if worker else attrs.get("vramtune.card_model"),
+        predicted_peak_bytes=known("predicted_peak_bytes"),
+        measured_peak_bytes=known("measured_peak_bytes"),
+        outcome=known("outcome"),
+        user_attrs=attrs,
     )
 
 
@@ -254,8 +265,8 @@ def delete_study(session: Session, storage: BaseStorage, name: str) -> None:
     with suppress(KeyError):
         storage.delete_study(row.study_id)
     forget_study(storage, row.study_id)
-    trial_ids = select(TrialRow.trial_id).where(TrialRow.study_id == row.study_id)
-    session.execute(delete(LeaseRow).where(LeaseRow.trial_id.in_(trial_ids)))
+    # Leases are ended, not deleted: the next heartbeat orders their workers to stop.
+    end_study_leases(session, row.study_id, utcnow())
     session.execute(delete(TrialRow).where(TrialRow.study_id == row.study_id))
     session.delete(row)
     session.flush()
