@@ -141,11 +141,10 @@ POLICY: dict[tuple[str, str], Rule] = {
     ("POST", f"{V}/studies/{{name}}/resume"): needs("submit"),
     ("DELETE", f"{V}/studies/{{name}}"): needs("admin"),
     # the worker protocol; a trial call is checked against the trial's study. `next` chooses
-    # among studies itself: refused to study-limited tokens (fail closed) until the route
-    # offers only studies for which request.state.principal.allows_study; then make it "none".
+    # among studies itself and offers only those request.state.principal.allows_study.
     ("POST", f"{V}/workers"): needs("worker", studies="none"),
     ("POST", f"{V}/workers/{{worker_id}}/heartbeat"): needs("worker", studies="none"),
-    ("POST", f"{V}/workers/{{worker_id}}/next"): needs("worker", studies="many"),
+    ("POST", f"{V}/workers/{{worker_id}}/next"): needs("worker", studies="none"),
     ("POST", f"{V}/workers/{{worker_id}}/stop"): needs("worker", studies="none"),
     ("GET", f"{V}/calibration"): needs("worker", "read", studies="none"),
     ("POST", f"{V}/trials/{{trial_id}}/start"): needs("worker"),

@@ -147,12 +147,6 @@ def register_worker(secured: Secured, kind: str) -> int:
     return int(response.json()["worker_id"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fleet: POST /workers/{id}/next must offer only studies for which "
-    "request.state.principal.allows_study (service.auth.Principal); until then POLICY refuses "
-    "it to study-limited tokens (403)",
-)
 def test_limited_worker_is_offered_only_its_studies(secured: Secured) -> None:
     """With OWN paused, a worker token limited to OWN gets no work although OTHER has some."""
     admin = secured.headers("admin")
