@@ -25,7 +25,9 @@ def engine_kwargs(url: str) -> dict[str, Any]:
         # Requests run in a thread pool, so a connection moves between threads.
         return {"connect_args": {"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_S}}
     # pre_ping: a replica outlives database restarts; recycle: proxies drop idle connections.
-    return {"pool_pre_ping": True, "pool_size": 10, "max_overflow": 20, "pool_recycle": 1800}
+    # A request holds one connection of this pool and one of Optuna's: at most 2 x 10 per
+    # replica, so five replicas stay within PostgreSQL's default max_connections of 100.
+    return {"pool_pre_ping": True, "pool_size": 5, "max_overflow": 5, "pool_recycle": 1800}
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
