@@ -34,7 +34,9 @@ Objective = Annotated[int, Query(ge=0, le=15, description="Which objective (0: t
 MaxPoints = Annotated[
     int, Query(ge=10, le=10_000, description="Most points returned; more are thinned.")
 ]
-ParamName = Annotated[str, Query(min_length=1, max_length=512, description="A parameter name.")]
+OptionalParamName = Annotated[
+    str | None, Query(min_length=1, max_length=512, description="A parameter name.")
+]
 StateName = Literal["RUNNING", "COMPLETE", "PRUNED", "FAIL", "WAITING"]
 
 
@@ -78,11 +80,14 @@ def calibration(
 def regions(
     name: StudyName,
     session: SessionDep,
-    x: ParamName,
-    y: ParamName,
+    x: OptionalParamName = None,
+    y: OptionalParamName = None,
     max_points: MaxPoints = MAX_POINTS,
 ) -> Regions:
-    """Where in the plane of two parameters trials ran as asked, resized, OOMed or did not fit."""
+    """Where in the plane of two parameters trials ran as asked, resized, OOMed or did not fit.
+
+    Without x or y the study's likeliest memory parameters (batch, width...) are used.
+    """
     return plots.regions(session, name, x, y, max_points)
 
 

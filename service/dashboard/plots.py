@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from typing import Any
 
+from optuna.distributions import BaseDistribution
 from optuna.study import StudyDirection
 from optuna.trial import TrialState
 from sqlalchemy import Select, and_, select
 from sqlalchemy.orm import Session
 
-from service.dashboard import schema, series
+from service.dashboard import cache, schema, series
 from service.dashboard.errors import invalid_query
 from service.dashboard.models import (
     Calibration,
@@ -70,6 +72,18 @@ def history(session: Session, name: str, objective: int, max_points: int) -> His
     """Optimization history: thinned points, the exact best-so-far line."""
     facts = study_facts(session, name)
     direction = _direction(facts, objective)
+    key = ("history", objective, max_points)
+    return cache.by_revision(
+        session,
+        facts.study_id,
+        key,
+        lambda: _history(session, facts, direction, objective, max_points),
+    )
+
+
+def _history(
+    session: Session, facts: StudyFacts, direction: StudyDirection, objective: int, max_points: int
+) -> History:
     points = _completed_values(session, facts.study_id, objective, infeasible(session, facts))
     numbers = [n for n, _ in points]
     values = [v for _, v in points]
@@ -91,6 +105,18 @@ def memory(session: Session, name: str, objective: int, max_points: int) -> Memo
     """Objective against measured peak memory of completed trials, Pareto front kept exact."""
     facts = study_facts(session, name)
     direction = _direction(facts, objective)
+    key = ("memory", objective, max_points)
+    return cache.by_revision(
+        session,
+        facts.study_id,
+        key,
+        lambda: _memory(session, facts, direction, objective, max_points),
+    )
+
+
+def _memory(
+    session: Session, facts: StudyFacts, direction: StudyDirection, objective: int, max_points: int
+) -> MemoryScatter:
     VT, W = schema.vt_trials, schema.vt_workers
     query = (
         select(T.c.number, V.c.value, VT.c.measured_peak_bytes, VT.c.outcome, W.c.card_model)
@@ -129,6 +155,13 @@ def memory(session: Session, name: str, objective: int, max_points: int) -> Memo
 def calibration(session: Session, name: str, max_points: int) -> Calibration:
     """Predicted against measured allocated peak of every run, per card model."""
     facts = study_facts(session, name)
+    key = ("calibration", max_points)
+    return cache.by_revision(
+        session, facts.study_id, key, lambda: _calibration(session, facts, max_points)
+    )
+
+
+def _calibration(session: Session, facts: StudyFacts, max_points: int) -> Calibration:
     OBS = schema.vt_observations
     query = (
         select(
@@ -167,13 +200,47 @@ def _card_calibration(card: str, rows: list[Any], max_points: int) -> CardCalibr
     )
 
 
-def regions(session: Session, name: str, x: str, y: str, max_points: int) -> Regions:
-    """Each trial's outcome at its (x, y) parameter values; rare outcomes are never thinned."""
+# Parameters that usually drive memory: the region map shows them first.
+MEMORY_PARAM = re.compile(r"batch|width|seq|len|hidden|dim|layer|head|size|embed", re.IGNORECASE)
+
+
+def regions(session: Session, name: str, x: str | None, y: str | None, max_points: int) -> Regions:
+    """Each trial's outcome at its (x, y) parameter values; rare outcomes are never thinned.
+
+    Without x or y, the study's likeliest memory parameters are chosen (and named in the answer).
+    """
     facts = study_facts(session, name)
     space = study_space(session, facts)
+    if not space and x is None and y is None:
+        return Regions(x="", y="", total=0, categories=[], downsampled=False)
+    x, y = _plane_axes(list(space), x, y)
     for field, param in (("x", x), ("y", y)):
         if param not in space:
             raise invalid_query(field, f"the study has no parameter {param!r}", param)
+    key = ("regions", x, y, max_points)
+    return cache.by_revision(
+        session, facts.study_id, key, lambda: _regions(session, facts, space, x, y, max_points)
+    )
+
+
+def _plane_axes(names: list[str], x: str | None, y: str | None) -> tuple[str, str]:
+    """The asked parameters, the missing ones filled with memory-related ones first."""
+    ranked = sorted(names, key=lambda n: MEMORY_PARAM.search(n) is None)  # stable: memory first
+    if x is None:
+        x = next((n for n in ranked if n != y), y or "")
+    if y is None:
+        y = next((n for n in ranked if n != x), x)
+    return x, y
+
+
+def _regions(
+    session: Session,
+    facts: StudyFacts,
+    space: dict[str, BaseDistribution],
+    x: str,
+    y: str,
+    max_points: int,
+) -> Regions:
     oomed = _oomed(session, facts.study_id)
     skip = infeasible(session, facts)
     grouped: dict[str, list[tuple[int, ParamValue, ParamValue]]] = defaultdict(list)

@@ -21,7 +21,8 @@ from optuna.distributions import (
     json_to_distribution,
 )
 from optuna.storages._rdb import models
-from sqlalchemy import ColumnElement, Float, and_, cast, extract, func, or_, select
+from optuna.trial import TrialState
+from sqlalchemy import ColumnElement, Float, and_, case, cast, extract, func, or_, select
 from sqlalchemy.orm import Session
 
 from service.dashboard.models import ParamInfo
@@ -143,3 +144,29 @@ def objective_value(value: float | None, value_type: Any) -> float | None:
     if value_type == FINITE:
         return finite(value)
     return None
+
+
+def revision(session: Session, study_id: int) -> str:
+    """A token that changes whenever a trial, an intermediate value or vramtune's record does."""
+    trial_stats = session.execute(
+        select(
+            func.count(),
+            func.sum(case((trials.c.state == TrialState.RUNNING, 1), else_=0)),
+            func.max(trials.c.datetime_complete),
+            func.max(trials.c.trial_id),
+        ).where(trials.c.study_id == study_id)
+    ).one()
+    IV = intermediate
+    reports = session.scalar(
+        select(func.count())
+        .select_from(IV)
+        .join(trials, trials.c.trial_id == IV.c.trial_id)
+        .where(trials.c.study_id == study_id, trials.c.state == TrialState.RUNNING)
+    )
+    vt = session.execute(
+        select(func.count(), func.max(vt_trials.c.updated_at)).where(
+            vt_trials.c.study_id == study_id
+        )
+    ).one()
+    parts = [*trial_stats, reports, *vt]
+    return "-".join("" if p is None else str(p) for p in parts)

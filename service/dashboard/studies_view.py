@@ -14,10 +14,11 @@ from optuna.trial import TrialState
 from sqlalchemy import and_, case, func, select
 from sqlalchemy.orm import Session
 
-from service.dashboard import schema
+from service.dashboard import cache, schema
 from service.dashboard.models import (
     BestTrial,
     DashboardState,
+    ParamInfo,
     StudyListItem,
     StudyListOut,
     StudyOverview,
@@ -25,7 +26,7 @@ from service.dashboard.models import (
 from service.errors import NotFound
 from service.optuna_glue import search_space, spec_of
 from service.studies import study_state
-from service.tables import MemoryObservationRow, StudyRow, TrialRow
+from service.tables import MemoryObservationRow, StudyRow
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 RATE_WINDOW = timedelta(hours=1)
@@ -222,33 +223,57 @@ def study_facts(session: Session, name: str, counted: bool = False) -> StudyFact
     return found[0]
 
 
+@dataclass(frozen=True)
+class _Settled:
+    """The parts of the overview that change only when the study's revision does."""
+
+    objective_names: list[str]
+    infeasible: int
+    best: BestTrial | None
+    params: list[ParamInfo]
+    card_models: list[str]
+
+
 def overview(session: Session, name: str) -> StudyOverview:
     """The study page's header: state, counts, best trial, parameters, card models, revision."""
     facts = study_facts(session, name, counted=True)
     now = schema.utcnow()
     activity = _activity(session, [facts.study_id], now).get(facts.study_id)
     spec = spec_of(facts.row) if facts.row else None
+    peak_memory = bool(spec and spec.minimize_peak_memory)
+    revision = schema.revision(session, facts.study_id)
+    settled = cache.by_revision(
+        session, facts.study_id, "overview", lambda: _settled(session, facts, peak_memory), revision
+    )
     return StudyOverview(
         id=facts.study_id,
         name=facts.name,
         task=facts.row.task if facts.row else None,
         state=_state(facts),
         directions=[d.name.lower() for d in facts.directions],
-        objective_names=_objective_names(
-            session, facts, spec is not None and spec.minimize_peak_memory
-        ),
+        objective_names=settled.objective_names,
         n_trials=spec.n_trials if spec else None,
         counts=facts.counts,
         finished=_finished(facts.counts),
         running=facts.counts.get(TrialState.RUNNING.name, 0),
+        infeasible=settled.infeasible,
+        best=settled.best,
+        params=settled.params,
+        card_models=settled.card_models,
+        minimize_peak_memory=peak_memory,
+        trials_per_hour=activity.rate(now) if activity else None,
+        revision=revision,
+        now=schema.utc(now),
+    )
+
+
+def _settled(session: Session, facts: StudyFacts, peak_memory: bool) -> _Settled:
+    return _Settled(
+        objective_names=_objective_names(session, facts, peak_memory),
         infeasible=len(infeasible(session, facts)),
         best=_best_trial(session, facts),
         params=[schema.param_info(n, d) for n, d in study_space(session, facts).items()],
         card_models=_card_models(session, facts.study_id),
-        minimize_peak_memory=bool(spec and spec.minimize_peak_memory),
-        trials_per_hour=activity.rate(now) if activity else None,
-        revision=revision(session, facts.study_id),
-        now=schema.utc(now),
     )
 
 
@@ -337,27 +362,3 @@ def _card_models(session: Session, study_id: int) -> list[str]:
             .order_by(OBS.card_model)
         )
     )
-
-
-def revision(session: Session, study_id: int) -> str:
-    """A token that changes whenever a trial, an intermediate value or vramtune's record does."""
-    trial_stats = session.execute(
-        select(
-            func.count(),
-            func.sum(case((T.c.state == TrialState.RUNNING, 1), else_=0)),
-            func.max(T.c.datetime_complete),
-            func.max(T.c.trial_id),
-        ).where(T.c.study_id == study_id)
-    ).one()
-    IV = schema.intermediate
-    reports = session.scalar(
-        select(func.count())
-        .select_from(IV)
-        .join(T, T.c.trial_id == IV.c.trial_id)
-        .where(T.c.study_id == study_id, T.c.state == TrialState.RUNNING)
-    )
-    vt = session.execute(
-        select(func.count(), func.max(TrialRow.updated_at)).where(TrialRow.study_id == study_id)
-    ).one()
-    parts = [*trial_stats, reports, *vt]
-    return "-".join("" if p is None else str(p) for p in parts)

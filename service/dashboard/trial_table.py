@@ -12,10 +12,10 @@ from optuna.trial import TrialState
 from sqlalchemy import ColumnElement, Select, and_, func, select
 from sqlalchemy.orm import Session
 
-from service.dashboard import schema, series
+from service.dashboard import cache, schema, series
 from service.dashboard.errors import invalid_query
 from service.dashboard.models import Observation, TrialDetail, TrialRowOut, TrialTable
-from service.dashboard.studies_view import infeasible, study_facts, trial_params
+from service.dashboard.studies_view import StudyFacts, infeasible, study_facts, trial_params
 from service.errors import NotFound
 from service.tables import MemoryObservationRow, TrialRow, WorkerRow
 from service.wire import PlanOut
@@ -48,11 +48,22 @@ class TableQuery:
     offset: int = 0
     limit: int = 50
 
+    def key(self) -> tuple[object, ...]:
+        """A hashable form, for the revision cache."""
+        page = (self.sort, self.order, self.worker, self.offset, self.limit)
+        return ("table", *page, tuple(s.name for s in self.states), tuple(self.outcomes))
+
 
 def trial_table(session: Session, name: str, query: TableQuery) -> TrialTable:
     """One page of the study's trials, sorted and filtered in the database."""
     check_sort(query.sort)
     facts = study_facts(session, name)
+    return cache.by_revision(
+        session, facts.study_id, query.key(), lambda: _table(session, facts, query)
+    )
+
+
+def _table(session: Session, facts: StudyFacts, query: TableQuery) -> TrialTable:
     v0 = V.alias("v0")
     base = _filtered(_joined(select(T.c.trial_id), v0), facts.study_id, query)
     total = session.scalar(select(func.count()).select_from(base.subquery())) or 0

@@ -221,3 +221,19 @@ def test_pages_and_assets_are_served_with_their_types(client: TestClient, tmp_pa
     )
     assert client.get("/dashboard/static/shell.html").status_code == 404
     assert client.get("/dashboard/static/..%2Fpages.py").status_code == 404
+
+
+def test_answers_follow_the_study_when_it_changes(client: TestClient) -> None:
+    import optuna
+
+    url = client.app.state.vt.settings.database_url  # type: ignore[attr-defined]
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(storage=url, study_name="cache-check")
+    study.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=1)
+    first = get(client, f"{D}/cache-check/history")
+    assert len(first["numbers"]) == 1
+    assert get(client, f"{D}/cache-check/history") == first  # unchanged: the same answer
+    study.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=1)
+    assert len(get(client, f"{D}/cache-check/history")["numbers"]) == 2
+    assert get(client, f"{D}/cache-check/trials")["total"] == 2
+    assert get(client, f"{D}/cache-check")["finished"] == 2

@@ -286,7 +286,7 @@ const VT = (() => {
 
   // ------------------------------------------------------------------ page frame
 
-  /** The header (brand, navigation, live status, sign-in) and the scopes, before the page. */
+  /** The header (brand, navigation, live status, sign-in), then the token's scopes. */
   async function start(active) {
     const nav = [
       ["studies", "/", "Studies"],
@@ -300,7 +300,12 @@ const VT = (() => {
       el("span", { id: "live", class: "live", text: "" }),
       el("span", { id: "auth", class: "auth" }),
     );
-    await loadScopes();
+    try {
+      await loadScopes();
+    } catch (error) {
+      // the pages still show data; only the write buttons stay hidden
+      console.warn("vramtune: could not learn the token's scopes:", error.message);
+    }
   }
 
   function errorBox(node, error) {

@@ -62,7 +62,7 @@
   }
 
   async function main() {
-    await VT.start("fleet");
+    VT.start("fleet"); // the scopes only matter to write buttons, which this page has none of
     const refresh = VT.poll(async () => render(await VT.api("/dashboard/fleet")), 3000);
     VT.onAuthChange(() => refresh.now());
   }

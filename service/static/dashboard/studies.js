@@ -98,11 +98,13 @@
   }
 
   async function main() {
-    await VT.start("studies");
+    const scopes = VT.start("studies"); // in parallel with the data: only buttons wait for it
     const refresh = VT.poll(async () => {
       latest = await VT.api("/dashboard/studies");
       render(refresh);
     }, 3000);
+    await scopes;
+    render(refresh);
     document.getElementById("study-filter").addEventListener("input", () => render(refresh));
     VT.onAuthChange(() => refresh.now());
   }

@@ -12,7 +12,6 @@
   const EVALUATORS = { PedAnovaImportanceEvaluator: "PED-ANOVA", FanovaImportanceEvaluator: "fANOVA" };
   const LARGE_STUDY = 2000;
   const LARGE_REDRAW_MS = 10000;
-  const MEMORY_PARAM = /batch|width|seq|len|hidden|dim|layer|head|size|embed/i;
   const REGION_STYLE = {
     "as asked": { color: "#19a979", symbol: "circle" },
     resized: { color: "#4f6bed", symbol: "diamond" },
@@ -126,8 +125,8 @@
 
   const pick = (number) => selectTrial(number, true);
 
-  async function loadHistory() {
-    await latestOnly("history", () => VT.api(`${BASE}/history?max_points=${POINTS}`), (d) => {
+  async function loadHistory(early) {
+    await latestOnly("history", () => early || VT.api(`${BASE}/history?max_points=${POINTS}`), (d) => {
       VT.plot(
         document.getElementById("plot-history"),
         {
@@ -146,8 +145,8 @@
     }, "card-history");
   }
 
-  async function loadMemory() {
-    await latestOnly("memory", () => VT.api(`${BASE}/memory?max_points=${POINTS}`), (d) => {
+  async function loadMemory(early) {
+    await latestOnly("memory", () => early || VT.api(`${BASE}/memory?max_points=${POINTS}`), (d) => {
       const scale = VT.byteScale(d.measured_bytes);
       const byCard = new Map();
       d.numbers.forEach((n, i) => {
@@ -173,8 +172,8 @@
     }, "card-memory");
   }
 
-  async function loadCalibration() {
-    await latestOnly("calibration", () => VT.api(`${BASE}/calibration?max_points=${POINTS}`), (d) => {
+  async function loadCalibration(early) {
+    await latestOnly("calibration", () => early || VT.api(`${BASE}/calibration?max_points=${POINTS}`), (d) => {
       const all = d.cards.flatMap((c) => [...c.predicted_bytes, ...c.measured_bytes]);
       const scale = VT.byteScale(all);
       const top = Math.max(0, ...all) / scale.div;
@@ -228,31 +227,32 @@
   }
 
   function setupRegionSelectors(params) {
-    const xs = document.getElementById("region-x");
-    const ys = document.getElementById("region-y");
     const names = params.map((p) => p.name);
-    const known = [...xs.options].map((o) => o.value);
-    if (known.join("\u0000") === names.join("\u0000")) return;
-    const keepX = xs.value;
-    const keepY = ys.value;
-    for (const select of [xs, ys]) fill(select, names.map((n) => el("option", { value: n, text: n })));
-    const preferred = [...names.filter((n) => MEMORY_PARAM.test(n)), ...names.filter((n) => !MEMORY_PARAM.test(n))];
-    xs.value = names.includes(keepX) ? keepX : preferred[0] || "";
-    ys.value = names.includes(keepY) ? keepY : preferred.find((n) => n !== xs.value) || xs.value;
+    for (const select of [document.getElementById("region-x"), document.getElementById("region-y")]) {
+      const known = [...select.options].map((o) => o.value);
+      if (known.join("\u0000") === names.join("\u0000")) continue;
+      const keep = select.value;
+      fill(select, names.map((n) => el("option", { value: n, text: n })));
+      select.value = names.includes(keep) ? keep : "";
+    }
   }
 
   let regionPair = "";
 
-  async function loadRegions() {
+  /** The region map; without chosen parameters the server picks the memory-related ones. */
+  async function loadRegions(early) {
     const x = document.getElementById("region-x").value;
     const y = document.getElementById("region-y").value;
     const node = document.getElementById("plot-regions");
-    if (!x || !y) {
-      VT.plot(node, { x: {}, y: {}, traces: [] }, "The study has no parameters yet.");
-      return;
+    const query = new URLSearchParams({ max_points: POINTS });
+    if (x && y) {
+      query.set("x", x);
+      query.set("y", y);
     }
-    const query = new URLSearchParams({ x, y, max_points: POINTS });
-    await latestOnly("regions", () => VT.api(`${BASE}/regions?${query}`), (d) => {
+    await latestOnly("regions", () => early || VT.api(`${BASE}/regions?${query}`), (d) => {
+      if (!d.x) return VT.plot(node, { x: {}, y: {}, traces: [] }, "The study has no parameters yet.");
+      document.getElementById("region-x").value = d.x;
+      document.getElementById("region-y").value = d.y;
       const ax = regionAxis(d.x, 0);
       const ay = regionAxis(d.y, 1);
       const traces = d.categories.map((c) => {
@@ -270,9 +270,9 @@
     }, "card-regions");
   }
 
-  async function loadImportances() {
+  async function loadImportances(early) {
     importancesAt = Date.now();
-    await latestOnly("importances", () => VT.api(`${BASE}/importances`), (d) => {
+    await latestOnly("importances", () => early || VT.api(`${BASE}/importances`), (d) => {
       const sorted = [...d.importances].sort((a, b) => a.importance - b.importance);
       const longest = Math.max(0, ...sorted.map((i) => i.name.length));
       const top = Math.max(0.01, ...sorted.map((i) => i.importance));
@@ -397,12 +397,16 @@
     select.value = wanted.includes(keep) ? keep : "";
   }
 
-  async function loadTable() {
+  function tableUrl() {
     const query = new URLSearchParams({ sort: table.sort, order: table.order, offset: table.offset, limit: table.limit });
     for (const s of table.states) query.append("state", s);
     if (table.outcome) query.append("outcome", table.outcome);
     if (table.worker) query.set("worker", table.worker);
-    await latestOnly("table", () => VT.api(`${BASE}/trials?${query}`), (d) => {
+    return `${BASE}/trials?${query}`;
+  }
+
+  async function loadTable(early) {
+    await latestOnly("table", () => early || VT.api(tableUrl()), (d) => {
       const cols = columns();
       renderTableHead(cols);
       const rows = d.rows.map((r) =>
@@ -464,8 +468,23 @@
     );
   }
 
+  /** The first load asks for everything at once: no plot waits for the header's answer. */
+  function earlyRequests() {
+    const early = {
+      history: VT.api(`${BASE}/history?max_points=${POINTS}`),
+      memory: VT.api(`${BASE}/memory?max_points=${POINTS}`),
+      calibration: VT.api(`${BASE}/calibration?max_points=${POINTS}`),
+      regions: VT.api(`${BASE}/regions?max_points=${POINTS}`),
+      importances: VT.api(`${BASE}/importances`),
+      table: VT.api(tableUrl()),
+    };
+    for (const request of Object.values(early)) request.catch(() => {}); // awaited later
+    return early;
+  }
+
   async function tick() {
     if (missing) return;
+    const early = revision === null && !overview ? earlyRequests() : {};
     try {
       overview = await VT.api(BASE);
     } catch (error) {
@@ -484,8 +503,9 @@
     plotsAt = Date.now();
     setupRegionSelectors(overview.params);
     if (!selectedByUser && overview.best) selected = overview.best.number;
-    const jobs = [loadHistory(), loadMemory(), loadCalibration(), loadRegions(), loadTable(), loadCurve()];
-    if (Date.now() - importancesAt > IMPORTANCE_EVERY_MS) jobs.push(loadImportances());
+    const jobs = [loadHistory(early.history), loadMemory(early.memory), loadCalibration(early.calibration)];
+    jobs.push(loadRegions(early.regions), loadTable(early.table), loadCurve());
+    if (early.importances || Date.now() - importancesAt > IMPORTANCE_EVERY_MS) jobs.push(loadImportances(early.importances));
     const results = await Promise.allSettled(jobs);
     const failed = results.find((r) => r.status === "rejected");
     if (failed) throw failed.reason;
@@ -495,9 +515,11 @@
   let refresh = null;
 
   async function main() {
-    await VT.start("studies");
+    const scopes = VT.start("studies"); // in parallel with the data: only buttons wait for it
     setupTableControls();
     refresh = VT.poll(tick, 3000);
+    await scopes;
+    if (overview) renderActions(overview);
     VT.onAuthChange(() => {
       revision = null;
       refresh.now();
