@@ -237,3 +237,30 @@ def test_answers_follow_the_study_when_it_changes(client: TestClient) -> None:
     assert len(get(client, f"{D}/cache-check/history")["numbers"]) == 2
     assert get(client, f"{D}/cache-check/trials")["total"] == 2
     assert get(client, f"{D}/cache-check")["finished"] == 2
+
+
+def test_fleet_marks_quiet_workers_stale_then_lost(client: TestClient) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from service.tables import WorkerRow
+
+    now = datetime.now(UTC).replace(tzinfo=None)
+    quiet = {"quiet-20s": timedelta(seconds=20), "quiet-1h": timedelta(hours=1)}
+    with client.app.state.vt.sessions.begin() as session:  # type: ignore[attr-defined]
+        for name, silence in quiet.items():
+            card = {"model": "sim", "total_bytes": CARD, "free_bytes": CARD}
+            session.add(
+                WorkerRow(
+                    name=name, device="cpu", card_model="sim", total_bytes=CARD, free_bytes=CARD,
+                    card=card, constants={}, tasks=["quadratic"], registered_at=now - silence,
+                    last_heartbeat=now - silence, stopped=False, trials_done=0,
+                )
+            )  # fmt: skip
+    fleet = get(client, f"{V}/dashboard/fleet")
+    states = {w["name"]: w["state"] for w in fleet["workers"]}
+    # defaults: heartbeats every 5 s, stale after 12.5 s without one, lost after 30 s
+    assert states["quiet-20s"] == "stale"
+    assert states["quiet-1h"] == "lost"
+    assert fleet["totals"]["workers"]["lost"] >= 1
+    live = [w for w in fleet["workers"] if w["state"] == "live"]
+    assert fleet["totals"]["total_bytes"] == sum(w["total_bytes"] for w in live)
