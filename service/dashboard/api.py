@@ -28,14 +28,19 @@ from service.wire import API_PREFIX
 PREFIX = f"{API_PREFIX}/dashboard"
 router = APIRouter(prefix=PREFIX, tags=["dashboard"])
 
+# PostgreSQL text cannot hold NUL: refused as bad input (422), never a database error (500).
+NO_NUL = r"^[^\x00]*$"
 # {name:path}: a plain Optuna study's name may hold "/" (vramtune's own names cannot).
-StudyName = Annotated[str, Path(min_length=1, max_length=512, description="The study's name.")]
+StudyName = Annotated[
+    str, Path(min_length=1, max_length=512, pattern=NO_NUL, description="The study's name.")
+]
 Objective = Annotated[int, Query(ge=0, le=15, description="Which objective (0: the first).")]
 MaxPoints = Annotated[
     int, Query(ge=10, le=10_000, description="Most points returned; more are thinned.")
 ]
 OptionalParamName = Annotated[
-    str | None, Query(min_length=1, max_length=512, description="A parameter name.")
+    str | None,
+    Query(min_length=1, max_length=512, pattern=NO_NUL, description="A parameter name."),
 ]
 StateName = Literal["RUNNING", "COMPLETE", "PRUNED", "FAIL", "WAITING"]
 
@@ -102,15 +107,20 @@ def trials(
     name: StudyName,
     session: SessionDep,
     sort: Annotated[
-        str, Query(min_length=1, max_length=520, description="A column, or param:<name>.")
+        str,
+        Query(
+            min_length=1, max_length=520, pattern=NO_NUL, description="A column or param:<name>."
+        ),
     ] = "number",
     order: Literal["asc", "desc"] = "asc",
     state: Annotated[list[StateName] | None, Query(max_length=5)] = None,
     outcome: Annotated[
-        list[Annotated[str, Query(max_length=32)]] | None,
+        list[Annotated[str, Query(max_length=32, pattern=NO_NUL)]] | None,
         Query(max_length=16, description="vramtune outcomes; 'none' for trials without one."),
     ] = None,
-    worker: Annotated[str | None, Query(max_length=128, description="A worker's name.")] = None,
+    worker: Annotated[
+        str | None, Query(max_length=128, pattern=NO_NUL, description="A worker's name.")
+    ] = None,
     offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
 ) -> TrialTable:

@@ -188,6 +188,8 @@ def test_fleet_lists_the_worker_and_its_card(client: TestClient) -> None:
         (f"{D}/{STUDY}/regions", {"x": "x", "y": "missing"}, "y"),
         (f"{D}/{STUDY}/history", {"objective": 1}, "objective"),
         (f"{D}/{STUDY}/history", {"max_points": 1}, "max_points"),
+        (f"{D}/{STUDY}/trials", {"worker": "a\x00b"}, "worker"),  # PostgreSQL text holds no NUL
+        (f"{D}/{STUDY}/regions", {"x": "\x00"}, "x"),
     ],
 )
 def test_bad_queries_get_a_422_naming_the_field(
@@ -198,9 +200,10 @@ def test_bad_queries_get_a_422_naming_the_field(
     assert response.json()["detail"][0]["loc"] == ["query", field]
 
 
-def test_an_unknown_study_is_a_404(client: TestClient) -> None:
+def test_an_unknown_study_is_a_404_and_a_nul_in_its_name_a_422(client: TestClient) -> None:
     for suffix in ("", "/history", "/trials", "/trials/0"):
         assert client.get(f"{D}/no-such-study{suffix}").status_code == 404
+        assert client.get(f"{D}/bad%00name{suffix}").status_code == 422
 
 
 def test_pages_and_assets_are_served_with_their_types(client: TestClient, tmp_path: Path) -> None:
