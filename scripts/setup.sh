@@ -18,7 +18,16 @@ if [ "${VRAMTUNE_SKIP_SYSTEM:-0}" != 1 ]; then
   if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
     apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null
   fi
-  if command -v pg_ctlcluster >/dev/null 2>&1 && ! pg_isready -q -h 127.0.0.1 -p 5432; then
-    pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql)" main start
+  if command -v pg_ctlcluster >/dev/null 2>&1; then
+    cluster="$(ls /etc/postgresql)"
+    if ! pg_isready -q -h 127.0.0.1 -p 5432; then
+      pg_ctlcluster --skip-systemctl-redirect "$cluster" main start
+    fi
+    # The suite runs several servers at once (two replicas, a pool each for vramtune and
+    # Optuna): PostgreSQL's default of 100 connections leaves too little headroom.
+    if [ "$(psql -h 127.0.0.1 -U postgres -Atc 'show max_connections' 2>/dev/null || echo 0)" -lt 300 ]; then
+      psql -h 127.0.0.1 -U postgres -qc "ALTER SYSTEM SET max_connections = 300" &&
+        pg_ctlcluster --skip-systemctl-redirect "$cluster" main restart
+    fi
   fi
 fi
