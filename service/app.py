@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager, suppress
 
 from fastapi import FastAPI
 
-from service import reaper
+from service import dashboard, reaper
 from service.auth_guard import install_auth
 from service.db import make_engine, make_sessions, require_migrated
 from service.errors import install_error_handlers
@@ -67,4 +67,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_auth(app, settings)  # after BodySizeLimit: the guard is outermost
     for module in (health, studies, workers, trials):
         app.include_router(module.router, prefix=API_PREFIX)
+    app.include_router(dashboard.router)
     return app
