@@ -1,6 +1,6 @@
 """End-to-end fixtures: one real server per database kind, real `vramtune worker` processes.
 
-Servers are shared by a module's tests (starting uvicorn and importing Optuna costs seconds);
+Servers are shared by the session's tests (starting uvicorn and importing Optuna costs seconds);
 each test creates its own study and deletes it at the end, so no test's workers see another's
 trials. Leases, heartbeats and the reaper run on short periods so that crashes are noticed fast.
 """
@@ -127,7 +127,7 @@ def start_worker(tmp_path: Path) -> Iterator[WorkerFactory]:
         print(f"----- {worker.log_path.name}\n{worker.logs()[-8000:]}")
 
 
-@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+@pytest.fixture(scope="session", params=["sqlite", "postgresql"])
 def fleet_server(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:

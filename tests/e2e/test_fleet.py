@@ -94,12 +94,12 @@ def test_workers_carry_on_across_a_server_restart(
     fleet_server: ServerProcess, studies: Studies, start_worker: WorkerFactory
 ) -> None:
     budget = {"max_steps": 100, "eval_every": 20}
-    name = studies.create(X, n_trials=6, task_config={"step_seconds": 0.01}, budget=budget)
+    name = studies.create(X, n_trials=4, task_config={"step_seconds": 0.01}, budget=budget)
     worker = start_worker(fleet_server.url, "64MiB", "--exit-when-idle", "3")
     studies.wait_until(name, lambda trials: any(t.state == "COMPLETE" for t in trials))
     fleet_server.restart()
     assert worker.process.poll() is None, "the worker survived the restart"
-    trials = studies.wait_until(name, finished(6))
+    trials = studies.wait_until(name, finished(4))
     assert worker.wait() == 0
-    assert [t.state for t in trials] == ["COMPLETE"] * 6
-    assert sorted(t.number for t in trials) == list(range(6))
+    assert [t.state for t in trials] == ["COMPLETE"] * 4
+    assert sorted(t.number for t in trials) == list(range(4))
