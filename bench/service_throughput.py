@@ -67,8 +67,10 @@ PG_HOST = os.environ.get("BENCH_PG_HOST", "postgres@127.0.0.1:5432")
 STUDY = "bench"
 SPACE = {"x": FloatDistribution(-10.0, 10.0), "y": FloatDistribution(-10.0, 10.0)}
 CARD_BYTES = 80 * 10**9
-READY_TIMEOUT_S = 600.0
-SLOW_CELL_S = 30.0
+READY_TIMEOUT_S = [600.0]  # set by --ready-timeout
+SLOW_CELL_S = 20.0
+BENCH_LEASE_TTL_S = 600
+ANALYSIS_MARK = "<!-- analysis: written by hand, kept when the tables are rewritten -->"
 MIN_FREE_BYTES = 3 * 2**30  # a cell stops before its clients take the machine's memory
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)
@@ -165,6 +167,19 @@ def pg_admin(sql: str) -> None:
         connection.execute(sql)  # type: ignore[arg-type]
 
 
+def drop_database(name: str, patience_s: float = 60.0) -> None:
+    """Drop a cell's database, retrying while the server is full of dying clients."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            return
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(2.0)
+
+
 @contextlib.contextmanager
 def fresh_database(kind: str, tag: str) -> Iterator[str]:
     """A new empty database for one cell, dropped afterwards; yields its SQLAlchemy URL."""
@@ -175,7 +190,7 @@ def fresh_database(kind: str, tag: str) -> Iterator[str]:
         try:
             yield f"postgresql+psycopg://{PG_HOST}/{name}"
         finally:
-            pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            drop_database(name)
         return
     directory = tempfile.mkdtemp(prefix="vt-bench-")
     try:
@@ -325,6 +340,8 @@ def vramtune_server(url: str) -> Iterator[tuple[int, psutil.Process]]:
     """A real ``vramtune serve`` subprocess on the cell's database."""
     port = free_port()
     env = {**os.environ, "VRAMTUNE_DATABASE_URL": url, "VRAMTUNE_LOG_LEVEL": "warning"}
+    # Simulated workers send no heartbeats: a lease must outlive a trial queued behind 63 others.
+    env["VRAMTUNE_LEASE_TTL_S"] = str(BENCH_LEASE_TTL_S)
     env.update(
         {
             k[len("BENCH_SERVER_") :]: v
@@ -346,7 +363,9 @@ def vramtune_server(url: str) -> Iterator[tuple[int, psutil.Process]]:
         # Warm the server's Optuna cache of the study (a real server has it warm too).
         wait_until(lambda: http_ok(port, f"{API_PREFIX}/studies/{STUDY}"), 120, "study read")
         server = psutil.Process(process.pid)
-        yield port, server.children()[0] if profile else server
+        server = server.children()[0] if profile else server
+        wait_until_idle(server)
+        yield port, server
     finally:
         process.send_signal(signal.SIGINT)
         try:
@@ -354,6 +373,17 @@ def vramtune_server(url: str) -> Iterator[tuple[int, psutil.Process]]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def wait_until_idle(server: psutil.Process, settle_s: float = 8.0, cap_s: float = 90.0) -> None:
+    """Wait past the server's start-up work (the dashboard imports Optuna's importance module,
+    scikit-learn included, a few seconds after start): until it uses < 10 % of a core for 2 s
+    in a row, at least ``settle_s`` after it started."""
+    started = server.create_time()
+    deadline = time.monotonic() + cap_s
+    quiet = 0
+    while time.monotonic() < deadline and (quiet < 2 or time.time() - started < settle_s):
+        quiet = quiet + 1 if server.cpu_percent(interval=1.0) < 10 else 0
 
 
 def grpc_server_main(url: str, port: int) -> None:
@@ -398,10 +428,37 @@ class Start:
     window: Any  # mp.Array('d', [start, end])
 
 
+def run_client(
+    index: int, start: Start, out: Any, warm_up: Callable[[ClientReport], Callable[[], None]]
+) -> None:
+    """Warm up, wait for the common start, run trials until the deadline, report.
+
+    A client that fails to warm up reports ready all the same (with its error), so the others
+    do not wait for it.
+    """
+    report = ClientReport()
+    ready = False
+    try:
+        one_trial = warm_up(report)
+        start.ready.put(index)
+        ready = True
+        start.go.wait()
+        begin, end = start.window[:]
+        time.sleep(max(0.0, begin - time.time()))  # every client starts at the window's start
+        while time.time() < end:
+            one_trial()
+    except Exception:
+        report.errors.append(traceback.format_exc(limit=3))
+    finally:
+        if not ready:
+            start.ready.put(index)
+        out.put((index, asdict(report)))
+
+
 def optuna_client(cell: Cell, target: str | int, index: int, start: Start, out: Any) -> None:
     """A raw (target = URL) or gRPC (target = port) Optuna client: ask, evaluate, tell."""
-    report = ClientReport()
-    try:
+
+    def warm_up(report: ClientReport) -> Callable[[], None]:
         if cell.system == "raw":
             storage: Any = cached_storage(str(target))
         else:
@@ -412,14 +469,9 @@ def optuna_client(cell: Cell, target: str | int, index: int, start: Start, out: 
             study_name=STUDY, storage=storage, sampler=make_sampler(cell.sampler)
         )
         study.get_trials(deepcopy=False)  # warm the cache, as a long-running process has it
-        start.ready.put(index)
-        start.go.wait()
-        _, end = start.window[:]
-        while time.time() < end:
-            one_optuna_trial(study, report)
-    except Exception:
-        report.errors.append(traceback.format_exc(limit=3))
-    out.put((index, asdict(report)))
+        return lambda: one_optuna_trial(study, report)
+
+    run_client(index, start, out, warm_up)
 
 
 def one_optuna_trial(study: optuna.Study, report: ClientReport) -> None:
@@ -480,18 +532,13 @@ def register(http_client: Http, index: int) -> int:
 
 def vramtune_client(cell: Cell, port: int, index: int, start: Start, out: Any) -> None:
     """A simulated worker: next -> start -> complete until the deadline."""
-    report = ClientReport()
-    try:
+
+    def warm_up(report: ClientReport) -> Callable[[], None]:
         client = Http(port)
         worker_id = register(client, index)
-        start.ready.put(index)
-        start.go.wait()
-        _, end = start.window[:]
-        while time.time() < end:
-            one_vramtune_trial(client, worker_id, report)
-    except Exception:
-        report.errors.append(traceback.format_exc(limit=3))
-    out.put((index, asdict(report)))
+        return lambda: one_vramtune_trial(client, worker_id, report)
+
+    run_client(index, start, out, warm_up)
 
 
 def timed_post(
@@ -543,7 +590,7 @@ class CellSkipped(Exception):
 
 def wait_ready(start: Start, count: int) -> None:
     """Wait for every client to be warm; CellSkipped if memory runs low or it takes too long."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
+    deadline = time.monotonic() + READY_TIMEOUT_S[0]
     ready = 0
     while ready < count:
         with contextlib.suppress(queue.Empty):
@@ -555,7 +602,7 @@ def wait_ready(start: Start, count: int) -> None:
                 f"skipped: {ready} of {count} clients warm left {available / 2**30:.1f} GiB free"
             )
         if time.monotonic() > deadline:
-            raise CellSkipped(f"skipped: {ready} of {count} clients warm in {READY_TIMEOUT_S} s")
+            raise CellSkipped(f"skipped: {ready} of {count} clients warm in {READY_TIMEOUT_S[0]} s")
 
 
 def run_clients(
@@ -576,6 +623,8 @@ def run_clients(
     except CellSkipped:
         for process in processes:
             process.kill()
+        for process in processes:
+            process.join(30)
         raise
     begin = time.time() + 0.2
     start.window[:] = [begin, begin + duration_s]
@@ -689,8 +738,10 @@ def measure_cell(cell: Cell, duration_s: float, tag: str) -> CellResult:
 
 
 def cell_duration(cell: Cell, duration_s: float) -> float:
-    """TPE on a large study asks slowly: give it a window long enough for a few asks each."""
-    return max(duration_s, SLOW_CELL_S) if cell.sampler == "tpe" and cell.prefill else duration_s
+    """A window long enough for a few trials per client: TPE on a large study asks slowly,
+    and 64 clients queue long."""
+    slow = (cell.sampler == "tpe" and cell.prefill > 0) or cell.workers >= 64
+    return max(duration_s, SLOW_CELL_S) if slow else duration_s
 
 
 # ---------------------------------------------------------------- matrix and output
@@ -736,17 +787,30 @@ def markdown(results: list[CellResult], meta: dict[str, Any]) -> str:
     lines = [
         "# Service throughput: raw Optuna vs Optuna gRPC proxy vs vramtune",
         "",
-        f"Run {meta['date']} on {meta['machine']}; {meta['duration_s']} s per cell "
-        f"({SLOW_CELL_S:g} s for TPE on a pre-filled study); "
+        f"Latest run {meta['date']} on {meta['machine']}; {meta['duration_s']} s per cell "
+        f"({SLOW_CELL_S:g} s for TPE on a pre-filled study and for 64 workers); "
         f"Optuna {meta['optuna']}, Python {meta['python']}. Generated by "
         "`bench/service_throughput.py`; raw figures in `service_throughput.json`.",
         "",
         "trials/s counts trials completed inside the window; latencies are per call (raw and "
         "gRPC: ask, tell; vramtune: next, start, complete over HTTP); `check` = every trial of the "
         "study COMPLETE exactly once and the clients' completed trials are exactly the study's "
-        "new ones.",
+        "new ones. gRPC needs `grpcio` and `protobuf` (installed for this benchmark only). "
+        f"The vramtune server runs with a lease TTL of {BENCH_LEASE_TTL_S} s (its simulated "
+        "workers send no heartbeats).",
         "",
     ]
+    runs = []
+    run: dict[str, Any] | None = meta
+    while run is not None:
+        runs.append(f"{run['date']} (`{' '.join(run['argv']) or '(no arguments)'}`)")
+        run = run.get("earlier_run")
+    if len(runs) > 1:
+        merged = "; ".join(reversed(runs))
+        lines[2:2] = [
+            f"Cells merged from several runs, later ones replacing earlier: {merged}.",
+            "",
+        ]
     groups: dict[tuple[str, str, int], list[CellResult]] = {}
     for result in results:
         c = result.cell
@@ -789,7 +853,19 @@ def main(argv: list[str] | None = None) -> int:
         default=str(REPO / "bench/results/service_throughput"),
         help="path prefix of the .md and .json results; '' to skip writing",
     )
+    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to warm up")
+    parser.add_argument(
+        "--append", action="store_true", help="merge into the results already under --out"
+    )
+    parser.add_argument(
+        "--report-only", action="store_true", help="rewrite the .md from the .json; run nothing"
+    )
     args = parser.parse_args(argv)
+    READY_TIMEOUT_S[0] = args.ready_timeout
+    if args.report_only:
+        saved = json.loads(Path(f"{args.out}.json").read_text())
+        write_results(previous_results(args.out), saved["meta"], args.out)
+        return 0
     meta = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{os.cpu_count()} cores, {platform.platform()}",
@@ -798,15 +874,26 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "argv": sys.argv[1:] if argv is None else argv,
     }
-    results = []
+    results = previous_results(args.out) if args.append else []
+    if args.append and Path(f"{args.out}.json").exists():
+        meta["earlier_run"] = json.loads(Path(f"{args.out}.json").read_text())["meta"]
     for number, cell in enumerate(cells_of(args)):
         began = time.monotonic()
         result = run_cell(cell, cell_duration(cell, args.duration), f"{number}")
-        results.append(result)
+        results = [r for r in results if r.cell != cell] + [result]
         print(f"{cell.label():40s} {summary_line(result)} ({time.monotonic() - began:.0f} s)")
         if args.out:  # after every cell: a run cut short keeps what it measured
             write_results(results, meta, args.out)
     return 0 if all(r.check["ok"] is not False and not r.errors for r in results) else 1
+
+
+def previous_results(out: str) -> list[CellResult]:
+    """The cells of an earlier run under the same ``--out`` prefix (for ``--append``)."""
+    path = Path(f"{out}.json")
+    if not path.exists():
+        return []
+    cells = json.loads(path.read_text())["cells"]
+    return [CellResult(**{**c, "cell": Cell(**c["cell"])}) for c in cells]
 
 
 def summary_line(result: CellResult) -> str:
@@ -823,7 +910,9 @@ def write_results(results: list[CellResult], meta: dict[str, Any], out: str) -> 
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     cells = [asdict(r) for r in results]
     Path(f"{out}.json").write_text(json.dumps({"meta": meta, "cells": cells}, indent=1))
-    Path(f"{out}.md").write_text(markdown(results, meta))
+    report = Path(f"{out}.md")
+    kept = report.read_text().partition(ANALYSIS_MARK)[2] if report.exists() else ""
+    report.write_text(markdown(results, meta) + (f"\n{ANALYSIS_MARK}{kept}" if kept else ""))
 
 
 if __name__ == "__main__":

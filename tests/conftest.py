@@ -62,3 +62,10 @@ def app_client(migrated_url: str) -> Iterator[TestClient]:
 
     with TestClient(create_app(Settings(database_url=migrated_url))) as client:
         yield client
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the heavy fault/load suite so the default run can leave it out (README, Tests)."""
+    for item in items:
+        if "reliability" in item.path.parts:
+            item.add_marker(pytest.mark.reliability)
