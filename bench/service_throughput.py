@@ -69,6 +69,7 @@ SPACE = {"x": FloatDistribution(-10.0, 10.0), "y": FloatDistribution(-10.0, 10.0
 CARD_BYTES = 80 * 10**9
 READY_TIMEOUT_S = [600.0]  # set by --ready-timeout
 SLOW_CELL_S = 20.0
+SYSTEMS = ("raw", "grpc", "vramtune")
 BENCH_LEASE_TTL_S = 600
 ANALYSIS_MARK = "<!-- analysis: written by hand, kept when the tables are rewritten -->"
 MIN_FREE_BYTES = 3 * 2**30  # a cell stops before its clients take the machine's memory
@@ -815,14 +816,16 @@ def markdown(results: list[CellResult], meta: dict[str, Any]) -> str:
     for result in results:
         c = result.cell
         groups.setdefault((c.database, c.sampler, c.prefill), []).append(result)
-    for (db, sampler, pre), group in groups.items():
+    order = sorted(groups, key=lambda key: (key[0] != "postgresql", key[1] != "random", key[2]))
+    for db, sampler, pre in order:
+        group = groups[(db, sampler, pre)]
         lines += [f"## {db}, {sampler}, {pre:,} trials pre-filled", ""]
         lines += [
             "| N | system | trials/s | x raw | p50 / p99 ms per call | errors | check | notes |",
             "|---|---|---|---|---|---|---|---|",
         ]
         raw = {r.cell.workers: r.trials_per_s for r in group if r.cell.system == "raw"}
-        for r in sorted(group, key=lambda r: (r.cell.workers, r.cell.system != "raw")):
+        for r in sorted(group, key=lambda r: (r.cell.workers, SYSTEMS.index(r.cell.system))):
             calls = ", ".join(
                 f"{name} {v['p50_ms']:g} / {v['p99_ms']:g}" for name, v in r.latency_ms.items()
             )
