@@ -9,6 +9,7 @@ import time
 from reliability_helpers import (
     FAST_FLEET,
     Fleet,
+    LeaseAuditor,
     assert_accounted,
     completed_by_workers,
     create_study,
@@ -19,8 +20,9 @@ from reliability_helpers import (
 from service.testing import ServerFactory, upgrade_database
 
 WORKERS = 32
-N_TRIALS = 64
-KILLS = 6
+N_TRIALS = 48
+KILLED_RUN_TRIALS = 64  # long enough for the kills to land while trials run
+KILLS = 4
 
 
 def test_32_workers_account_for_every_trial(
@@ -48,23 +50,25 @@ def test_killing_workers_loses_no_trial(
     """SIGKILL a random worker every ~2 s: its trials are re-offered and finish elsewhere."""
     url = upgrade_database(postgres_url)
     server = start_server(url, **FAST_FLEET)
-    study = create_study(server.url, N_TRIALS, step_seconds=0.02)
+    study = create_study(server.url, KILLED_RUN_TRIALS, step_seconds=0.02)
     fleet.start(server.url, WORKERS, "--exit-when-idle", "30")
     rng = random.Random(9)
     killed = []
-    wait_for_finished(url, study, WORKERS // 4)  # the fleet is up and running trials
-    while len(killed) < KILLS:
-        time.sleep(2.0)
-        if wait_for_finished(url, study, 0).finished() > N_TRIALS * 3 // 4:
-            break
-        victim = fleet.kill_random(rng)
-        assert victim is not None
-        killed.append(victim)
+    with LeaseAuditor(url) as auditor:
+        wait_for_finished(url, study, WORKERS // 4)  # the fleet is up and running trials
+        while len(killed) < KILLS:
+            time.sleep(2.0)
+            if wait_for_finished(url, study, 0).finished() > KILLED_RUN_TRIALS * 7 // 8:
+                break
+            victim = fleet.kill_random(rng)
+            assert victim is not None
+            killed.append(victim)
+        outcome = wait_for_budget(url, study, KILLED_RUN_TRIALS)
 
-    outcome = wait_for_budget(url, study, N_TRIALS)
+    assert auditor.polls > 0 and auditor.doubles == [], f"two active leases: {auditor.doubles}"
 
     assert len(killed) >= 2, "the study finished before the workers could be killed"
-    assert_accounted(outcome, N_TRIALS)
+    assert_accounted(outcome, KILLED_RUN_TRIALS)
     killed_ids = {e["worker_id"] for w in killed for e in w.events() if e["event"] == "registered"}
     reaped = [
         lease
