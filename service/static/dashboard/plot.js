@@ -291,6 +291,9 @@ const Plot = (() => {
         else if (t.shape === "hv") {
           ctx.lineTo(x, points[k - 1][1]);
           ctx.lineTo(x, y);
+        } else if (t.shape === "vh") {
+          ctx.lineTo(points[k - 1][0], y);
+          ctx.lineTo(x, y);
         } else ctx.lineTo(x, y);
       });
       ctx.stroke();
