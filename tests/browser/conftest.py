@@ -171,11 +171,11 @@ class Page:
     errors: list[str] = field(default_factory=list)
     dialogs: list[str] = field(default_factory=list)
 
-    def screenshot(self, name: str) -> Path:
-        """A full-page screenshot under test-artifacts/."""
+    def screenshot(self, name: str, full_page: bool = True) -> Path:
+        """A screenshot (of the whole page, or of what the window shows) under test-artifacts/."""
         ARTIFACTS.mkdir(exist_ok=True)
         path = ARTIFACTS / f"{name}.png"
-        self.page.screenshot(path=str(path), full_page=True)
+        self.page.screenshot(path=str(path), full_page=full_page)
         return path
 
 

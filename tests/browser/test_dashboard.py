@@ -148,6 +148,7 @@ def test_a_multi_objective_study_has_an_objective_selector_and_a_front(
     assert text(page, "#plot-history .axis-y") == "objective 0"
     wait_importances(page, 0)
     page.screenshot("dashboard-study-multi-objective")
+    page.screenshot("dashboard-study-multi-objective-window", full_page=False)  # for the README
 
     page.page.select_option("#objective", "1")
     for plot in ("history", "memory"):

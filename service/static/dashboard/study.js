@@ -80,7 +80,7 @@
       document.getElementById("study-summary"),
       tile("Finished", o.n_trials ? `${o.finished} / ${o.n_trials}` : o.finished, [`${c.COMPLETE - o.infeasible} complete`, o.infeasible ? `${o.infeasible} infeasible` : null, `${c.PRUNED} pruned`, `${c.FAIL} failed`].filter(Boolean).join(" · ")),
       tile("Running", o.running, `${c.WAITING} waiting`),
-      tile("Trials per hour", o.trials_per_hour === null ? "–" : VT.num(Math.round(o.trials_per_hour)), "over the last hour"),
+      tile("Trials per hour", VT.rate(o.trials_per_hour), "over the last hour"),
       best
         ? tile(`Best ${objectiveName(0)}`, VT.num(best.values[0]), `trial #${best.number}: ${paramText(best.params)}`)
         : tile(o.directions.length > 1 ? "Objectives" : "Best value", o.directions.length > 1 ? o.directions.length : "–", o.directions.length > 1 ? "see the Pareto front" : "no completed trial yet"),
