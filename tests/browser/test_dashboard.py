@@ -185,13 +185,18 @@ def test_trial_table_sorts_filters_and_pages(live: Live, open_page: OpenPage) ->
     page.page.click("#next-page")
     wait_text(page, "#page-info", f".startsWith('26{DASH}')")
     assert column(page, "number")[0] == str(N_TRIALS - 26)
+    page.page.click("#first-page")
+    wait_text(page, "#page-info", f".startsWith('1{DASH}25 ')")
+    page.page.click("#last-page")
+    wait_text(page, "#page-info", f" === '26{DASH}{N_TRIALS} of {N_TRIALS}'")
+    assert page.page.locator("#next-page").is_disabled()
     page.page.click("#trials th[data-sort='number']")  # back to the first page, oldest first
     wait_table(page, "rows.length === 25 && rows[0].querySelector('td').textContent === '0'")
     page.page.check("#state-filter input[value='COMPLETE']")
     wait_table(page, "rows.every(r => r.querySelector('.badge').textContent === 'COMPLETE')")
     outcomes = page.page.locator("#outcome-filter option").all_inner_texts()
     chosen = next(o for o in outcomes if o not in ("all", "none"))
-    page.page.select_option("#outcome-filter", chosen)
+    page.page.select_option("#outcome-filter", label=chosen)
     wait_table(
         page,
         f"rows.every(r => r.querySelector(\"td[data-col='outcome']\").textContent === '{chosen}')",

@@ -249,7 +249,7 @@ const Plot = (() => {
     }
     ctx.textAlign = "right";
     ctx.textBaseline = "middle";
-    for (const [v, text] of ticks(spec.y, d.y, box.b - box.t, 40)) {
+    for (const [v, text] of ticks(spec.y, d.y, box.b - box.t, 50)) {
       const y = Math.round(sy(v)) + 0.5;
       if (spec.y.grid !== false) line(ctx, box.l, y, box.r, y, GRID);
       ctx.fillText(clip(ctx, text, box.l - 26), box.l - 6, y);

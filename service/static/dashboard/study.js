@@ -28,7 +28,7 @@
     waiting: { color: "#c9b037", symbol: "open" },
   };
 
-  const table = { sort: "number", order: "desc", states: [], outcome: "", worker: "", offset: 0, limit: 50 };
+  const table = { sort: "number", order: "desc", states: [], outcome: "", worker: "", offset: 0, limit: 50, total: 0 };
   let overview = null;
   let revision = null;
   let objective = 0; // the objective the history, memory plot and importances show
@@ -452,7 +452,7 @@
       cols.push({ label: p.name, sort: `param:${p.name}`, num: p.kind !== "categorical", cell: (r) => (p.name in r.params ? VT.num(r.params[p.name]) : "–") });
     }
     cols.push(
-      { label: "Outcome", sort: "outcome", cell: (r) => r.outcome || "–" },
+      { label: "Outcome", sort: "outcome", cell: (r) => (r.outcome ? outcomeText(r.outcome) : "–") },
       { label: "Plan", cell: (r) => el("span", { class: "plan", title: r.plan ? r.plan.reason : "", text: planText(r.plan) }) },
       { label: "Predicted", sort: "predicted", num: true, cell: (r) => VT.bytes(r.predicted_bytes) },
       { label: "Measured", sort: "measured", num: true, cell: (r) => VT.bytes(r.measured_bytes) },
@@ -486,12 +486,15 @@
     fill(document.querySelector("#trials thead"), head);
   }
 
-  function syncOptions(select, values, extra) {
+  /** vramtune's outcome names as words ("as_asked": "as asked"), as the region map names them. */
+  const outcomeText = (outcome) => outcome.replace(/_/g, " ");
+
+  function syncOptions(select, values, extra, label = (v) => v) {
     const wanted = ["", ...values, ...extra];
     const have = [...select.options].map((o) => o.value);
     if (have.join("\u0000") === wanted.join("\u0000")) return;
     const keep = select.value;
-    fill(select, wanted.map((v) => el("option", { value: v, text: v || "all" })));
+    fill(select, wanted.map((v) => el("option", { value: v, text: v ? label(v) : "all" })));
     select.value = wanted.includes(keep) ? keep : "";
   }
 
@@ -515,12 +518,13 @@
         ),
       );
       fill(document.querySelector("#trials tbody"), rows.length ? rows : el("tr", {}, el("td", { colspan: cols.length, class: "muted", text: "No trial matches the filters." })));
-      syncOptions(document.getElementById("outcome-filter"), d.outcomes, ["none"]);
+      syncOptions(document.getElementById("outcome-filter"), d.outcomes, ["none"], outcomeText);
       syncOptions(document.getElementById("worker-filter"), d.workers, []);
       const last = Math.min(d.offset + d.rows.length, d.total);
+      table.total = d.total;
       document.getElementById("page-info").textContent = d.total ? `${(d.offset + 1).toLocaleString()}–${last.toLocaleString()} of ${d.total.toLocaleString()}` : "0 trials";
-      document.getElementById("prev-page").disabled = d.offset === 0;
-      document.getElementById("next-page").disabled = last >= d.total;
+      for (const id of ["first-page", "prev-page"]) document.getElementById(id).disabled = d.offset === 0;
+      for (const id of ["next-page", "last-page"]) document.getElementById(id).disabled = last >= d.total;
     }, null);
   }
 
@@ -543,14 +547,18 @@
     onSelect("outcome-filter", "outcome");
     onSelect("worker-filter", "worker");
     onSelect("page-size", "limit");
-    document.getElementById("prev-page").addEventListener("click", () => {
-      table.offset = Math.max(0, table.offset - table.limit);
-      loadTable();
-    });
-    document.getElementById("next-page").addEventListener("click", () => {
-      table.offset += table.limit;
-      loadTable();
-    });
+    const pages = {
+      "first-page": () => 0,
+      "prev-page": () => Math.max(0, table.offset - table.limit),
+      "next-page": () => table.offset + table.limit,
+      "last-page": () => Math.max(0, Math.floor((table.total - 1) / table.limit) * table.limit),
+    };
+    for (const [id, offset] of Object.entries(pages)) {
+      document.getElementById(id).addEventListener("click", () => {
+        table.offset = offset();
+        loadTable();
+      });
+    }
     for (const id of ["region-x", "region-y"]) document.getElementById(id).addEventListener("change", () => loadRegions());
     for (const id of ["pareto-x", "pareto-y"]) document.getElementById(id).addEventListener("change", () => loadPareto());
     document.getElementById("objective").addEventListener("change", (e) => chooseObjective(Number(e.target.value)));
