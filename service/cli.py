@@ -57,7 +57,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
     )
     uvicorn.run(
-        create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=settings.access_log,
     )
     return 0
 
