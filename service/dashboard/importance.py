@@ -140,6 +140,7 @@ async def lifespan(_app: Any) -> AsyncIterator[None]:
 
 def _evaluator() -> Any:
     """Optuna's PED-ANOVA evaluator (importing optuna.importance, costly, on first use)."""
+    _warm.set()  # imported now, by a request or the warm-up: the warm-up has nothing left to do
     module = importlib.import_module("optuna.importance")
     return module.PedAnovaImportanceEvaluator()
 
