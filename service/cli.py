@@ -33,7 +33,8 @@ Handler = Callable[[argparse.Namespace], int]
 def _settings(args: argparse.Namespace) -> Any:
     from service.settings import Settings
 
-    given = {k: getattr(args, k, None) for k in ("host", "port", "database_url", "log_level")}
+    names = ("host", "port", "database_url", "log_level", "processes")
+    given = {k: getattr(args, k, None) for k in names}
     return Settings(**{k: v for k, v in given.items() if v is not None})
 
 
@@ -56,6 +57,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
     )
+    if settings.processes > 1:
+        # Each process builds its app from the environment: hand it these settings there.
+        os.environ.update(settings.as_environment())
+        uvicorn.run(
+            "service.app:create_app",
+            factory=True,
+            workers=settings.processes,
+            host=settings.host,
+            port=settings.port,
+            log_level=settings.log_level,
+            access_log=settings.access_log,
+        )
+        return 0
     uvicorn.run(
         create_app(settings),
         host=settings.host,
@@ -284,6 +298,9 @@ def _add_server_commands(subparsers: Any) -> None:
         "--database-url", help="default: env VRAMTUNE_DATABASE_URL or sqlite:///./vramtune.db"
     )
     serve.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument(
+        "--processes", type=int, help="server processes (PostgreSQL only; env VRAMTUNE_PROCESSES)"
+    )
     serve.set_defaults(func=cmd_serve)
     db = subparsers.add_parser("db", help="database schema")
     db_commands = db.add_subparsers(dest="db_command", required=True, metavar="COMMAND")
