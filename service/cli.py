@@ -31,11 +31,19 @@ Handler = Callable[[argparse.Namespace], int]
 
 
 def _settings(args: argparse.Namespace) -> Any:
+    from pydantic import ValidationError
+
     from service.settings import Settings
 
     names = ("host", "port", "database_url", "log_level", "processes")
     given = {k: getattr(args, k, None) for k in names}
-    return Settings(**{k: v for k, v in given.items() if v is not None})
+    try:
+        return Settings(**{k: v for k, v in given.items() if v is not None})
+    except ValidationError as exc:  # one line per bad setting, not pydantic's report
+        problems = [
+            f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors()
+        ]
+        raise ValueError("invalid settings: " + "; ".join(problems)) from None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
