@@ -125,7 +125,12 @@ def worker_state(worker: WorkerRow, now: datetime, stale_s: float) -> WorkerStat
 def heartbeat(
     session: Session, settings: Settings, worker_id: int, body: Heartbeat, now: datetime
 ) -> HeartbeatReply:
-    """Renew the worker's leases; order stopped what it must not run on (lost, pruned, ...)."""
+    """Renew the leases of the trials the worker runs; order stopped what it must not run on.
+
+    A lease of a trial the worker does not list is left to expire (the reaper then offers the
+    trial again): its assignment was lost on the way. Not ended at once, because a heartbeat
+    sent before a next's answer arrived may be read after that next.
+    """
     leases = active_leases(session, worker_id)  # leases before the worker: the lock order
     worker = running_worker(session, worker_id)
     stops = [
@@ -143,7 +148,7 @@ def heartbeat(
         elif trial is None:  # its study was deleted underneath
             end(lease, now, resolution("study", stop="deleted"))
             stops.append(StopOrder(trial_id=lease.trial_id, reason="deleted"))
-        else:
+        elif body.trials is None or lease.trial_id in body.trials:
             renewing.append(lease.id)
             if trial.study_id in paused:
                 stops.append(StopOrder(trial_id=lease.trial_id, reason="paused"))

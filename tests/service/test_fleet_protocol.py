@@ -16,7 +16,7 @@ import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import httpx
@@ -32,7 +32,7 @@ from service.reaper import reap_once
 from service.settings import Settings
 from service.state import AppState
 from service.studies import utcnow
-from service.tables import MemoryObservationRow, TrialRow
+from service.tables import LeaseRow, MemoryObservationRow, TrialRow
 from service.testing import (
     ServerFactory,
     fresh_postgres_database,
@@ -630,3 +630,23 @@ def test_a_trial_row_from_before_migration_0002_is_leased_with_optunas_params(en
     again = env.worker("w2").next()
     assert again is not None and again["trial_id"] == assignment["trial_id"]
     assert again["params"] == assignment["params"] == env.trials()[0].params
+
+
+def test_a_heartbeat_renews_only_the_leases_of_the_trials_the_worker_lists(env: Env) -> None:
+    env.create_study(n_trials=2)
+    worker = env.worker("w1")
+    running, lost = worker.next(), worker.next()  # as if the second answer never arrived
+    assert running is not None and lost is not None
+    time.sleep(0.05)  # the renewed expiry must be later than the granted one
+    body = {"free_bytes": GIB, "trials": [running["trial_id"]]}
+    assert env.http.post(f"/workers/{worker.id}/heartbeat", json=body).status_code == 200
+    with env.state.sessions() as session:
+        expiry = dict(session.execute(select(LeaseRow.trial_id, LeaseRow.expires_at)).all())
+    def granted(assignment: dict[str, Any]) -> datetime:  # the wire's UTC, as stored (naive)
+        return datetime.fromisoformat(assignment["lease_expires_at"]).replace(tzinfo=None)
+
+    assert expiry[running["trial_id"]] > granted(running)
+    assert expiry[lost["trial_id"]] == granted(lost)
+    reap_once(env.state, utcnow() + LATER)  # both expire eventually; the lost one is offered
+    offered = env.worker("w2").next()
+    assert offered is not None and offered["trial_id"] in (running["trial_id"], lost["trial_id"])
