@@ -642,6 +642,7 @@ def test_a_heartbeat_renews_only_the_leases_of_the_trials_the_worker_lists(env: 
     assert env.http.post(f"/workers/{worker.id}/heartbeat", json=body).status_code == 200
     with env.state.sessions() as session:
         expiry = dict(session.execute(select(LeaseRow.trial_id, LeaseRow.expires_at)).all())
+
     def granted(assignment: dict[str, Any]) -> datetime:  # the wire's UTC, as stored (naive)
         return datetime.fromisoformat(assignment["lease_expires_at"]).replace(tzinfo=None)
 
