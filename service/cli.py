@@ -10,7 +10,6 @@ import argparse
 import importlib
 import importlib.util
 import json
-import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -21,6 +20,7 @@ import yaml
 from pydantic import BaseModel
 
 from service.client import ApiError, Client
+from service.logs import add_log_format_option, configure_logging
 from service.wire import ParetoFront, StudySummary, TrialOut
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
@@ -40,6 +40,7 @@ def _settings(args: argparse.Namespace) -> Any:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run the server with uvicorn, after checking the database is migrated."""
     import uvicorn
+    from uvicorn.config import LOGGING_CONFIG
 
     from service.app import create_app
     from service.db import NotMigrated, make_engine, require_migrated
@@ -53,11 +54,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     finally:
         engine.dispose()
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(settings.log_level, args.log_format)
+    # JSON: no config of uvicorn's own, so its records reach the root handler as JSON too.
+    log_config = None if args.log_format == "json" else LOGGING_CONFIG
     uvicorn.run(
-        create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        log_config=log_config,
     )
     return 0
 
@@ -280,6 +285,7 @@ def _add_server_commands(subparsers: Any) -> None:
         "--database-url", help="default: env VRAMTUNE_DATABASE_URL or sqlite:///./vramtune.db"
     )
     serve.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    add_log_format_option(serve, default="text")
     serve.set_defaults(func=cmd_serve)
     db = subparsers.add_parser("db", help="database schema")
     db_commands = db.add_subparsers(dest="db_command", required=True, metavar="COMMAND")
