@@ -55,8 +55,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         engine.dispose()
     configure_logging(settings.log_level, args.log_format)
-    # JSON: no config of uvicorn's own, so its records reach the root handler as JSON too.
-    log_config = None if args.log_format == "json" else LOGGING_CONFIG
+    log_config: dict[str, Any] | None = LOGGING_CONFIG
+    if args.log_format == "json":
+        # Uvicorn's and Optuna's records through the root handler too: every line is JSON.
+        import optuna
+
+        log_config = None
+        optuna.logging.disable_default_handler()
+        optuna.logging.enable_propagation()
     uvicorn.run(
         create_app(settings),
         host=settings.host,

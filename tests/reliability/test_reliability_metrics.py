@@ -78,7 +78,9 @@ def test_metrics_count_the_database_alike_on_two_replicas(
 ) -> None:
     """Trial states and outcomes, live workers and free memory, leases, per-route latencies."""
     url = upgrade_database(sqlite_url(tmp_path))
-    server, replica = start_server(url), start_server(url)
+    # The lease and the worker stay live however slow the machine is ("live" labels below).
+    patient = {"lease_ttl_s": 3600, "worker_stale_s": 3600}
+    server, replica = start_server(url, **patient), start_server(url, **patient)
     study = create_study(server.url, n_trials=10)
     card = {"model": "test-card", "total_bytes": 4 * 2**30, "free_bytes": FREE, "simulated": True}
     with httpx.Client(base_url=server.url + API_PREFIX, timeout=60) as client:
