@@ -38,14 +38,19 @@ from service.wire import API_PREFIX
 
 REPO = Path(__file__).resolve().parents[2]
 PATIENCE_S = 150.0  # a failure bound for what takes seconds; never an assertion on time
-# Short periods, so that a killed worker's lease is reaped in seconds (a lease must still
-# outlive a slow call on a loaded 2-core machine).
+# Short periods, so that a killed worker's lease is reaped in seconds. A lease must still
+# outlive a stalled heartbeat on a loaded 2-core machine: with a 4 s lease and heartbeats every
+# 0.5 s (64 a second from 32 workers), a third of the leases of a 32-worker run expired under
+# load and their trials ran twice.
 FAST_FLEET = {
-    "lease_ttl_s": 4.0,
-    "heartbeat_interval_s": 0.5,
+    "lease_ttl_s": 10.0,
+    "heartbeat_interval_s": 1.0,
     "reaper_interval_s": 0.5,
-    "worker_stale_s": 4.0,
+    "worker_stale_s": 10.0,
 }
+# A worker exits when it has had no work for this long: only a net for a test that dies
+# without its teardown. A shorter one ended workers while re-offered trials were still to come.
+IDLE_EXIT_S = "600"
 
 
 # ---------------------------------------------------------------- workers
@@ -102,9 +107,11 @@ class Fleet:
         """One worker; its name is ``rel-<index>-<random>`` unless given."""
         name = name or f"rel-{len(self.workers)}-{uuid.uuid4().hex[:4]}"
         command = [sys.executable, "-m", "worker.cli", "worker", "--server", server]
-        command += ["--device", "cpu", "--memory-limit", "1GiB", "--poll", "0.2", "--name", name]
+        # An idle worker asks for work twice a second: 32 asking 5 times a second slowed the
+        # server enough for heartbeats to miss their leases.
+        command += ["--device", "cpu", "--memory-limit", "1GiB", "--poll", "0.5", "--name", name]
         command += ["--tasks", "worker.tasks.quadratic", "--no-entry-points"]
-        command += ["--log-format", "json", *options]
+        command += ["--log-format", "json", "--exit-when-idle", IDLE_EXIT_S, *options]
         log_path = self.log_dir / f"{name}.log"
         with log_path.open("ab") as log:
             process = subprocess.Popen(

@@ -34,7 +34,7 @@ def test_32_workers_account_for_every_trial(
     url = upgrade_database(postgres_url)
     server = start_server(url, **FAST_FLEET)
     study = create_study(server.url, N_TRIALS)
-    fleet.start(server.url, WORKERS, "--exit-when-idle", "30")
+    fleet.start(server.url, WORKERS)
 
     outcome = wait_for_budget(url, study, N_TRIALS)
     fleet.stop_all()  # every worker has logged what it was told
@@ -55,7 +55,7 @@ def test_killing_workers_loses_no_trial(
     url = upgrade_database(postgres_url)
     server = start_server(url, **FAST_FLEET)
     study = create_study(server.url, KILLED_RUN_TRIALS, step_seconds=0.02)
-    fleet.start(server.url, WORKERS, "--exit-when-idle", "30")
+    fleet.start(server.url, WORKERS)
     rng = random.Random(9)
     killed = []  # (worker, the trial it was running)
     with LeaseAuditor(url) as auditor:

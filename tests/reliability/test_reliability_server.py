@@ -37,7 +37,7 @@ def test_server_killed_and_restarted_loses_nothing(
     server = start_server(url, **PATIENT_FLEET)
     n_trials = 32
     study = create_study(server.url, n_trials, step_seconds=0.02)
-    fleet.start(server.url, 8, "--exit-when-idle", "30")
+    fleet.start(server.url, 8)
     before = wait_for_finished(url, study, n_trials // 3)
 
     server.kill()
@@ -70,7 +70,7 @@ def test_two_replicas_never_assign_a_trial_twice(
     with LeaseAuditor(url) as auditor:
         for _ in range(16):  # alternately, so that neither replica's half starts first
             for replica in replicas:
-                fleet.start_one(replica.url, "--exit-when-idle", "30")
+                fleet.start_one(replica.url)
         outcome = wait_for_budget(url, study, n_trials)
     fleet.stop_all()
 
@@ -132,7 +132,7 @@ def test_database_outage_is_503_and_results_wait_for_its_return(
     # No intermediate reports: a worker whose run ends during the outage holds its result.
     study = create_study(server.url, n_trials, step_seconds=0.03, reports=False)
     probe = register_probe(server.url)
-    fleet.start(server.url, 8, "--exit-when-idle", "30")
+    fleet.start(server.url, 8)
     wait_for_finished(url, study, 8)
 
     proxy.cut()

@@ -31,9 +31,9 @@ def test_server_and_worker_write_json_lines_with_trial_and_worker_ids(
     server = start_server(url, log_format="json", **FAST_FLEET)
     n_trials = 6
     study = create_study(server.url, n_trials, step_seconds=0.05)
-    fleet.start(server.url, 2, "--exit-when-idle", "30")
+    fleet.start(server.url, 2)
     victim, trial_id = fleet.kill_busy(random.Random(3))  # so that the reaper has work
-    fleet.start(server.url, 1, "--exit-when-idle", "30")
+    fleet.start(server.url, 1)
     outcome = wait_for_budget(url, study, n_trials)
     fleet.stop_all()
     server.stop()
@@ -75,7 +75,7 @@ def test_a_result_kept_in_the_spool_survives_kill_9_while_the_server_is_away(
     # One trial of ~6 s without intermediate reports: it ends while the proxy is cut.
     study = create_study(server.url, 1, step_seconds=0.3, reports=False)
     spool = tmp_path / "spool"
-    first = fleet.start_one(through, "--spool", str(spool), "--exit-when-idle", "60")
+    first = fleet.start_one(through, "--spool", str(spool))
     first.wait_for_event("started")
     proxy.cut()
     queued = first.wait_for_event("result_queued")
@@ -87,14 +87,14 @@ def test_a_result_kept_in_the_spool_survives_kill_9_while_the_server_is_away(
     copy = shutil.copy(kept, tmp_path / kept.name)
     proxy.restore()
 
-    second = fleet.start_one(through, "--spool", str(spool), "--exit-when-idle", "3")
+    second = fleet.start_one(through, "--spool", str(spool))
     outcome = wait_for_budget(url, study, 1)
     delivered = second.wait_for_event("delivered")
     assert list(spool.glob("*.json")) == []
     again = tmp_path / "spool-again"
     again.mkdir()
     shutil.move(copy, again / kept.name)
-    third = fleet.start_one(server.url, "--spool", str(again), "--exit-when-idle", "3")
+    third = fleet.start_one(server.url, "--spool", str(again))
     replayed = third.wait_for_event("delivered")
     fleet.stop_all()
 
