@@ -54,7 +54,9 @@ def test_killing_workers_loses_no_trial(
     and finishes elsewhere."""
     url = upgrade_database(postgres_url)
     server = start_server(url, **FAST_FLEET)
-    study = create_study(server.url, KILLED_RUN_TRIALS, step_seconds=0.02)
+    # 2 s runs: a kill lands mid-run more often than in the complete call that follows a run
+    # (seconds long on a loaded machine), where the server may have taken the result already.
+    study = create_study(server.url, KILLED_RUN_TRIALS, step_seconds=0.1)
     fleet.start(server.url, WORKERS)
     rng = random.Random(9)
     killed = []  # (worker, the trial it was running)

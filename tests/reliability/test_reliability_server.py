@@ -6,8 +6,10 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
+import pytest
 from reliability_helpers import (
     FAST_FLEET,
     Fleet,
@@ -16,12 +18,13 @@ from reliability_helpers import (
     assert_accounted,
     completed_by_workers,
     create_study,
+    read_outcome,
     wait_for_budget,
     wait_for_finished,
 )
 from sqlalchemy import make_url
 
-from service.testing import ServerFactory, upgrade_database
+from service.testing import ServerFactory, sqlite_url, upgrade_database
 from service.wire import API_PREFIX
 
 # A lease outlives the outages below, so a worker's result is delivered, not re-run.
@@ -158,3 +161,33 @@ def test_database_outage_is_503_and_results_wait_for_its_return(
     metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
     assert 'status="503"' in metrics
     assert 'status="500"' not in metrics
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="server bug, reported: a heartbeat renews every active lease of its worker, also one "
+    "granted by a next whose answer never reached the worker (server killed after the commit, "
+    "a client timeout); the worker never runs that trial and the lease never expires",
+)
+def test_a_lease_whose_answer_was_lost_is_not_held_forever(
+    tmp_path: Path, start_server: ServerFactory
+) -> None:
+    """A next answered but not heard, then the worker heartbeats and asks again: the trial of
+    the lost answer is offered again to it, or its lease ends; never held by nobody."""
+    url = upgrade_database(sqlite_url(tmp_path))
+    # Heartbeats far more often than the lease lives: a loaded machine cannot make it expire.
+    server = start_server(url, lease_ttl_s=6.0, heartbeat_interval_s=0.3, reaper_interval_s=0.3)
+    study = create_study(server.url, 4)
+    card = {"model": "c", "total_bytes": 2**30, "free_bytes": 2**30, "simulated": True}
+    body = {"name": "deaf", "device": "cpu", "card": card, "tasks": ["quadratic"]}
+    with httpx.Client(base_url=server.url + API_PREFIX, timeout=30) as client:
+        worker = client.post("/workers", json=body).json()["worker_id"]
+        lost = client.post(f"/workers/{worker}/next", json={"free_bytes": 2**30}).json()
+        alive_until = time.monotonic() + 8.0  # longer than the lease lives
+        while time.monotonic() < alive_until:
+            assert client.post(f"/workers/{worker}/heartbeat", json={}).status_code == 200
+            time.sleep(0.3)
+        again = client.post(f"/workers/{worker}/next", json={"free_bytes": 2**30}).json()
+
+    leases = read_outcome(url, study).leases[lost["trial_id"]]
+    assert again["trial_id"] == lost["trial_id"] or not leases[0].active

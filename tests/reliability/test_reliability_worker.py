@@ -28,7 +28,9 @@ def test_server_and_worker_write_json_lines_with_trial_and_worker_ids(
     """--log-format json: every server line is a JSON object; the reaper's and the workers'
     events name the trial and the worker."""
     url = upgrade_database(sqlite_url(tmp_path))
-    server = start_server(url, log_format="json", **FAST_FLEET)
+    # Three workers only: leases of 3 s renewed twice a second, so the kill is reaped quickly.
+    quick = {**FAST_FLEET, "lease_ttl_s": 3.0, "heartbeat_interval_s": 0.5}
+    server = start_server(url, log_format="json", **quick)
     n_trials = 6
     study = create_study(server.url, n_trials, step_seconds=0.05)
     fleet.start(server.url, 2)
