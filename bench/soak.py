@@ -263,14 +263,10 @@ def heap_report(tracer: Tracer, top: int = 15) -> dict[str, Any]:
     loaded = [
         (t, tracemalloc.Snapshot.load(str(p)).filter_traces(filters)) for t, p in tracer.taken
     ]
-    heap = [
-        {
-            "t_s": t,
-            "traced_mib": round(sum(s.size for s in snap.statistics("filename")) / 2**20, 2),
-            "blocks": sum(s.count for s in snap.statistics("filename")),
-        }
-        for t, snap in loaded
-    ]
+    heap = []
+    for t, snap in loaded:
+        sizes = [trace.size for trace in snap.traces]
+        heap.append({"t_s": t, "traced_mib": round(sum(sizes) / 2**20, 2), "blocks": len(sizes)})
     first, last = loaded[0][1], loaded[-1][1]
     grew = [
         {
