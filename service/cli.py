@@ -69,6 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=settings.port,
         log_level=settings.log_level,
         log_config=log_config,
+        access_log=settings.access_log,
     )
     return 0
 

@@ -86,8 +86,16 @@ def _start_fleet(database_url: str, port: int, log_dir: Path, tasks: Sequence[st
     workers = [
         subprocess.Popen(
             _vramtune(
-                "worker", "--server", url, "--device", "cpu", "--memory-limit", size,
-                "--name", f"demo-{name}", *task_args,
+                "worker",
+                "--server",
+                url,
+                "--device",
+                "cpu",
+                "--memory-limit",
+                size,
+                "--name",
+                f"demo-{name}",
+                *task_args,
             ),
             env=env,
             stdout=(log_dir / f"worker-{name}.log").open("wb"),

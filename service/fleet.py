@@ -1,32 +1,32 @@
 """Fleet use cases: workers register, heartbeat, pull trials and leave; helpers never commit.
 
-Each use case runs in one ``fleet_transaction``. On PostgreSQL, replicas serialize on row locks
-(``FOR UPDATE``, ``SKIP LOCKED`` for the offer of a pending trial); on SQLite those are no-ops,
-and a process lock serializes the fleet's transactions instead (SQLite has one writer anyway,
-and one server process). Optuna's storage writes through its own connection, so a use case
-calls Optuna before its first write of vramtune's rows: on SQLite a pending write of ours
-would hold the database lock the Optuna call waits for.
+Each use case runs in one ``fleet_transaction``, which writes Optuna's rows of a trial and
+vramtune's together (service.optuna_rows): a call either happened whole or not at all. On
+PostgreSQL, replicas serialize on row locks (``FOR UPDATE``, ``SKIP LOCKED`` for the offer of a
+pending trial); on SQLite those are no-ops, and a process lock serializes the fleet's
+transactions instead (SQLite has one writer anyway, and one server process).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import datetime
-from typing import Any, Literal
+from typing import Literal
 
-import optuna
 from optuna.storages import BaseStorage
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial
 from sqlalchemy import case, func, or_, select
 from sqlalchemy.orm import Session
 
+from service import optuna_rows
 from service.db import is_sqlite
+from service.drafts import draft_trial
 from service.errors import Conflict, NotFound
 from service.leases import active_leases, end, ended_since, grant, renew, resolution
-from service.optuna_glue import load_optuna_study, search_space, spec_of
+from service.optuna_glue import spec_of, strategy
 from service.routing import plans_on, reoffer
 from service.settings import Settings
 from service.state import AppState
@@ -52,38 +52,19 @@ WorkerState = Literal["live", "stale", "stopped"]
 
 _sqlite_writes = threading.Lock()
 
-
-_UNDO = "vramtune.undo"
+# Trials asked per transaction, by sampler. Samplers that draw without reading the study's
+# trials (random, quasi-Monte Carlo) lose nothing when their trials are asked ahead of the
+# workers: the extra ones wait as pending trials for the next calls. The others see each
+# result before they propose again, and are asked one trial at a time.
+ASK_AHEAD = {"random": 8, "qmc": 8}
 
 
 @contextmanager
 def fleet_transaction(state: AppState) -> Iterator[Session]:
-    """One use case, one transaction; serialized in-process on SQLite (see the module doc).
-
-    If the transaction rolls back (an error, or its commit failing), the Optuna writes it made
-    are undone by the actions registered with ``on_rollback``, after the rollback.
-    """
+    """One use case, one transaction; serialized in-process on SQLite (see the module doc)."""
     lock = _sqlite_writes if is_sqlite(state.settings.database_url) else nullcontext()
-    with lock, state.sessions() as session:
-        try:
-            with session.begin():
-                yield session
-        except BaseException:
-            _undo(session)
-            raise
-
-
-def on_rollback(session: Session, action: Callable[[], object]) -> None:
-    """Undo an Optuna write (which commits on its own) if the session's transaction fails."""
-    session.info.setdefault(_UNDO, []).append(action)
-
-
-def _undo(session: Session) -> None:
-    for action in reversed(session.info.pop(_UNDO, [])):
-        try:
-            action()
-        except Exception:  # best effort: the original error is the one to report
-            log.exception("could not undo an Optuna write after a rollback")
+    with lock, state.sessions() as session, session.begin():
+        yield session
 
 
 # ---------------------------------------------------------------- workers
@@ -225,9 +206,7 @@ def list_workers(session: Session, settings: Settings, now: datetime) -> WorkerL
 
 
 def next_assignment(
-    session: Session,
-    storage: BaseStorage,
-    settings: Settings,
+    state: AppState,
     worker_id: int,
     body: NextRequest,
     now: datetime,
@@ -235,16 +214,45 @@ def next_assignment(
 ) -> Assignment | None:
     """Lease the worker a trial: a re-offered one that fits its card, else a new ask; or None.
 
-    ``allowed``: the study names the caller's token is limited to (None: every study).
+    ``allowed``: the study names the caller's token is limited to (None: every study). The
+    sampler runs between two transactions, holding neither a lock nor a connection.
     """
-    worker = running_worker(session, worker_id)
-    studies = _open_studies(session, worker.tasks, allowed)
-    found = _offered(session, storage, worker, studies) or _ask(session, storage, studies, now)
-    worker.free_bytes = body.free_bytes  # written after Optuna's ask (see the module doc)
-    if found is None:
-        return None
-    trial, row, params = found
-    lease = grant(session, trial, worker, now, settings.lease_ttl_s)
+    with fleet_transaction(state) as session:
+        worker = running_worker(session, worker_id)
+        worker.free_bytes = body.free_bytes
+        studies = _open_studies(session, worker.tasks, allowed)
+        offered = _offered(session, worker, studies)
+        if offered is not None:
+            return _lease(session, state, offered, worker, now)
+        askable = [
+            (row, optuna_rows.count_trials(session, row.study_id), left)
+            for row, left in _budgets_left(session, studies)
+        ]
+    for row, number, left in askable:
+        how = strategy(state.storage, row)
+        count = min(left, ASK_AHEAD.get(spec_of(row).sampler.name, 1))
+        try:
+            drafts = [
+                draft_trial(
+                    state.storage, row.study_id, row.name, how.sampler, how.space, number + i
+                )
+                for i in range(count)
+            ]
+        except KeyError:  # deleted from Optuna underneath; the other studies may have work
+            continue
+        with fleet_transaction(state) as session:
+            asked = _record_asked(session, row.study_id, drafts, now)
+            if asked:
+                return _lease(session, state, asked[0], running_worker(session, worker_id), now)
+    return None
+
+
+def _lease(
+    session: Session, state: AppState, trial: TrialRow, worker: WorkerRow, now: datetime
+) -> Assignment:
+    """Grant the worker a lease on the trial; the assignment it is answered with."""
+    row = session.get_one(StudyRow, trial.study_id)
+    lease = grant(session, trial, worker, now, state.settings.lease_ttl_s)
     session.flush()
     spec = spec_of(row)
     return Assignment(
@@ -255,7 +263,7 @@ def next_assignment(
         lease_expires_at=lease.expires_at,
         study=row.name,
         task=row.task,
-        params=params,
+        params=_params(state.storage, trial),
         task_config=spec.task_config,
         budget=spec.budget,
         memory_policy=spec.memory_policy,
@@ -267,7 +275,12 @@ def next_assignment(
     )
 
 
-Found = tuple[TrialRow, StudyRow, dict[str, ParamValue]]
+def _params(storage: BaseStorage, trial: TrialRow) -> dict[str, ParamValue]:
+    """The trial's parameters: on its row, or (rows from before migration 0002) in Optuna's."""
+    if trial.params is not None:
+        return trial.params
+    params: dict[str, ParamValue] = storage.get_trial(trial.trial_id).params
+    return params
 
 
 def _open_studies(
@@ -280,62 +293,32 @@ def _open_studies(
     return list(session.scalars(query.order_by(StudyRow.created_at, StudyRow.study_id)))
 
 
-def _offered(
-    session: Session, storage: BaseStorage, worker: WorkerRow, studies: Sequence[StudyRow]
-) -> Found | None:
+def _offered(session: Session, worker: WorkerRow, studies: Sequence[StudyRow]) -> TrialRow | None:
     """A pending or waiting trial this card can hold; waiting ones (for a larger card) first."""
     if not studies:
         return None
-    by_id = {row.study_id: row for row in studies}
     query = (
         select(TrialRow)
         .where(
-            TrialRow.study_id.in_(by_id),
+            TrialRow.study_id.in_([row.study_id for row in studies]),
             TrialRow.status.in_(("pending", "waiting")),
             TrialRow.min_bytes <= worker.total_bytes,
             # a waiting trial is not offered back to the card that handed it back
             or_(TrialRow.status == "pending", TrialRow.worker_id != worker.id),
         )
-        .order_by(case((TrialRow.status == "waiting", 0), else_=1), TrialRow.updated_at)
+        .order_by(
+            case((TrialRow.status == "waiting", 0), else_=1), TrialRow.updated_at, TrialRow.trial_id
+        )
         .limit(1)
         .with_for_update(skip_locked=True)  # replicas take different trials, never the same
     )
-    trial = session.scalar(query)
-    if trial is None:
-        return None
-    params: dict[str, Any] = storage.get_trial(trial.trial_id).params
-    return trial, by_id[trial.study_id], params
-
-
-def _ask(
-    session: Session, storage: BaseStorage, studies: Sequence[StudyRow], now: datetime
-) -> Found | None:
-    """A new trial from the first study with budget left, asked of its Optuna sampler."""
-    for candidate in studies:
-        # Counted first without the lock, so a spent study never serializes the fleet's asks.
-        if _trials_used(session, candidate.study_id) >= spec_of(candidate).n_trials:
-            continue
-        row = _lock_open_study(session, candidate.study_id)
-        if row is None or _trials_used(session, row.study_id) >= spec_of(row).n_trials:
-            continue
-        try:
-            study = load_optuna_study(storage, row)
-        except NotFound:  # deleted from Optuna underneath; the other studies may have work
-            continue
-        asked = study.ask(fixed_distributions=search_space(spec_of(row)))
-        return _record_asked(session, storage, row, asked, now), row, asked.params
-    return None
-
-
-def _lock_open_study(session: Session, study_id: int) -> StudyRow | None:
-    """The study row, locked until commit so replicas count its budget one at a time."""
-    query = (
-        select(StudyRow)
-        .where(StudyRow.study_id == study_id, StudyRow.paused.is_(False))
-        .with_for_update()
-        .execution_options(populate_existing=True)
-    )
     return session.scalar(query)
+
+
+def _budgets_left(session: Session, studies: Sequence[StudyRow]) -> list[tuple[StudyRow, int]]:
+    """The studies that have trials of their budget left to ask, with how many."""
+    lefts = [(row, spec_of(row).n_trials - _trials_used(session, row.study_id)) for row in studies]
+    return [(row, left) for row, left in lefts if left > 0]
 
 
 def _trials_used(session: Session, study_id: int) -> int:
@@ -345,19 +328,34 @@ def _trials_used(session: Session, study_id: int) -> int:
 
 
 def _record_asked(
-    session: Session, storage: BaseStorage, row: StudyRow, asked: optuna.Trial, now: datetime
-) -> TrialRow:
-    """vramtune's row of a trial Optuna just created; FAILed in Optuna if it is not recorded."""
-    on_rollback(session, lambda: storage.set_trial_state_values(asked._trial_id, TrialState.FAIL))
-    trial = TrialRow(
-        trial_id=asked._trial_id,
-        study_id=row.study_id,
-        number=asked.number,
-        status="pending",
-        attempt=0,
-        min_bytes=0,
-        plans_tried=[],
-        updated_at=now,
+    session: Session, study_id: int, drafts: Sequence[FrozenTrial], now: datetime
+) -> list[TrialRow]:
+    """Insert drafted trials, Optuna's rows and vramtune's, as far as the budget still allows.
+
+    Optuna's study row is locked until commit: replicas number and count one ask at a time,
+    for the few statements of the insert only (the sampler ran before). The trials are
+    pending: the caller leases the first, the next calls are offered the others.
+    """
+    row = session.scalar(
+        select(StudyRow).where(StudyRow.study_id == study_id, StudyRow.paused.is_(False))
     )
-    session.add(trial)
-    return trial
+    if row is None or not optuna_rows.lock_study(session, study_id):
+        return []  # paused or deleted meanwhile
+    left = spec_of(row).n_trials - _trials_used(session, study_id)
+    asked = optuna_rows.insert_trials(session, study_id, drafts[: max(left, 0)], now)
+    trials = [
+        TrialRow(
+            trial_id=trial._trial_id,
+            study_id=study_id,
+            number=trial.number,
+            status="pending",
+            attempt=0,
+            min_bytes=0,
+            params=trial.params,
+            plans_tried=[],
+            updated_at=now,
+        )
+        for trial in asked
+    ]
+    session.add_all(trials)
+    return trials

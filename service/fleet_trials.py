@@ -1,9 +1,9 @@
 """Trial calls under a lease: start, report, complete, fail, hand back; helpers never commit.
 
-Each call is fenced (service.leases.fence): nothing changes under a lost lease. Optuna is told
-before vramtune's rows are written (see service.fleet). A call that ends the lease stores its
-answer there, so that a worker retrying it after a lost reply gets the same answer and Optuna
-is told once.
+Each call is fenced (service.leases.fence): nothing changes under a lost lease. Optuna's rows
+and vramtune's are written in the call's one transaction (service.optuna_rows). A call that
+ends the lease stores its answer there, so that a worker retrying it after a lost reply gets
+the same answer and Optuna is told once.
 
 Values of a complete: ``Assignment.n_objectives`` values, the study's objectives with the
 measured peak memory last when the study minimizes it. A worker may also leave the peak out:
@@ -13,25 +13,22 @@ allocated), the same number the worker would have sent.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-import optuna
-from optuna.exceptions import UpdateFinishedTrialError
 from optuna.storages import BaseStorage
 from optuna.trial import TrialState
-from sqlalchemy import update
 from sqlalchemy.orm import Session
 
+from service import optuna_rows
 from service.calibration import raw_peaks
-from service.errors import Conflict, Invalid
+from service.errors import Invalid
 from service.leases import Fenced, end, fence, resolution
-from service.optuna_glue import load_optuna_study, spec_of
+from service.optuna_glue import load_optuna_study, spec_of, tell
 from service.routing import (
     MAX_OOM_RETRIES,
+    OptunaTell,
     attempts_left,
     headroom,
     live_capacity,
@@ -69,26 +66,14 @@ class TrialCall:
     settings: Settings
     now: datetime
 
+    def telling(self, fenced: Fenced) -> OptunaTell:
+        """Where to tell Optuna about the fenced trial."""
+        return OptunaTell(self.session, self.storage, fenced.study, self.now)
+
 
 def peak_of(measured: Measured) -> int:
     """The peak the card had to hold: reserved bytes when measured, else allocated."""
     return max(measured.peak_reserved_bytes or 0, measured.peak_allocated_bytes)
-
-
-@contextmanager
-def told_once(storage: BaseStorage, trial_id: int, expected: TrialState) -> Iterator[None]:
-    """Optuna's part of a call; a trial Optuna already finished as ``expected`` is not told again.
-
-    That happens when a call's own commit failed after Optuna was told (Optuna commits on its
-    own connection) and the worker retries it: the retry then completes vramtune's part. A trial
-    Optuna finished otherwise is a Conflict.
-    """
-    try:
-        yield
-    except UpdateFinishedTrialError:
-        actual = storage.get_trial(trial_id).state
-        if actual != expected:
-            raise Conflict(f"trial {trial_id} already finished in Optuna ({actual.name})") from None
 
 
 def _ack(fenced: Fenced, what: TrialResolution, detail: str = "") -> TrialAck:
@@ -126,7 +111,7 @@ def start(call: TrialCall, trial_id: int, body: StartRequest) -> TrialAck:
     fenced = fence(call.session, trial_id, body.lease, call.now, "start")  # never a replay
     predicted = _predicted(body.prediction)
     write_attrs(
-        call.storage,
+        call.session,
         trial_id,
         {
             "plan": body.plan.model_dump(mode="json"),
@@ -144,25 +129,29 @@ def start(call: TrialCall, trial_id: int, body: StartRequest) -> TrialAck:
 
 
 def report(call: TrialCall, trial_id: int, body: ReportRequest) -> ReportReply:
-    """An intermediate value; the study's pruner decides on a fresh Trial (never cached)."""
+    """An intermediate value; the study's pruner decides on it (single-objective studies)."""
     fenced = fence(call.session, trial_id, body.lease, call.now, "report")
+    frozen = call.storage.get_trial(trial_id)  # the values reported before, as committed
+    if body.step in frozen.intermediate_values:
+        return ReportReply(prune=False)  # as Optuna's Trial.report: a step is reported once
+    optuna_rows.set_intermediate(call.session, trial_id, body.step, body.value)
     study = load_optuna_study(call.storage, fenced.study)
     if len(study.directions) > 1:
-        # Optuna prunes single-objective studies only; keep the value for the curves.
-        call.storage.set_trial_intermediate_value(trial_id, body.step, body.value)
-        return ReportReply(prune=False)
-    trial = optuna.trial.Trial(study, trial_id)
-    trial.report(body.value, body.step)
-    if not trial.should_prune():
+        return ReportReply(prune=False)  # Optuna prunes single-objective studies only
+    frozen.intermediate_values[body.step] = body.value
+    if not study.pruner.prune(study, frozen):
         return ReportReply(prune=False)
     # Told now, so a worker that ignores the answer cannot keep the trial; its fail(pruned)
     # replays this answer and its heartbeat carries the stop order.
-    with told_once(call.storage, trial_id, TrialState.PRUNED):
-        write_attrs(call.storage, trial_id, {"outcome": "pruned"})
-        study.tell(trial, state=TrialState.PRUNED, skip_if_finished=True)
+    _tell_pruned(call, fenced)
     ack = _ack(fenced, "pruned", f"pruned at step {body.step} by the study's pruner")
     _finish(call, fenced, ack, "fail", "pruned", stop="pruned")
     return ReportReply(prune=True)
+
+
+def _tell_pruned(call: TrialCall, fenced: Fenced) -> None:
+    write_attrs(call.session, fenced.trial.trial_id, {"outcome": "pruned"})
+    tell(call.session, call.storage, fenced.study, fenced.trial, TrialState.PRUNED, call.now)
 
 
 # ---------------------------------------------------------------- complete
@@ -201,22 +190,17 @@ def complete(call: TrialCall, trial_id: int, body: CompleteRequest) -> TrialAck:
         "duration_s": body.duration_s,
         "samples_per_s": body.samples_per_s,
     }
-    with told_once(call.storage, trial_id, TrialState.COMPLETE):
-        write_attrs(call.storage, trial_id, attrs)
-        write_constraint(call.storage, trial_id, min(headroom(peak, worker.total_bytes), 0.0))
-        study = load_optuna_study(call.storage, fenced.study)
-        study.tell(optuna.trial.Trial(study, trial_id), values, skip_if_finished=True)
+    write_attrs(call.session, trial_id, attrs)
+    write_constraint(call.session, trial_id, min(headroom(peak, worker.total_bytes), 0.0))
+    told = TrialState.COMPLETE
+    tell(call.session, call.storage, fenced.study, fenced.trial, told, call.now, values)
     trial = fenced.trial
     trial.plan = body.plan.model_dump(mode="json")
     trial.predicted_peak_bytes = _predicted(body.prediction)
     trial.measured_peak_bytes = peak
     trial.outcome = outcome
     observe(call, fenced, body.plan, body.prediction, body.measured, "complete")
-    call.session.execute(
-        update(WorkerRow)
-        .where(WorkerRow.id == worker.id)
-        .values(trials_done=WorkerRow.trials_done + 1)
-    )
+    worker.trials_done = WorkerRow.trials_done + 1  # in SQL: concurrent completes all count
     ack = _ack(fenced, "complete", f"told Optuna {values}")
     return _finish(call, fenced, ack, "complete")
 
@@ -283,18 +267,11 @@ def fail(call: TrialCall, trial_id: int, body: FailRequest) -> TrialAck:
         reoffer(fenced.trial, call.now, next_attempt=False)
         ack = _ack(fenced, "retry", f"interrupted ({body.message}); offered again".strip())
     elif body.kind == "pruned":
-        with told_once(call.storage, trial_id, TrialState.PRUNED):
-            study = load_optuna_study(call.storage, fenced.study)
-            write_attrs(call.storage, trial_id, {"outcome": "pruned"})
-            study.tell(
-                optuna.trial.Trial(study, trial_id), state=TrialState.PRUNED, skip_if_finished=True
-            )
+        _tell_pruned(call, fenced)
         ack = _ack(fenced, "pruned", body.message)
     else:
         reason = body.message or "the worker reported an error"
-        with told_once(call.storage, trial_id, TrialState.FAIL):
-            study = load_optuna_study(call.storage, fenced.study)
-            tell_failed(study, call.storage, trial_id, reason)
+        tell_failed(call.telling(fenced), fenced.trial, reason)
         fenced.trial.outcome = "failed"
         ack = _ack(fenced, "failed", reason)
     return _finish(call, fenced, ack, "fail", body.kind)
@@ -310,12 +287,9 @@ def _out_of_memory(call: TrialCall, fenced: Fenced, body: FailRequest) -> TrialA
         ack = _ack(fenced, "retry", f"out of memory on {worker.card_model}; retried smaller")
     else:
         reason = f"out of memory {len(tried)} times; last: {body.message or 'out of memory'}"
-        with told_once(call.storage, trial.trial_id, TrialState.FAIL):
-            study = load_optuna_study(call.storage, fenced.study)
-            tell_failed(study, call.storage, trial.trial_id, reason, outcome="oom")
+        tell_failed(call.telling(fenced), trial, reason, outcome="oom")
         ack = _ack(fenced, "failed", reason)
-    # vramtune's rows only after Optuna was told (see service.fleet). A new list object:
-    # SQLAlchemy sees a change of a JSON column on assignment only.
+    # A new list object: SQLAlchemy sees a change of a JSON column on assignment only.
     trial.plans_tried = tried
     trial.outcome = "oom"
     if retry:
@@ -345,7 +319,7 @@ def hand_back(call: TrialCall, trial_id: int, body: HandBackRequest) -> TrialAck
     capacity = live_capacity(
         call.session, fenced.study.task, call.now, call.settings.worker_stale_s, worker.id
     )
-    write_attrs(call.storage, trial_id, {"handback": handback})
+    write_attrs(call.session, trial_id, {"handback": handback})
     trial.min_bytes = footprint
     if capacity >= footprint:
         trial.status = "waiting"
@@ -354,8 +328,5 @@ def hand_back(call: TrialCall, trial_id: int, body: HandBackRequest) -> TrialAck
         return _finish(call, fenced, ack, "handback")
     largest = max(capacity, worker.total_bytes)
     reason = f"needs {footprint} bytes; the largest live card has {largest}"
-    with told_once(call.storage, trial_id, TrialState.COMPLETE):
-        study = load_optuna_study(call.storage, fenced.study)
-        spec = spec_of(fenced.study)
-        tell_infeasible(study, call.storage, trial_id, spec, footprint, largest, reason)
+    tell_infeasible(call.telling(fenced), trial, footprint, largest, reason)
     return _finish(call, fenced, _ack(fenced, "infeasible", reason), "handback")

@@ -173,9 +173,7 @@ def _trial_outcomes(session: Session) -> Metric:
 
 
 def _trial_queue(session: Session) -> Metric:
-    rows = session.execute(
-        select(TrialRow.status, func.count()).group_by(TrialRow.status)
-    ).all()
+    rows = session.execute(select(TrialRow.status, func.count()).group_by(TrialRow.status)).all()
     return _gauge(
         "vramtune_trial_status",
         "vramtune's bookkeeping of trials: leased, pending (to re-offer), waiting (a larger "
@@ -188,8 +186,15 @@ def _trial_queue(session: Session) -> Metric:
 def _workers(session: Session, stale_s: float) -> list[Metric]:
     fresh_since = utcnow() - timedelta(seconds=stale_s)
     rows = session.execute(
-        select(WorkerRow.id, WorkerRow.name, WorkerRow.card_model, WorkerRow.free_bytes,
-               WorkerRow.total_bytes, WorkerRow.last_heartbeat, WorkerRow.stopped)
+        select(
+            WorkerRow.id,
+            WorkerRow.name,
+            WorkerRow.card_model,
+            WorkerRow.free_bytes,
+            WorkerRow.total_bytes,
+            WorkerRow.last_heartbeat,
+            WorkerRow.stopped,
+        )
     ).all()
     live = [r for r in rows if not r.stopped and r.last_heartbeat >= fresh_since]
     counts = {

@@ -10,7 +10,9 @@ import importlib.util
 import inspect
 import threading
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 from weakref import WeakKeyDictionary
 
@@ -25,11 +27,14 @@ from optuna.pruners import BasePruner
 from optuna.samplers import BaseSampler
 from optuna.storages import BaseStorage, RDBStorage
 from optuna.storages._cached_storage import _CachedStorage
+from optuna.trial import FrozenTrial, TrialState
 from pydantic import TypeAdapter, ValidationError
+from sqlalchemy.orm import Session
 
+from service import optuna_rows
 from service.db import engine_kwargs
 from service.errors import Invalid, NotFound
-from service.tables import StudyRow
+from service.tables import StudyRow, TrialRow
 from service.wire import (
     CategoricalParam,
     FloatParam,
@@ -205,41 +210,121 @@ def make_pruner(spec: PrunerSpec, field: str = "pruner") -> BasePruner:
 
 # ---------------------------------------------------------------- loading a study
 
-_StrategyKey = tuple[int, str, str]
-_strategies: WeakKeyDictionary[BaseStorage, dict[_StrategyKey, tuple[BaseSampler, BasePruner]]]
-_strategies = WeakKeyDictionary()
-_strategies_lock = threading.Lock()
+# created_at is part of a study's key: SQLite may reuse the id of a deleted study.
+_StudyKey = tuple[int, str, str]
+
+
+@dataclass
+class Strategy:
+    """How a study asks and prunes: built once per process and storage, as its spec is fixed.
+
+    Kept so that a seeded sampler keeps its random state, and so that a worker call neither
+    re-validates the spec nor looks the Optuna study up by name.
+    """
+
+    space: dict[str, BaseDistribution]
+    sampler: BaseSampler
+    pruner: BasePruner
+    study: optuna.Study | None = None
+
+
+_strategies: WeakKeyDictionary[BaseStorage, dict[_StudyKey, Strategy]] = WeakKeyDictionary()
+_specs: dict[_StudyKey, StudyCreate] = {}
+_cache_lock = threading.Lock()
+
+
+def _key(row: StudyRow) -> _StudyKey:
+    return (row.study_id, row.name, row.created_at.isoformat())
 
 
 def spec_of(row: StudyRow) -> StudyCreate:
-    """The spec a study was created with."""
-    return StudyCreate.model_validate(row.spec)
+    """The spec a study was created with (validated once per process)."""
+    key = _key(row)
+    spec = _specs.get(key)
+    if spec is None:
+        spec = StudyCreate.model_validate(row.spec)
+        with _cache_lock:
+            _specs[key] = spec
+    return spec
 
 
-def _strategy(storage: BaseStorage, row: StudyRow) -> tuple[BaseSampler, BasePruner]:
+def strategy(storage: BaseStorage, row: StudyRow) -> Strategy:
     """The sampler and pruner of a study, built once per process and storage."""
-    # created_at is part of the key: SQLite may reuse the id of a deleted study.
-    key = (row.study_id, row.name, row.created_at.isoformat())
-    with _strategies_lock:
+    key = _key(row)
+    with _cache_lock:
         per_storage = _strategies.setdefault(storage, {})
-        if key not in per_storage:
-            spec = spec_of(row)
-            per_storage[key] = (make_sampler(spec), make_pruner(spec.pruner))
-        return per_storage[key]
+        found = per_storage.get(key)
+    if found is None:
+        spec = spec_of(row)
+        found = Strategy(search_space(spec), make_sampler(spec), make_pruner(spec.pruner))
+        with _cache_lock:
+            found = per_storage.setdefault(key, found)
+    return found
 
 
 def forget_study(storage: BaseStorage, study_id: int) -> None:
-    """Drop the cached sampler and pruner of a deleted study."""
-    with _strategies_lock:
+    """Drop what is cached of a deleted study."""
+    with _cache_lock:
         per_storage = _strategies.get(storage, {})
         for key in [k for k in per_storage if k[0] == study_id]:
             del per_storage[key]
+        for key in [k for k in _specs if k[0] == study_id]:
+            del _specs[key]
 
 
 def load_optuna_study(storage: BaseStorage, row: StudyRow) -> optuna.Study:
     """The Optuna study of a vramtune study, with its sampler and pruner; NotFound if gone."""
-    sampler, pruner = _strategy(storage, row)
-    try:
-        return optuna.Study(study_name=row.name, storage=storage, sampler=sampler, pruner=pruner)
-    except KeyError as exc:
-        raise NotFound(f"study {row.name!r} is not in the Optuna storage") from exc
+    found = strategy(storage, row)
+    if found.study is None:
+        try:
+            found.study = optuna.Study(
+                study_name=row.name, storage=storage, sampler=found.sampler, pruner=found.pruner
+            )
+        except KeyError as exc:
+            raise NotFound(f"study {row.name!r} is not in the Optuna storage") from exc
+    return found.study
+
+
+def asked_trial(storage: BaseStorage, row: StudyRow, trial: TrialRow) -> FrozenTrial:
+    """The trial as it was asked (number, params, distributions), from vramtune's row.
+
+    Rows from before migration 0002 carry no params: those are read from Optuna.
+    """
+    if trial.params is None:
+        return storage.get_trial(trial.trial_id)
+    space = strategy(storage, row).space
+    return FrozenTrial(
+        number=trial.number,
+        state=TrialState.RUNNING,
+        value=None,
+        values=None,
+        datetime_start=None,
+        datetime_complete=None,
+        params=trial.params,
+        distributions={name: space[name] for name in trial.params},
+        user_attrs={},
+        system_attrs={},
+        intermediate_values={},
+        trial_id=trial.trial_id,
+    )
+
+
+def tell(
+    session: Session,
+    storage: BaseStorage,
+    row: StudyRow,
+    trial: TrialRow,
+    state: TrialState,
+    now: datetime,
+    values: Sequence[float] | None = None,
+) -> None:
+    """Finish a trial in Optuna within the caller's transaction, as ``Study.tell`` would.
+
+    ``Study.tell`` calls the sampler's ``after_trial`` and then stores the state; so does this,
+    handing ``after_trial`` the trial as asked (service.optuna_glue.asked_trial). Optuna's
+    built-in samplers read its state, values and id there, and nothing else unless they were
+    given a ``constraints_func``, which cannot be set over REST.
+    """
+    study = load_optuna_study(storage, row)
+    study.sampler.after_trial(study, asked_trial(storage, row, trial), state, values)
+    optuna_rows.finish(session, trial.trial_id, state, now, values)

@@ -27,8 +27,15 @@ from service.fleet import fleet_transaction
 from service.leases import end, expired_lease, resolution
 from service.logs import log_event
 from service.metrics import record_reaper_action
-from service.optuna_glue import load_optuna_study, spec_of
-from service.routing import attempts_left, live_capacity, reoffer, tell_failed, tell_infeasible
+from service.optuna_glue import spec_of
+from service.routing import (
+    OptunaTell,
+    attempts_left,
+    live_capacity,
+    reoffer,
+    tell_failed,
+    tell_infeasible,
+)
 from service.state import AppState
 from service.studies import utcnow
 from service.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
@@ -103,8 +110,7 @@ def _retry_or_fail(session: Session, run: _Pass, lease: LeaseRow, trial: TrialRo
         run.reaped.reoffered += 1
         return
     reason = f"lease lost {trial.attempt + 1} times; last: {who} stopped heartbeating"
-    study = load_optuna_study(run.state.storage, study_row)
-    tell_failed(study, run.state.storage, trial.trial_id, reason)  # before our writes
+    tell_failed(OptunaTell(session, run.state.storage, study_row, run.now), trial, reason)
     trial.status, trial.outcome, trial.message = "done", "failed", reason
     trial.attempt += 1
     trial.updated_at = run.now
@@ -150,9 +156,8 @@ def _route_waiting(run: _Pass, trial_id: int) -> None:
         if capacity >= trial.min_bytes or _settled_in_optuna(run, trial):
             return
         reason = f"needs {trial.min_bytes} bytes; no live card holds it (largest: {capacity})"
-        study = load_optuna_study(run.state.storage, study_row)
-        spec, storage = spec_of(study_row), run.state.storage
-        tell_infeasible(study, storage, trial_id, spec, trial.min_bytes, capacity, reason)
+        telling = OptunaTell(session, run.state.storage, study_row, run.now)
+        tell_infeasible(telling, trial, trial.min_bytes, capacity, reason)
         trial.status, trial.outcome, trial.message = "done", "infeasible", reason
         trial.updated_at = run.now
         run.reaped.infeasible += 1

@@ -25,20 +25,20 @@ Optuna's ``best_trial`` and Pareto front skip infeasible trials.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 import optuna
-from optuna.storages import BaseStorage, RDBStorage
-from optuna.storages._cached_storage import _CachedStorage
-from optuna.storages._rdb import models as rdb_models
-from optuna.storages._rdb.storage import _create_scoped_session
+from optuna.storages import BaseStorage
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.tables import TrialRow, WorkerRow
+from service import optuna_rows
+from service.optuna_glue import load_optuna_study, spec_of, tell
+from service.tables import StudyRow, TrialRow, WorkerRow
 from service.wire import StudyCreate
 
 MEMORY_CONSTRAINT = "memory"
@@ -46,6 +46,16 @@ CONSTRAINT_ATTR = f"constraints:{MEMORY_CONSTRAINT}"  # Optuna 5's Trial.set_con
 LEGACY_CONSTRAINTS_ATTR = "constraints"  # the list optuna-dashboard 0.21 reads
 MAX_OOM_RETRIES = 1  # DESIGN.md section 2, step 9: an OOM'd trial is retried once
 ATTR = "vramtune."  # prefix of the user attributes vramtune writes on a trial
+
+
+@dataclass(frozen=True)
+class OptunaTell:
+    """Where a trial is told to Optuna: the transaction, the storage, its study, the time."""
+
+    session: Session
+    storage: BaseStorage
+    study: StudyRow
+    now: datetime
 
 
 def live_capacity(
@@ -70,36 +80,16 @@ def headroom(footprint: int, card_bytes: int) -> float:
     return (footprint - card_bytes) / card_bytes
 
 
-def write_constraint(storage: BaseStorage, trial_id: int, value: float) -> None:
+def write_constraint(session: Session, trial_id: int, value: float) -> None:
     """Store the memory constraint as Optuna 5 and optuna-dashboard 0.21 both read it."""
-    _set_attrs(
-        storage, trial_id, {CONSTRAINT_ATTR: value, LEGACY_CONSTRAINTS_ATTR: [value]}, system=True
-    )
+    constraint = {CONSTRAINT_ATTR: value, LEGACY_CONSTRAINTS_ATTR: [value]}
+    optuna_rows.set_attrs(session, trial_id, constraint, system=True)
 
 
-def write_attrs(storage: BaseStorage, trial_id: int, attrs: dict[str, Any]) -> None:
+def write_attrs(session: Session, trial_id: int, attrs: dict[str, Any]) -> None:
     """Set ``vramtune.<key>`` user attributes of a trial (skipping None values)."""
     values = {ATTR + key: value for key, value in attrs.items() if value is not None}
-    _set_attrs(storage, trial_id, values, system=False)
-
-
-def _set_attrs(storage: BaseStorage, trial_id: int, attrs: dict[str, Any], system: bool) -> None:
-    """Set several attributes of a trial in one transaction on an RDB storage.
-
-    Optuna's API commits once per attribute; on PostgreSQL a commit costs 5-10 ms here, and a
-    complete wrote 11 of them (bench/results/service_throughput.md). This uses RDBStorage's own
-    per-attribute writer inside one of its sessions, and the public API on other storages.
-    """
-    backend = storage._backend if isinstance(storage, _CachedStorage) else storage
-    if not isinstance(backend, RDBStorage):
-        setter = storage.set_trial_system_attr if system else storage.set_trial_user_attr
-        for key, value in attrs.items():
-            setter(trial_id, key, value)
-        return
-    model = rdb_models.TrialSystemAttributeModel if system else rdb_models.TrialUserAttributeModel
-    with _create_scoped_session(backend.scoped_session, True) as session:
-        for key, value in attrs.items():
-            backend._set_trial_attr_without_commit(session, model, trial_id, key, value)
+    optuna_rows.set_attrs(session, trial_id, values, system=False)
 
 
 def _feasible(trial: FrozenTrial) -> bool:
@@ -121,20 +111,14 @@ def placeholder_values(study: optuna.Study, spec: StudyCreate, footprint: int) -
 
 
 def tell_infeasible(
-    study: optuna.Study,
-    storage: BaseStorage,
-    trial_id: int,
-    spec: StudyCreate,
-    footprint: int,
-    capacity: int,
-    reason: str,
+    call: OptunaTell, trial: TrialRow, footprint: int, capacity: int, reason: str
 ) -> float:
     """End a trial no card of the fleet can hold: COMPLETE with a violated constraint."""
     value = max(headroom(footprint, capacity), 1e-9)  # strictly > 0: infeasible
-    write_constraint(storage, trial_id, value)
+    write_constraint(call.session, trial.trial_id, value)
     write_attrs(
-        storage,
-        trial_id,
+        call.session,
+        trial.trial_id,
         {
             "outcome": "infeasible",
             "placeholder_values": True,
@@ -143,17 +127,16 @@ def tell_infeasible(
             "fail_reason": reason,
         },
     )
-    trial = optuna.trial.Trial(study, trial_id)
-    study.tell(trial, placeholder_values(study, spec, footprint), skip_if_finished=True)
+    study = load_optuna_study(call.storage, call.study)
+    values = placeholder_values(study, spec_of(call.study), footprint)
+    tell(call.session, call.storage, call.study, trial, TrialState.COMPLETE, call.now, values)
     return value
 
 
-def tell_failed(
-    study: optuna.Study, storage: BaseStorage, trial_id: int, reason: str, outcome: str = "failed"
-) -> None:
+def tell_failed(call: OptunaTell, trial: TrialRow, reason: str, outcome: str = "failed") -> None:
     """Tell Optuna the trial FAILed, with the reason and the outcome as user attributes."""
-    write_attrs(storage, trial_id, {"fail_reason": reason[:4096], "outcome": outcome})
-    study.tell(optuna.trial.Trial(study, trial_id), state=TrialState.FAIL, skip_if_finished=True)
+    write_attrs(call.session, trial.trial_id, {"fail_reason": reason[:4096], "outcome": outcome})
+    tell(call.session, call.storage, call.study, trial, TrialState.FAIL, call.now)
 
 
 def reoffer(trial: TrialRow, now: datetime, next_attempt: bool) -> None:

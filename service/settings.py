@@ -39,6 +39,11 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(
         MIB, ge=1024, description="Largest request body accepted; larger ones get a 413."
     )
+    access_log: bool = Field(
+        False,
+        description="Log every HTTP request (uvicorn's access log); off by default, as it cost "
+        "~10 % of the server's CPU under a fleet's calls.",
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="Log level of the server and uvicorn."
     )

@@ -81,6 +81,8 @@ class TrialRow(Base):
     min_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     outcome: Mapped[str | None] = mapped_column(String(16), nullable=True)
     worker_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # Optuna's parameters as asked (external values); NULL on rows from before migration 0002.
+    params: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     plan: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     plans_tried: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
     predicted_peak_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)

@@ -39,7 +39,6 @@ Direction = Literal["minimize", "maximize"]
 ParamValue = str | int | float | bool | None
 
 
-
 def _as_utc(value: datetime) -> datetime:
     """Naive datetimes are UTC (as the database keeps them): say so, as RFC 3339 requires."""
     return value if value.tzinfo is not None else value.replace(tzinfo=UTC)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 
 from service.dashboard import api, importance, pages
 
-router = APIRouter(lifespan=importance.lifespan)
+# Every dashboard request counts as activity: the importance evaluators are imported in a quiet
+# moment, never beside a page being drawn.
+router = APIRouter(lifespan=importance.lifespan, dependencies=[Depends(importance.track_activity)])
 router.include_router(api.router)
 router.include_router(pages.router)
 

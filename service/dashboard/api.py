@@ -15,6 +15,7 @@ from service.dashboard.models import (
     History,
     Importances,
     MemoryScatter,
+    ParetoScatter,
     Regions,
     StudyListOut,
     StudyOverview,
@@ -73,6 +74,18 @@ def memory(
     return plots.memory(session, name, objective, max_points)
 
 
+@router.get("/studies/{name:path}/pareto")
+def pareto(
+    name: StudyName,
+    session: SessionDep,
+    x: Objective = 0,
+    y: Objective = 1,
+    max_points: MaxPoints = MAX_POINTS,
+) -> ParetoScatter:
+    """Two objectives of a multi-objective study against each other, with their Pareto front."""
+    return plots.pareto(session, name, x, y, max_points)
+
+
 @router.get("/studies/{name:path}/calibration")
 def calibration(
     name: StudyName, session: SessionDep, max_points: MaxPoints = MAX_POINTS
@@ -109,7 +122,10 @@ def trials(
     sort: Annotated[
         str,
         Query(
-            min_length=1, max_length=520, pattern=NO_NUL, description="A column or param:<name>."
+            min_length=1,
+            max_length=520,
+            pattern=NO_NUL,
+            description="A column, value:<i> or param:<name>.",
         ),
     ] = "number",
     order: Literal["asc", "desc"] = "asc",

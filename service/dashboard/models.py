@@ -112,6 +112,23 @@ class MemoryScatter(BaseModel):
     downsampled: bool
 
 
+class ParetoScatter(BaseModel):
+    """Two objectives of a study against each other, with the exact front of those two."""
+
+    x_objective: int
+    y_objective: int
+    x_direction: str
+    y_direction: str
+    total: int = Field(description="Completed feasible trials with both values finite.")
+    numbers: list[int]
+    x: list[float]
+    y: list[float]
+    front_numbers: list[int] = Field(description="No other trial is better on both, by x.")
+    front_x: list[float]
+    front_y: list[float]
+    downsampled: bool
+
+
 class CardCalibration(BaseModel):
     """Predicted against measured peaks of every run on one card model."""
 

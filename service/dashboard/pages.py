@@ -17,8 +17,6 @@ from string import Template
 
 from fastapi import APIRouter, Request, Response
 
-from service.dashboard import importance
-
 router = APIRouter(include_in_schema=False)
 
 ASSET_DIR = files("service") / "static" / "dashboard"
@@ -136,7 +134,6 @@ def studies_page(request: Request) -> Response:
 @router.get("/studies/{name:path}")
 def study_page(request: Request, name: str) -> Response:
     """One study's page (the script reads the name from the URL)."""
-    importance.warm_up()
     return serve(request, "study.html")
 
 

@@ -19,6 +19,7 @@ from service.dashboard.models import (
     CardCalibration,
     History,
     MemoryScatter,
+    ParetoScatter,
     RegionCategory,
     Regions,
 )
@@ -43,11 +44,9 @@ REGION_ORDER = (
 )
 
 
-def _direction(facts: StudyFacts, objective: int) -> StudyDirection:
+def _direction(facts: StudyFacts, objective: int, field: str = "objective") -> StudyDirection:
     if objective >= len(facts.directions):
-        raise invalid_query(
-            "objective", f"the study has {len(facts.directions)} objective(s)", objective
-        )
+        raise invalid_query(field, f"the study has {len(facts.directions)} objective(s)", objective)
     return facts.directions[objective]
 
 
@@ -148,6 +147,64 @@ def _memory(
         front_numbers=[rows[i][0] for i in front],
         front_values=[values[i] for i in front],
         front_bytes=[rows[i][2] for i in front],
+        downsampled=len(kept) < len(rows),
+    )
+
+
+def pareto(session: Session, name: str, x: int, y: int, max_points: int) -> ParetoScatter:
+    """One objective against another of completed feasible trials, their front kept exact."""
+    facts = study_facts(session, name)
+    x_direction, y_direction = _direction(facts, x, "x"), _direction(facts, y, "y")
+    if x == y:
+        raise invalid_query("y", "choose two different objectives", y)
+    key = ("pareto", x, y, max_points)
+    return cache.by_revision(
+        session,
+        facts.study_id,
+        key,
+        lambda: _pareto(session, facts, (x, x_direction), (y, y_direction), max_points),
+    )
+
+
+def _pareto(
+    session: Session,
+    facts: StudyFacts,
+    x: tuple[int, StudyDirection],
+    y: tuple[int, StudyDirection],
+    max_points: int,
+) -> ParetoScatter:
+    vx, vy = V.alias("vx"), V.alias("vy")
+    query = (
+        select(T.c.trial_id, T.c.number, vx.c.value, vy.c.value)
+        .join(vx, and_(vx.c.trial_id == T.c.trial_id, vx.c.objective == x[0]))
+        .join(vy, and_(vy.c.trial_id == T.c.trial_id, vy.c.objective == y[0]))
+        .where(
+            T.c.study_id == facts.study_id,
+            T.c.state == TrialState.COMPLETE,
+            vx.c.value_type == schema.FINITE,
+            vy.c.value_type == schema.FINITE,
+        )
+        .order_by(T.c.number)
+    )
+    skip = infeasible(session, facts)
+    rows = [(n, float(a), float(b)) for tid, n, a, b in session.execute(query) if tid not in skip]
+    x_sign = -1.0 if x[1] == StudyDirection.MAXIMIZE else 1.0  # the front's cost is minimized
+    costs = [x_sign * r[1] for r in rows]
+    front = series.pareto_front(costs, [r[2] for r in rows], y[1] != StudyDirection.MAXIMIZE)
+    front.sort(key=lambda i: rows[i][1])
+    kept = series.spread(len(rows), max_points, keep=front)
+    return ParetoScatter(
+        x_objective=x[0],
+        y_objective=y[0],
+        x_direction=x[1].name.lower(),
+        y_direction=y[1].name.lower(),
+        total=len(rows),
+        numbers=[rows[i][0] for i in kept],
+        x=[rows[i][1] for i in kept],
+        y=[rows[i][2] for i in kept],
+        front_numbers=[rows[i][0] for i in front],
+        front_x=[rows[i][1] for i in front],
+        front_y=[rows[i][2] for i in front],
         downsampled=len(kept) < len(rows),
     )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ SORT_COLUMNS = (
     "outcome",
 )
 PARAM_SORT_PREFIX = "param:"
+VALUE_SORT = re.compile(r"value:(\d{1,2})")  # objective i of a multi-objective study
 Order = Literal["asc", "desc"]
 
 
@@ -138,6 +140,16 @@ def _sorted(
             and_(sort_param.c.trial_id == T.c.trial_id, sort_param.c.param_name == pname),
         )
         column: ColumnElement[Any] = sort_param.c.param_value
+    elif found := VALUE_SORT.fullmatch(table.sort):
+        sort_value = V.alias("sort_value")
+        query = query.outerjoin(
+            sort_value,
+            and_(
+                sort_value.c.trial_id == T.c.trial_id,
+                sort_value.c.objective == int(found.group(1)),
+            ),
+        )
+        column = sort_value.c.value
     else:
         column = _sort_columns(v0, duration)[table.sort]
     ordered = column.asc() if table.order == "asc" else column.desc()
@@ -161,11 +173,14 @@ def _sort_columns(v0: Any, duration: ColumnElement[Any]) -> dict[str, ColumnElem
 
 def check_sort(sort: str) -> str:
     """The sort key if the table knows it, else a 422 naming the field."""
-    if sort in SORT_COLUMNS or (
-        sort.startswith(PARAM_SORT_PREFIX) and len(sort) > len(PARAM_SORT_PREFIX)
+    if (
+        sort in SORT_COLUMNS
+        or VALUE_SORT.fullmatch(sort)
+        or (sort.startswith(PARAM_SORT_PREFIX) and len(sort) > len(PARAM_SORT_PREFIX))
     ):
         return sort
-    raise invalid_query("sort", f"sort by one of {', '.join(SORT_COLUMNS)} or param:<name>", sort)
+    columns = ", ".join(SORT_COLUMNS)
+    raise invalid_query("sort", f"sort by one of {columns}, value:<i> or param:<name>", sort)
 
 
 def _rows_out(session: Session, rows: list[Any], infeasible: set[int]) -> list[TrialRowOut]:

@@ -51,10 +51,7 @@ def next_trial(
     worker_id: WorkerId, body: NextRequest, state: StateDep, principal: PrincipalDep
 ) -> Assignment | Response:
     """Lease a trial to the worker (200), or 204 when no study of its tasks has work."""
-    with fleet.fleet_transaction(state) as session:
-        assignment = fleet.next_assignment(
-            session, state.storage, state.settings, worker_id, body, utcnow(), principal.studies
-        )
+    assignment = fleet.next_assignment(state, worker_id, body, utcnow(), principal.studies)
     return Response(status_code=204) if assignment is None else assignment
 
 

@@ -10,6 +10,7 @@ import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,9 @@ PATIENCE_S = 150.0
 # Heartbeats every 2 s: a worker shows as stale after 5 s without one.
 FLEET = {"heartbeat_interval_s": 2.0}
 STUDY = "dash-quadratic"
+# Two objectives (the quadratic, minimized; the distance to the origin, maximized).
+MO_STUDY = "dash-two-objectives"
+MO_TRIALS = 16
 XSS_PARAM_STUDY = "dash-xss-params"
 # Names that would run script if a page ever put them into innerHTML.
 XSS_PARAM = '<img src=x onerror="window.__xss=1">'
@@ -62,6 +66,13 @@ def quadratic_spec(name: str, n_trials: int, **extra: Any) -> dict[str, Any]:
         "memory_policy": {"resizes": ["micro_batch", "checkpointing"]},
     }
     return spec | extra
+
+
+def two_objective_spec() -> dict[str, Any]:
+    """The quadratic (minimized) and the distance to the origin (maximized); no pruning."""
+    spec = quadratic_spec(MO_STUDY, MO_TRIALS, directions=["minimize", "maximize"])
+    spec["task_config"] = spec["task_config"] | {"objectives": 2}
+    return spec | {"pruner": {"name": "none"}}
 
 
 @dataclass
@@ -100,6 +111,11 @@ def wait_for(check: Callable[[], bool], what: str, timeout: float = PATIENCE_S) 
         time.sleep(0.3)
 
 
+def finished(client: Client, name: str) -> bool:
+    """Whether the study has run all its trials."""
+    return client.get_study(name).state == "done"
+
+
 def seed_plain_optuna_study(url: str, name: str) -> None:
     """A study made by plain Optuna in the same database, its name and parameter hostile."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -109,7 +125,7 @@ def seed_plain_optuna_study(url: str, name: str) -> None:
 
 @pytest.fixture(scope="session")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
-    """A server with auth on, two CPU workers (64 and 256 MiB cards), a finished study."""
+    """A server with auth on, two CPU workers (64 and 256 MiB cards), two finished studies."""
     directory = tmp_path_factory.mktemp("dashboard")
     url = upgrade_database(sqlite_url(directory))
     tokens = make_tokens(url)
@@ -117,6 +133,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
         server = start(url, auth="on", **FLEET)
         with Client(server.url, token=tokens["admin"]) as client:
             client.create_study(quadratic_spec(STUDY, N_TRIALS))
+            client.create_study(two_objective_spec())
             hostile = quadratic_spec(XSS_PARAM_STUDY, 3)
             hostile["search_space"] = {XSS_PARAM: {"type": "float", "low": 0.0, "high": 1.0}}
             client.create_study(hostile)
@@ -128,7 +145,8 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
             ]
             live = Live(server, url, workers, directory, client, tokens)
             try:
-                wait_for(lambda: client.get_study(STUDY).state == "done", f"{STUDY} to finish")
+                for name in (STUDY, MO_STUDY):
+                    wait_for(partial(finished, client, name), f"{name} to finish")
                 yield live
             finally:
                 for worker in workers:
@@ -153,11 +171,11 @@ class Page:
     errors: list[str] = field(default_factory=list)
     dialogs: list[str] = field(default_factory=list)
 
-    def screenshot(self, name: str) -> Path:
-        """A full-page screenshot under test-artifacts/."""
+    def screenshot(self, name: str, full_page: bool = True) -> Path:
+        """A screenshot (of the whole page, or of what the window shows) under test-artifacts/."""
         ARTIFACTS.mkdir(exist_ok=True)
         path = ARTIFACTS / f"{name}.png"
-        self.page.screenshot(path=str(path), full_page=True)
+        self.page.screenshot(path=str(path), full_page=full_page)
         return path
 
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import re
 import uuid
+from typing import Any
 
 import pytest
 
 from tests.browser.conftest import (
+    MO_STUDY,
     N_TRIALS,
     STUDY,
     XSS_PARAM,
@@ -33,8 +37,28 @@ def study_url(live: Live, name: str) -> str:
 
 
 def wait_rendered(page: Page) -> None:
-    """Until the study page has drawn everything once."""
-    page.page.wait_for_function("() => document.body.dataset.rendered", timeout=WAIT_MS)
+    """Until the study page has drawn everything but the importances once."""
+    wait_until(page, "() => document.body.dataset.rendered")
+
+
+def wait_until(page: Page, js: str) -> None:
+    """Until a JS predicate holds in the page."""
+    page.page.wait_for_function(js, timeout=WAIT_MS)
+
+
+def wait_text(page: Page, selector: str, check: str) -> None:
+    """Until the text of the element ``selector`` finds passes ``check`` (JS after the text)."""
+    wait_until(page, f"() => document.querySelector({json.dumps(selector)}).textContent{check}")
+
+
+def wait_importances(page: Page, objective: int = 0) -> None:
+    """Until the study page has drawn the importances of ``objective``."""
+    wait_until(page, f"() => (document.body.dataset.importances || '').endsWith('/{objective}')")
+
+
+def text(page: Page, selector: str) -> str:
+    """The text of the first element the selector finds."""
+    return page.page.locator(selector).first.inner_text()
 
 
 def points(page: Page, plot: str) -> int:
@@ -54,7 +78,7 @@ def wait_table(page: Page, check: str) -> None:
     """Until a JS predicate over the trial table's rows holds."""
     rows = "[...document.querySelectorAll('#trials tbody tr')]"
     js = f"() => {{ const rows = {rows}; return {check}; }}"
-    page.page.wait_for_function(js, timeout=WAIT_MS)
+    wait_until(page, js)
 
 
 def test_studies_page_lists_studies_with_their_counts(live: Live, open_page: OpenPage) -> None:
@@ -74,12 +98,79 @@ def test_study_page_draws_every_plot_with_points(live: Live, open_page: OpenPage
     wait_rendered(page)
     for plot in PLOTS:
         assert points(page, plot) > 0, f"the {plot} plot has no points"
+    wait_importances(page)
     assert points(page, "importances") >= 2
+    # one objective: no objective selector, no Pareto front of objectives
+    assert not page.page.locator("#objective-bar").is_visible()
+    assert not page.page.locator("#card-pareto").is_visible()
     legend = " ".join(page.page.locator("#plot-regions .legend-item").all_inner_texts())
     assert "infeasible" in legend, legend  # width 4096 fits no card of the fleet
     assert "as asked" in legend, legend
     assert page.page.locator("#calibration-stats tbody tr").count() >= 1
     page.screenshot("dashboard-study")
+    assert page.errors == []
+
+
+def test_the_page_opens_before_its_importances_arrive(live: Live, open_page: OpenPage) -> None:
+    held: list[Any] = []
+    context = open_page(f"{live.url}/fleet").page.context  # a context to route, then navigate
+    context.route(re.compile(r"/importances\?"), lambda route: held.append(route))  # held
+    page = Page(context.new_page())
+    page.page.on("console", lambda m: page.errors.append(m.text) if m.type == "error" else None)
+    page.page.goto(study_url(live, STUDY))
+    wait_rendered(page)  # history, memory plots and the trial table, without importances
+    assert points(page, "history") > 0 and points(page, "memory") > 0
+    assert page.page.locator("#trials tbody tr").count() > 0
+    wait_text(page, "#card-importances .empty", " === 'Computing importances…'")
+    assert held, "the page never asked for importances"
+    for route in held:
+        route.continue_()
+    wait_importances(page)
+    assert points(page, "importances") >= 2
+    assert text(page, "#card-importances .empty") == ""
+    assert page.errors == []
+
+
+def test_a_multi_objective_study_has_an_objective_selector_and_a_front(
+    live: Live, open_page: OpenPage
+) -> None:
+    page = open_page(study_url(live, MO_STUDY))
+    wait_rendered(page)
+    assert page.page.locator("#objective option").all_inner_texts() == [
+        "objective 0 (minimize)",
+        "objective 1 (maximize)",
+    ]
+    assert points(page, "pareto") > 0
+    assert text(page, "#plot-pareto .axis-x") == "objective 0 (minimize)"
+    assert text(page, "#plot-pareto .axis-y") == "objective 1 (maximize)"
+    front = len(live.client.pareto_front(MO_STUDY).trials)  # the service's own front
+    assert f"{front} on the front" in text(page, "#pareto-hint")
+    assert text(page, "#plot-history .axis-y") == "objective 0"
+    wait_importances(page, 0)
+    page.screenshot("dashboard-study-multi-objective")
+    page.screenshot("dashboard-study-multi-objective-window", full_page=False)  # for the README
+
+    page.page.select_option("#objective", "1")
+    for plot in ("history", "memory"):
+        wait_text(page, f"#plot-{plot} .axis-y", " === 'objective 1'")
+        assert points(page, plot) > 0
+    wait_importances(page, 1)
+    assert text(page, "#importances-hint").startswith("objective 1")
+    assert "maximize objective 1" in text(page, "#history-hint")
+
+    page.page.select_option("#pareto-x", "1")  # both axes on one objective: nothing to front
+    wait_text(page, "#card-pareto .empty", ".includes('two different')")
+    page.page.select_option("#pareto-y", "0")
+    wait_text(page, "#plot-pareto .axis-x", ".startsWith('objective 1')")
+    assert points(page, "pareto") > 0
+
+    page.page.click("#trials th[data-sort='value:1']")  # objective 1, ascending
+    wait_table(page, "rows.length > 0")
+    wait_until(
+        page,
+        "() => document.querySelector(\"#trials th[data-sort='value:1']\")"
+        ".classList.contains('sorted-asc')",
+    )
     assert page.errors == []
 
 
@@ -92,18 +183,20 @@ def test_trial_table_sorts_filters_and_pages(live: Live, open_page: OpenPage) ->
     assert info.inner_text().startswith(f"1{DASH}25 of ")
     assert column(page, "number")[0] == str(N_TRIALS - 1)  # newest first
     page.page.click("#next-page")
-    page.page.wait_for_function(
-        f"() => document.querySelector('#page-info').textContent.startsWith('26{DASH}')",
-        timeout=WAIT_MS,
-    )
+    wait_text(page, "#page-info", f".startsWith('26{DASH}')")
     assert column(page, "number")[0] == str(N_TRIALS - 26)
+    page.page.click("#first-page")
+    wait_text(page, "#page-info", f".startsWith('1{DASH}25 ')")
+    page.page.click("#last-page")
+    wait_text(page, "#page-info", f" === '26{DASH}{N_TRIALS} of {N_TRIALS}'")
+    assert page.page.locator("#next-page").is_disabled()
     page.page.click("#trials th[data-sort='number']")  # back to the first page, oldest first
     wait_table(page, "rows.length === 25 && rows[0].querySelector('td').textContent === '0'")
     page.page.check("#state-filter input[value='COMPLETE']")
     wait_table(page, "rows.every(r => r.querySelector('.badge').textContent === 'COMPLETE')")
     outcomes = page.page.locator("#outcome-filter option").all_inner_texts()
     chosen = next(o for o in outcomes if o not in ("all", "none"))
-    page.page.select_option("#outcome-filter", chosen)
+    page.page.select_option("#outcome-filter", label=chosen)
     wait_table(
         page,
         f"rows.every(r => r.querySelector(\"td[data-col='outcome']\").textContent === '{chosen}')",
@@ -124,16 +217,11 @@ def test_region_map_and_curve_follow_the_users_choice(live: Live, open_page: Ope
     wait_rendered(page)
     page.page.select_option("#region-x", "x")
     page.page.select_option("#region-y", "y")
-    page.page.wait_for_function(
-        "() => document.querySelector('#plot-regions .axis-x').textContent === 'x'"
-        " && document.querySelector('#plot-regions .axis-y').textContent === 'y'",
-        timeout=WAIT_MS,
-    )
+    wait_text(page, "#plot-regions .axis-x", " === 'x'")
+    wait_text(page, "#plot-regions .axis-y", " === 'y'")
     assert points(page, "regions") > 0
     page.page.click("#trials tbody tr[data-number='3']")
-    page.page.wait_for_function(
-        "() => document.querySelector('#curve-title').textContent === 'Trial #3'", timeout=WAIT_MS
-    )
+    wait_text(page, "#curve-title", " === 'Trial #3'")
     assert page.errors == []
 
 
@@ -185,10 +273,22 @@ def test_pages_update_without_a_reload(live: Live, open_page: OpenPage) -> None:
     live.client.create_study(quadratic_spec(name, 4))
     row = page.page.locator(f"tr[data-study='{name}']")
     row.wait_for(timeout=WAIT_MS)  # appears on a poll: the page is not reloaded
-    page.page.wait_for_function(
-        f"() => document.querySelector(\"tr[data-study='{name}']\").textContent.includes('4 / 4')",
-        timeout=WAIT_MS,
-    )
+    wait_text(page, f"tr[data-study='{name}']", ".includes('4 / 4')")
+    assert page.errors == []
+
+
+def test_study_page_follows_a_running_study(live: Live, open_page: OpenPage) -> None:
+    name = f"dash-live-study-{uuid.uuid4().hex[:6]}"
+    live.client.create_study(quadratic_spec(name, 6))
+    live.client.pause(name)  # the page first sees it stopped, before most of its trials ran
+    page = open_page(study_url(live, name))
+    wait_rendered(page)
+    page.page.evaluate("() => { window.__samePage = true; }")
+    live.client.resume(name)
+    wait_text(page, "#study-state", " === 'done'")
+    wait_table(page, "rows.length === 6")
+    wait_text(page, "#page-info", f" === '1{DASH}6 of 6'")
+    assert page.page.evaluate("() => window.__samePage") is True  # updated, not reloaded
     assert page.errors == []
 
 

@@ -173,6 +173,43 @@ def test_importances_use_optunas_evaluator(client: TestClient) -> None:
     assert {i["name"] for i in found["importances"]} <= {"x", "width"}
 
 
+def two_objectives(trial: Any) -> tuple[float, float]:
+    """Objective 0 (minimized) follows a, a little b; objective 1 (maximized) follows c."""
+    a, b, c = (trial.suggest_float(name, 0, 1) for name in "abc")
+    return a + 0.1 * b, c
+
+
+def test_two_objectives_have_a_front_and_importances_of_their_own(client: TestClient) -> None:
+    import optuna
+
+    url = client.app.state.vt.settings.database_url  # type: ignore[attr-defined]
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(
+        storage=url,
+        study_name="two-objectives",
+        directions=["minimize", "maximize"],
+        sampler=optuna.samplers.RandomSampler(seed=1),
+    )
+    study.optimize(two_objectives, n_trials=40)
+    path = f"{D}/two-objectives"
+    pareto = get(client, f"{path}/pareto", x=0, y=1)
+    assert sorted(pareto["front_numbers"]) == sorted(t.number for t in study.best_trials)
+    assert pareto["front_x"] == sorted(pareto["front_x"])
+    assert pareto["total"] == 40 and pareto["y_direction"] == "maximize"
+    swapped = get(client, f"{path}/pareto", x=1, y=0)
+    assert sorted(swapped["front_numbers"]) == sorted(pareto["front_numbers"])
+    for objective, driver in ((0, "a"), (1, "c")):  # Optuna's target= picks the objective
+        found = get(client, f"{path}/importances", objective=objective)["importances"]
+        assert max(found, key=lambda i: i["importance"])["name"] == driver
+    history = get(client, f"{path}/history", objective=1)
+    assert history["direction"] == "maximize"
+    assert history["best_values"][-1] == max(t.values[1] for t in study.trials)
+    rows = get(client, f"{path}/trials", sort="value:1", order="desc", limit=3)["rows"]
+    highest = sorted((t.values[1] for t in study.trials), reverse=True)[:3]
+    assert [r["values"][1] for r in rows] == highest
+    assert client.get(f"{path}/pareto", params={"x": 0, "y": 0}).status_code == 422
+
+
 def test_fleet_lists_the_worker_and_its_card(client: TestClient) -> None:
     (worker,) = get(client, f"{V}/dashboard/fleet")["workers"]
     assert worker["name"] == "api-worker"
@@ -187,6 +224,8 @@ def test_fleet_lists_the_worker_and_its_card(client: TestClient) -> None:
         (f"{D}/{STUDY}/trials", {"limit": 0}, "limit"),
         (f"{D}/{STUDY}/regions", {"x": "x", "y": "missing"}, "y"),
         (f"{D}/{STUDY}/history", {"objective": 1}, "objective"),
+        (f"{D}/{STUDY}/pareto", {"x": 0, "y": 1}, "y"),  # one objective: no front of two
+        (f"{D}/{STUDY}/trials", {"sort": "value:x"}, "sort"),
         (f"{D}/{STUDY}/history", {"max_points": 1}, "max_points"),
         (f"{D}/{STUDY}/trials", {"worker": "a\x00b"}, "worker"),  # PostgreSQL text holds no NUL
         (f"{D}/{STUDY}/regions", {"x": "\x00"}, "x"),

@@ -30,7 +30,7 @@ def test_server_and_worker_write_json_lines_with_trial_and_worker_ids(
     url = upgrade_database(sqlite_url(tmp_path))
     # Three workers only: leases of 3 s renewed twice a second, so the kill is reaped quickly.
     quick = {**FAST_FLEET, "lease_ttl_s": 3.0, "heartbeat_interval_s": 0.5}
-    server = start_server(url, log_format="json", **quick)
+    server = start_server(url, log_format="json", access_log="true", **quick)
     n_trials = 6
     study = create_study(server.url, n_trials, step_seconds=0.05)
     fleet.start(server.url, 2)

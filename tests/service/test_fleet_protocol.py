@@ -26,7 +26,7 @@ from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy import func, select
 
 from service.app import build_state
-from service.fleet import fleet_transaction, next_assignment
+from service.fleet import next_assignment
 from service.optuna_glue import dispose_storage
 from service.reaper import reap_once
 from service.settings import Settings
@@ -536,21 +536,23 @@ def test_error_fails_the_trial_with_its_reason(env: Env) -> None:
     assert trial.user_attrs["vramtune.fail_reason"] == "d_model % heads != 0"
 
 
-def test_a_call_retried_after_its_commit_was_lost_settles_without_a_second_tell(env: Env) -> None:
+def test_a_trial_finished_in_optuna_directly_is_refused_whole_and_settled(env: Env) -> None:
     env.create_study(n_trials=2)
     worker = env.worker("w1")
     first, second = worker.next(), worker.next()
     assert first is not None and second is not None
     study = env.optuna_study()
-    study.tell(first["number"], 1.5)  # Optuna told, as if the server's own commit then failed
-    assert worker.complete(first, 1.5).status_code == 200
-    assert env.page()[first["trial_id"]]["outcome"] == "as_asked"
-    study.tell(second["number"], state=TrialState.FAIL)  # finished otherwise: a conflict
+    study.tell(first["number"], 1.5)  # finished outside vramtune, under an active lease
+    study.tell(second["number"], state=TrialState.FAIL)
+    assert worker.complete(first, 1.5).status_code == 409
     assert worker.complete(second, 2.0).status_code == 409
+    # Refused whole: none of the complete's attributes reached Optuna's rows.
+    assert not [k for t in env.trials() for k in t.user_attrs if k.startswith("vramtune.")]
     reap_once(env.state, utcnow() + LATER)
-    assert worker.next() is None  # the lease expired, and the trial is not offered again
+    assert worker.next() is None  # the leases expired, and the trials are not offered again
     assert env.page()[second["trial_id"]]["outcome"] == "failed"
     assert [t.state for t in env.trials()] == [TrialState.COMPLETE, TrialState.FAIL]
+    assert [t.values for t in env.trials()] == [[1.5], None]
 
 
 def test_calibration_is_fitted_from_the_runs_it_saw(env: Env) -> None:
@@ -584,12 +586,8 @@ def test_next_offers_only_the_studies_a_limited_token_allows(env: Env) -> None:
     worker = env.worker("limited")
 
     def next_for(allowed: frozenset[str]) -> Assignment | None:
-        with fleet_transaction(env.state) as session:
-            body = NextRequest(free_bytes=GIB)
-            settings = env.state.settings
-            return next_assignment(
-                session, env.state.storage, settings, worker.id, body, utcnow(), allowed
-            )
+        body = NextRequest(free_bytes=GIB)
+        return next_assignment(env.state, worker.id, body, utcnow(), allowed)
 
     assert env.http.post(f"/studies/{env.study}/pause").status_code == 200
     assert next_for(frozenset({env.study})) is None  # the other study has work, not for it

@@ -72,6 +72,12 @@ const VT = (() => {
     return String(Number(v.toPrecision(5)));
   }
 
+  /** A rate per hour: whole numbers from 100 up, one decimal below ("–" when unknown). */
+  function rate(perHour) {
+    if (perHour === null || perHour === undefined) return "–";
+    return perHour >= 100 ? Math.round(perHour).toLocaleString("en-US") : perHour.toFixed(1);
+  }
+
   function duration(seconds) {
     if (seconds === null || seconds === undefined) return "–";
     if (seconds < 1) return `${Math.round(seconds * 1000)} ms`;
@@ -327,7 +333,7 @@ const VT = (() => {
   }
 
   return {
-    api, can, onAuthChange, poll, start, el, fill, bytes, byteScale, num, duration, ago,
+    api, can, onAuthChange, poll, start, el, fill, bytes, byteScale, num, rate, duration, ago,
     badge, errorBox, plot, COLORS, HttpError,
   };
 })();

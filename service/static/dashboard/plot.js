@@ -51,12 +51,14 @@ const Plot = (() => {
     const raw = span / Math.max(1, count);
     const power = 10 ** Math.floor(Math.log10(raw));
     const unit = raw / power;
-    return (unit >= 5 ? 10 : unit >= 2 ? 5 : unit >= 1 ? 2 : 1) * power;
+    // The nearest of 1, 2, 5, 10: rounding up to the next one left as few as two ticks.
+    return (unit >= 7 ? 10 : unit >= 3 ? 5 : unit >= 1.5 ? 2 : 1) * power;
   }
 
-  function ticks(axis, [low, high], pixels) {
+  /** Tick values and labels, about one per ``gap`` pixels (labels side by side need more). */
+  function ticks(axis, [low, high], pixels, gap) {
     if (axis.ticks) return axis.ticks.filter(([v]) => v >= low && v <= high);
-    const count = Math.max(2, Math.floor(pixels / 55));
+    const count = Math.max(2, Math.floor(pixels / gap));
     if (axis.type === "log") {
       const out = [];
       for (let e = Math.floor(Math.log10(low)); e <= Math.ceil(Math.log10(high)); e++) {
@@ -240,14 +242,14 @@ const Plot = (() => {
     ctx.fillStyle = INK;
     ctx.textAlign = "center";
     ctx.textBaseline = "top";
-    for (const [v, text] of ticks(spec.x, d.x, box.r - box.l)) {
+    for (const [v, text] of ticks(spec.x, d.x, box.r - box.l, 60)) {
       const x = Math.round(sx(v)) + 0.5;
       if (spec.x.grid !== false) line(ctx, x, box.t, x, box.b, GRID);
       ctx.fillText(text, x, box.b + 5);
     }
     ctx.textAlign = "right";
     ctx.textBaseline = "middle";
-    for (const [v, text] of ticks(spec.y, d.y, box.b - box.t)) {
+    for (const [v, text] of ticks(spec.y, d.y, box.b - box.t, 50)) {
       const y = Math.round(sy(v)) + 0.5;
       if (spec.y.grid !== false) line(ctx, box.l, y, box.r, y, GRID);
       ctx.fillText(clip(ctx, text, box.l - 26), box.l - 6, y);
@@ -290,6 +292,9 @@ const Plot = (() => {
         if (k === 0) ctx.moveTo(x, y);
         else if (t.shape === "hv") {
           ctx.lineTo(x, points[k - 1][1]);
+          ctx.lineTo(x, y);
+        } else if (t.shape === "vh") {
+          ctx.lineTo(points[k - 1][0], y);
           ctx.lineTo(x, y);
         } else ctx.lineTo(x, y);
       });

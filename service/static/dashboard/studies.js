@@ -78,7 +78,7 @@
         el("td", {}, progress(s)),
         el("td", {}, counts(s)),
         el("td", { class: "num", text: VT.num(s.best_value) }),
-        el("td", { class: "num", text: s.trials_per_hour === null ? "–" : VT.num(Math.round(s.trials_per_hour * 10) / 10) }),
+        el("td", { class: "num", text: VT.rate(s.trials_per_hour) }),
         el("td", { class: "num", text: s.running }),
         el("td", { class: "muted", text: VT.ago(s.last_activity, latest.now) }),
         el("td", {}, actions(s, refresh)),

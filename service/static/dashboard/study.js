@@ -1,4 +1,6 @@
-// One study: history, memory, calibration, regions, importances, a trial's curve, the trials.
+// One study: Pareto front, history, memory, calibration, regions, importances, a trial's curve,
+// the trials. The page opens with everything but the importances, which arrive after (the
+// server's first importances after a start import Optuna's evaluators: seconds).
 "use strict";
 
 (() => {
@@ -26,9 +28,12 @@
     waiting: { color: "#c9b037", symbol: "open" },
   };
 
-  const table = { sort: "number", order: "desc", states: [], outcome: "", worker: "", offset: 0, limit: 50 };
+  const table = { sort: "number", order: "desc", states: [], outcome: "", worker: "", offset: 0, limit: 50, total: 0 };
   let overview = null;
   let revision = null;
+  let objective = 0; // the objective the history, memory plot and importances show
+  let importancesBusy = 0;
+  let importancesRevision = null; // the revision the drawn importances were asked for
   let selected = null;
   let selectedByUser = false;
   let importancesAt = 0;
@@ -75,7 +80,7 @@
       document.getElementById("study-summary"),
       tile("Finished", o.n_trials ? `${o.finished} / ${o.n_trials}` : o.finished, [`${c.COMPLETE - o.infeasible} complete`, o.infeasible ? `${o.infeasible} infeasible` : null, `${c.PRUNED} pruned`, `${c.FAIL} failed`].filter(Boolean).join(" · ")),
       tile("Running", o.running, `${c.WAITING} waiting`),
-      tile("Trials per hour", o.trials_per_hour === null ? "–" : VT.num(Math.round(o.trials_per_hour)), "over the last hour"),
+      tile("Trials per hour", VT.rate(o.trials_per_hour), "over the last hour"),
       best
         ? tile(`Best ${objectiveName(0)}`, VT.num(best.values[0]), `trial #${best.number}: ${paramText(best.params)}`)
         : tile(o.directions.length > 1 ? "Objectives" : "Best value", o.directions.length > 1 ? o.directions.length : "–", o.directions.length > 1 ? "see the Pareto front" : "no completed trial yet"),
@@ -125,14 +130,23 @@
 
   const pick = (number) => selectTrial(number, true);
 
+  const objectiveQuery = () => `objective=${objective}&max_points=${POINTS}`;
+  const shown = {}; // the objective each plot last drew: another one resets its zoom
+
+  function sameObjective(plot, index) {
+    const same = shown[plot] === index;
+    shown[plot] = index;
+    return same;
+  }
+
   async function loadHistory(early) {
-    await latestOnly("history", () => early || VT.api(`${BASE}/history?max_points=${POINTS}`), (d) => {
+    await latestOnly("history", () => early || VT.api(`${BASE}/history?${objectiveQuery()}`), (d) => {
       VT.plot(
         document.getElementById("plot-history"),
         {
           x: { title: "trial" },
-          y: { title: objectiveName(0) },
-          keepView: true,
+          y: { title: objectiveName(d.objective) },
+          keepView: sameObjective("history", d.objective),
           onClick: pick,
           traces: [
             { name: "trial", mode: "markers", x: d.numbers, y: d.values, data: d.numbers, color: VT.COLORS[0], size: 5, opacity: 0.6, hover: (i) => `trial #${d.numbers[i]}\n${VT.num(d.values[i])}` },
@@ -141,12 +155,12 @@
         },
         "No completed trial yet.",
       );
-      hint("history-hint", `${d.total.toLocaleString()} completed${thinned(d, d.numbers.length)}`);
+      hint("history-hint", `${d.direction} ${objectiveName(d.objective)} · ${d.total.toLocaleString()} completed${thinned(d, d.numbers.length)}`);
     }, "card-history");
   }
 
   async function loadMemory(early) {
-    await latestOnly("memory", () => early || VT.api(`${BASE}/memory?max_points=${POINTS}`), (d) => {
+    await latestOnly("memory", () => early || VT.api(`${BASE}/memory?${objectiveQuery()}`), (d) => {
       const scale = VT.byteScale(d.measured_bytes);
       const byCard = new Map();
       d.numbers.forEach((n, i) => {
@@ -165,11 +179,67 @@
       traces.push({ name: "Pareto front", mode: "lines+markers", shape: "hv", symbol: "diamond", x: front.x, y: front.y, data: front.n, color: VT.COLORS[1], size: 7, opacity: 1, hover: point(front, "front: ") });
       VT.plot(
         document.getElementById("plot-memory"),
-        { x: { title: `measured peak (${scale.name})` }, y: { title: objectiveName(d.objective) }, keepView: true, onClick: pick, traces },
+        { x: { title: `measured peak (${scale.name})` }, y: { title: objectiveName(d.objective) }, keepView: sameObjective("memory", d.objective), onClick: pick, traces },
         "No completed trial with a measured peak yet.",
       );
       hint("memory-hint", `${d.total.toLocaleString()} trials · ${d.front_numbers.length} on the front${thinned(d, d.numbers.length)}`);
     }, "card-memory");
+  }
+
+  /** The objective selectors, filled once the overview names the objectives. */
+  function setupObjectiveSelectors(o) {
+    const multi = o.directions.length > 1;
+    document.getElementById("objective-bar").classList.toggle("hidden", !multi);
+    document.getElementById("card-pareto").classList.toggle("hidden", !multi);
+    if (!multi) return;
+    const options = () => o.directions.map((d, i) => el("option", { value: i, text: `${objectiveName(i)} (${d})` }));
+    const ids = { objective: objective, "pareto-x": 0, "pareto-y": 1 };
+    for (const [id, fallback] of Object.entries(ids)) {
+      const select = document.getElementById(id);
+      const keep = select.options.length ? Number(select.value) : fallback;
+      fill(select, options());
+      select.value = String(keep < o.directions.length ? keep : fallback);
+    }
+  }
+
+  function chooseObjective(index) {
+    objective = index;
+    return Promise.all([loadHistory(), loadMemory(), loadImportances()]);
+  }
+
+  async function loadPareto() {
+    if (!overview || overview.directions.length < 2) return;
+    const x = Number(document.getElementById("pareto-x").value);
+    const y = Number(document.getElementById("pareto-y").value);
+    if (x === y) {
+      VT.plot(document.getElementById("plot-pareto"), { x: {}, y: {}, traces: [] }, "Choose two different objectives.");
+      hint("pareto-hint", "");
+      return;
+    }
+    await latestOnly("pareto", () => VT.api(`${BASE}/pareto?x=${x}&y=${y}&max_points=${POINTS}`), (d) => {
+      const onFront = new Set(d.front_numbers);
+      const rest = d.numbers.map((n, i) => i).filter((i) => !onFront.has(d.numbers[i]));
+      const xName = objectiveName(d.x_objective);
+      const yName = objectiveName(d.y_objective);
+      const text = (n, a, b, prefix = "") => `${prefix}trial #${n}\n${xName} ${VT.num(a)}\n${yName} ${VT.num(b)}`;
+      const pair = `${d.x_objective}/${d.y_objective}`;
+      VT.plot(
+        document.getElementById("plot-pareto"),
+        {
+          x: { title: `${xName} (${d.x_direction})` },
+          y: { title: `${yName} (${d.y_direction})` },
+          keepView: sameObjective("pareto", pair),
+          onClick: pick,
+          traces: [
+            { name: "trial", mode: "markers", x: rest.map((i) => d.x[i]), y: rest.map((i) => d.y[i]), data: rest.map((i) => d.numbers[i]), color: VT.COLORS[0], size: 6, opacity: 0.55, hover: (k) => text(d.numbers[rest[k]], d.x[rest[k]], d.y[rest[k]]) },
+            // The front's staircase bounds what it dominates: along x first when x is minimized.
+            { name: "Pareto front", mode: "lines+markers", shape: d.x_direction === "minimize" ? "hv" : "vh", symbol: "diamond", x: d.front_x, y: d.front_y, data: d.front_numbers, color: VT.COLORS[1], size: 8, opacity: 1, hover: (k) => text(d.front_numbers[k], d.front_x[k], d.front_y[k], "front: ") },
+          ],
+        },
+        "No completed trial with both values yet.",
+      );
+      hint("pareto-hint", `${d.total.toLocaleString()} trials · ${d.front_numbers.length} on the front${thinned(d, d.numbers.length)}`);
+    }, "card-pareto");
   }
 
   async function loadCalibration(early) {
@@ -270,25 +340,53 @@
     }, "card-regions");
   }
 
-  async function loadImportances(early) {
+  /** The importances, after the rest of the page: their first computation can take seconds. */
+  async function loadImportances() {
     importancesAt = Date.now();
-    await latestOnly("importances", () => early || VT.api(`${BASE}/importances`), (d) => {
-      const sorted = [...d.importances].sort((a, b) => a.importance - b.importance);
-      const longest = Math.max(0, ...sorted.map((i) => i.name.length));
-      const top = Math.max(0.01, ...sorted.map((i) => i.importance));
-      VT.plot(
-        document.getElementById("plot-importances"),
-        {
-          x: { title: "importance", range: [0, top * 1.08] },
-          y: { ticks: [], range: [-0.6, sorted.length - 0.4], grid: false },
-          legend: false,
-          marginLeft: Math.min(220, 24 + 7 * longest),
-          traces: [{ mode: "bars", x: sorted.map((i) => i.importance), y: sorted.map((_, k) => k), labels: sorted.map((i) => i.name), color: VT.COLORS[0], hover: (k) => `${sorted[k].name}: ${sorted[k].importance.toFixed(3)}` }],
-        },
-        d.note || "No importances yet.",
-      );
-      hint("importances-hint", d.n_used ? `Optuna ${EVALUATORS[d.evaluator] || d.evaluator} on ${d.n_used.toLocaleString()} of ${d.n_complete.toLocaleString()} completed` : "");
-    }, "card-importances");
+    const asked = revision;
+    const node = document.getElementById("plot-importances");
+    if (Number(node.dataset.points || 0) === 0 || shown.importances !== objective) {
+      VT.plot(node, { x: {}, y: {}, traces: [] }, "Computing importances…");
+      hint("importances-hint", "");
+    }
+    importancesBusy += 1;
+    try {
+      await latestOnly("importances", () => VT.api(`${BASE}/importances?objective=${objective}`), (d) => {
+        importancesRevision = asked;
+        renderImportances(d);
+      }, "card-importances");
+    } finally {
+      importancesBusy -= 1;
+    }
+  }
+
+  /** Ask for importances again when the study changed (a running one: every 15 s at most). */
+  function refreshImportances() {
+    if (importancesBusy || importancesRevision === revision) return;
+    if (importancesAt && Date.now() - importancesAt < IMPORTANCE_EVERY_MS) return;
+    // Not awaited: a slow first computation must not hold the live updates back.
+    loadImportances().catch((error) => console.warn("vramtune: importances failed:", error.message));
+  }
+
+  function renderImportances(d) {
+    shown.importances = d.objective;
+    const sorted = [...d.importances].sort((a, b) => a.importance - b.importance);
+    const longest = Math.max(0, ...sorted.map((i) => i.name.length));
+    const top = Math.max(0.01, ...sorted.map((i) => i.importance));
+    VT.plot(
+      document.getElementById("plot-importances"),
+      {
+        x: { title: "importance", range: [0, top * 1.08] },
+        y: { ticks: [], range: [-0.6, sorted.length - 0.4], grid: false },
+        legend: false,
+        marginLeft: Math.min(220, 24 + 7 * longest),
+        traces: [{ mode: "bars", x: sorted.map((i) => i.importance), y: sorted.map((_, k) => k), labels: sorted.map((i) => i.name), color: VT.COLORS[0], hover: (k) => `${sorted[k].name}: ${sorted[k].importance.toFixed(3)}` }],
+      },
+      d.note || "No importances yet.",
+    );
+    const which = overview && overview.directions.length > 1 ? `${objectiveName(d.objective)} · ` : "";
+    hint("importances-hint", d.n_used ? `${which}Optuna ${EVALUATORS[d.evaluator] || d.evaluator} on ${d.n_used.toLocaleString()} of ${d.n_complete.toLocaleString()} completed` : "");
+    document.body.dataset.importances = `${revision}/${d.objective}`;
   }
 
   function selectTrial(number, byUser) {
@@ -349,12 +447,12 @@
       { label: "State", sort: "state", cell: (r) => VT.badge(r.state) },
     ];
     const value = (r, i) => (r.feasible ? VT.num(r.values ? r.values[i] : null) : el("span", { class: "muted", title: "infeasible: the value is a placeholder", text: "–" }));
-    o.directions.forEach((_, i) => cols.push({ label: objectiveName(i), sort: i === 0 ? "value" : null, num: true, cell: (r) => value(r, i) }));
+    o.directions.forEach((_, i) => cols.push({ label: objectiveName(i), sort: i === 0 ? "value" : `value:${i}`, num: true, cell: (r) => value(r, i) }));
     for (const p of o.params) {
       cols.push({ label: p.name, sort: `param:${p.name}`, num: p.kind !== "categorical", cell: (r) => (p.name in r.params ? VT.num(r.params[p.name]) : "–") });
     }
     cols.push(
-      { label: "Outcome", sort: "outcome", cell: (r) => r.outcome || "–" },
+      { label: "Outcome", sort: "outcome", cell: (r) => (r.outcome ? outcomeText(r.outcome) : "–") },
       { label: "Plan", cell: (r) => el("span", { class: "plan", title: r.plan ? r.plan.reason : "", text: planText(r.plan) }) },
       { label: "Predicted", sort: "predicted", num: true, cell: (r) => VT.bytes(r.predicted_bytes) },
       { label: "Measured", sort: "measured", num: true, cell: (r) => VT.bytes(r.measured_bytes) },
@@ -388,12 +486,15 @@
     fill(document.querySelector("#trials thead"), head);
   }
 
-  function syncOptions(select, values, extra) {
+  /** vramtune's outcome names as words ("as_asked": "as asked"), as the region map names them. */
+  const outcomeText = (outcome) => outcome.replace(/_/g, " ");
+
+  function syncOptions(select, values, extra, label = (v) => v) {
     const wanted = ["", ...values, ...extra];
     const have = [...select.options].map((o) => o.value);
     if (have.join("\u0000") === wanted.join("\u0000")) return;
     const keep = select.value;
-    fill(select, wanted.map((v) => el("option", { value: v, text: v || "all" })));
+    fill(select, wanted.map((v) => el("option", { value: v, text: v ? label(v) : "all" })));
     select.value = wanted.includes(keep) ? keep : "";
   }
 
@@ -417,12 +518,13 @@
         ),
       );
       fill(document.querySelector("#trials tbody"), rows.length ? rows : el("tr", {}, el("td", { colspan: cols.length, class: "muted", text: "No trial matches the filters." })));
-      syncOptions(document.getElementById("outcome-filter"), d.outcomes, ["none"]);
+      syncOptions(document.getElementById("outcome-filter"), d.outcomes, ["none"], outcomeText);
       syncOptions(document.getElementById("worker-filter"), d.workers, []);
       const last = Math.min(d.offset + d.rows.length, d.total);
+      table.total = d.total;
       document.getElementById("page-info").textContent = d.total ? `${(d.offset + 1).toLocaleString()}–${last.toLocaleString()} of ${d.total.toLocaleString()}` : "0 trials";
-      document.getElementById("prev-page").disabled = d.offset === 0;
-      document.getElementById("next-page").disabled = last >= d.total;
+      for (const id of ["first-page", "prev-page"]) document.getElementById(id).disabled = d.offset === 0;
+      for (const id of ["next-page", "last-page"]) document.getElementById(id).disabled = last >= d.total;
     }, null);
   }
 
@@ -445,15 +547,21 @@
     onSelect("outcome-filter", "outcome");
     onSelect("worker-filter", "worker");
     onSelect("page-size", "limit");
-    document.getElementById("prev-page").addEventListener("click", () => {
-      table.offset = Math.max(0, table.offset - table.limit);
-      loadTable();
-    });
-    document.getElementById("next-page").addEventListener("click", () => {
-      table.offset += table.limit;
-      loadTable();
-    });
+    const pages = {
+      "first-page": () => 0,
+      "prev-page": () => Math.max(0, table.offset - table.limit),
+      "next-page": () => table.offset + table.limit,
+      "last-page": () => Math.max(0, Math.floor((table.total - 1) / table.limit) * table.limit),
+    };
+    for (const [id, offset] of Object.entries(pages)) {
+      document.getElementById(id).addEventListener("click", () => {
+        table.offset = offset();
+        loadTable();
+      });
+    }
     for (const id of ["region-x", "region-y"]) document.getElementById(id).addEventListener("change", () => loadRegions());
+    for (const id of ["pareto-x", "pareto-y"]) document.getElementById(id).addEventListener("change", () => loadPareto());
+    document.getElementById("objective").addEventListener("change", (e) => chooseObjective(Number(e.target.value)));
   }
 
   // ------------------------------------------------------------------ live
@@ -468,14 +576,13 @@
     );
   }
 
-  /** The first load asks for everything at once: no plot waits for the header's answer. */
+  /** The first load asks for every plot at once: none waits for the header's answer. */
   function earlyRequests() {
     const early = {
-      history: VT.api(`${BASE}/history?max_points=${POINTS}`),
-      memory: VT.api(`${BASE}/memory?max_points=${POINTS}`),
+      history: VT.api(`${BASE}/history?${objectiveQuery()}`),
+      memory: VT.api(`${BASE}/memory?${objectiveQuery()}`),
       calibration: VT.api(`${BASE}/calibration?max_points=${POINTS}`),
       regions: VT.api(`${BASE}/regions?max_points=${POINTS}`),
-      importances: VT.api(`${BASE}/importances`),
       table: VT.api(tableUrl()),
     };
     for (const request of Object.values(early)) request.catch(() => {}); // awaited later
@@ -492,7 +599,7 @@
       throw error;
     }
     renderHeader(overview);
-    if (overview.revision === revision) return;
+    if (overview.revision === revision) return refreshImportances();
     // A large running study changes on every poll: its plots are redrawn every 10 s at most.
     const large = overview.finished + overview.running > LARGE_STUDY;
     if (revision !== null && large && Date.now() - plotsAt < LARGE_REDRAW_MS) {
@@ -502,14 +609,15 @@
     revision = overview.revision;
     plotsAt = Date.now();
     setupRegionSelectors(overview.params);
+    setupObjectiveSelectors(overview);
     if (!selectedByUser && overview.best) selected = overview.best.number;
     const jobs = [loadHistory(early.history), loadMemory(early.memory), loadCalibration(early.calibration)];
-    jobs.push(loadRegions(early.regions), loadTable(early.table), loadCurve());
-    if (early.importances || Date.now() - importancesAt > IMPORTANCE_EVERY_MS) jobs.push(loadImportances(early.importances));
+    jobs.push(loadRegions(early.regions), loadTable(early.table), loadCurve(), loadPareto());
     const results = await Promise.allSettled(jobs);
     const failed = results.find((r) => r.status === "rejected");
     if (failed) throw failed.reason;
     document.body.dataset.rendered = revision;
+    refreshImportances();
   }
 
   let refresh = null;
@@ -522,6 +630,7 @@
     if (overview) renderActions(overview);
     VT.onAuthChange(() => {
       revision = null;
+      importancesAt = 0;
       refresh.now();
     });
   }
