@@ -44,8 +44,7 @@ from optuna.distributions import (
 )
 from optuna.storages._rdb import models
 from optuna.trial import TrialState
-from playwright.sync_api import Error as PlaywrightError
-from playwright.sync_api import TimeoutError as PlaywrightTimeout
+from playwright.sync_api import Error as PlaywrightError, TimeoutError as PlaywrightTimeout
 from sqlalchemy import insert
 from sqlalchemy.orm import Session
 

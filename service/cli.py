@@ -20,7 +20,7 @@ import yaml
 from pydantic import BaseModel
 
 from service.client import ApiError, Client
-from service.logs import add_log_format_option, configure_logging
+from service.logs import add_log_format_option, configure_logging, json_logging_config
 from service.wire import ParetoFront, StudySummary, TrialOut
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
@@ -31,10 +31,19 @@ Handler = Callable[[argparse.Namespace], int]
 
 
 def _settings(args: argparse.Namespace) -> Any:
+    from pydantic import ValidationError
+
     from service.settings import Settings
 
-    given = {k: getattr(args, k, None) for k in ("host", "port", "database_url", "log_level")}
-    return Settings(**{k: v for k, v in given.items() if v is not None})
+    names = ("host", "port", "database_url", "log_level", "processes")
+    given = {k: getattr(args, k, None) for k in names}
+    try:
+        return Settings(**{k: v for k, v in given.items() if v is not None})
+    except ValidationError as exc:  # one line per bad setting, not pydantic's report
+        problems = [
+            f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors()
+        ]
+        raise ValueError("invalid settings: " + "; ".join(problems)) from None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -55,14 +64,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         engine.dispose()
     configure_logging(settings.log_level, args.log_format)
-    log_config: dict[str, Any] | None = LOGGING_CONFIG
+    log_config: dict[str, Any] = LOGGING_CONFIG
     if args.log_format == "json":
-        # Uvicorn's and Optuna's records through the root handler too: every line is JSON.
+        # Uvicorn's and Optuna's records through the root handler too: every line is JSON
+        # (uvicorn applies log_config in each of its processes).
         import optuna
 
-        log_config = None
+        log_config = json_logging_config(settings.log_level)
         optuna.logging.disable_default_handler()
         optuna.logging.enable_propagation()
+    if settings.processes > 1:
+        # Each process builds its app from the environment: hand it these settings there.
+        os.environ.update(settings.as_environment())
+        uvicorn.run(
+            "service.app:create_app",
+            factory=True,
+            workers=settings.processes,
+            host=settings.host,
+            port=settings.port,
+            log_level=settings.log_level,
+            log_config=log_config,
+            access_log=settings.access_log,
+        )
+        return 0
     uvicorn.run(
         create_app(settings),
         host=settings.host,
@@ -293,6 +317,9 @@ def _add_server_commands(subparsers: Any) -> None:
     )
     serve.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     add_log_format_option(serve, default="text")
+    serve.add_argument(
+        "--processes", type=int, help="server processes (PostgreSQL only; env VRAMTUNE_PROCESSES)"
+    )
     serve.set_defaults(func=cmd_serve)
     db = subparsers.add_parser("db", help="database schema")
     db_commands = db.add_subparsers(dest="db_command", required=True, metavar="COMMAND")

@@ -8,8 +8,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from optuna.exceptions import DuplicatedStudyError, StorageInternalError, UpdateFinishedTrialError
-from sqlalchemy.exc import DBAPIError, OperationalError
-from sqlalchemy.exc import TimeoutError as PoolTimeout
+from sqlalchemy.exc import DBAPIError, OperationalError, TimeoutError as PoolTimeout
 
 log = logging.getLogger("vramtune.errors")
 

@@ -52,11 +52,13 @@ WorkerState = Literal["live", "stale", "stopped"]
 
 _sqlite_writes = threading.Lock()
 
-# Trials asked per transaction, by sampler. Samplers that draw without reading the study's
-# trials (random, quasi-Monte Carlo) lose nothing when their trials are asked ahead of the
-# workers: the extra ones wait as pending trials for the next calls. The others see each
-# result before they propose again, and are asked one trial at a time.
-ASK_AHEAD = {"random": 8, "qmc": 8}
+# Samplers that draw without reading the study's trials (random, quasi-Monte Carlo) lose
+# nothing when trials are asked ahead of the workers: one transaction asks several, and the
+# extra ones wait as pending trials (RUNNING in Optuna) for the next calls. As many as half
+# the workers running the study's trials now, at most ASK_AHEAD_MAX: a lone worker asks one
+# at a time. The other samplers see each result before they propose again: one at a time.
+ASK_AHEAD_SAMPLERS = frozenset({"random", "qmc"})
+ASK_AHEAD_MAX = 8
 
 
 @contextmanager
@@ -123,7 +125,12 @@ def worker_state(worker: WorkerRow, now: datetime, stale_s: float) -> WorkerStat
 def heartbeat(
     session: Session, settings: Settings, worker_id: int, body: Heartbeat, now: datetime
 ) -> HeartbeatReply:
-    """Renew the worker's leases; order stopped what it must not run on (lost, pruned, ...)."""
+    """Renew the leases of the trials the worker runs; order stopped what it must not run on.
+
+    A lease of a trial the worker does not list is left to expire (the reaper then offers the
+    trial again): its assignment was lost on the way. Not ended at once, because a heartbeat
+    sent before a next's answer arrived may be read after that next.
+    """
     leases = active_leases(session, worker_id)  # leases before the worker: the lock order
     worker = running_worker(session, worker_id)
     stops = [
@@ -141,7 +148,7 @@ def heartbeat(
         elif trial is None:  # its study was deleted underneath
             end(lease, now, resolution("study", stop="deleted"))
             stops.append(StopOrder(trial_id=lease.trial_id, reason="deleted"))
-        else:
+        elif body.trials is None or lease.trial_id in body.trials:
             renewing.append(lease.id)
             if trial.study_id in paused:
                 stops.append(StopOrder(trial_id=lease.trial_id, reason="paused"))
@@ -225,12 +232,11 @@ def next_assignment(
         if offered is not None:
             return _lease(session, state, offered, worker, now)
         askable = [
-            (row, optuna_rows.count_trials(session, row.study_id), left)
+            (row, optuna_rows.count_trials(session, row.study_id), _ask_count(session, row, left))
             for row, left in _budgets_left(session, studies)
         ]
-    for row, number, left in askable:
+    for row, number, count in askable:
         how = strategy(state.storage, row)
-        count = min(left, ASK_AHEAD.get(spec_of(row).sampler.name, 1))
         try:
             drafts = [
                 draft_trial(
@@ -319,6 +325,16 @@ def _budgets_left(session: Session, studies: Sequence[StudyRow]) -> list[tuple[S
     """The studies that have trials of their budget left to ask, with how many."""
     lefts = [(row, spec_of(row).n_trials - _trials_used(session, row.study_id)) for row in studies]
     return [(row, left) for row, left in lefts if left > 0]
+
+
+def _ask_count(session: Session, row: StudyRow, left: int) -> int:
+    """How many trials to ask in one go (see ASK_AHEAD_SAMPLERS), within the budget left."""
+    if spec_of(row).sampler.name not in ASK_AHEAD_SAMPLERS:
+        return 1
+    running = select(func.count()).where(
+        TrialRow.study_id == row.study_id, TrialRow.status == "leased"
+    )
+    return max(1, min(left, ASK_AHEAD_MAX, int(session.scalar(running) or 0) // 2))
 
 
 def _trials_used(session: Session, study_id: int) -> int:

@@ -93,7 +93,8 @@ def _finish(
     if ack.resolution in ("complete", "failed", "infeasible", "pruned"):
         trial.status = "done"
         trial.outcome = _OUTCOMES.get(ack.resolution, trial.outcome)
-    trial.message = ack.detail or trial.message
+    if ack.resolution != "complete":  # a complete's detail echoes its values: not news
+        trial.message = ack.detail or trial.message
     trial.updated_at = call.now
     end(fenced.lease, call.now, resolution(how, ack, kind, stop))
     return ack

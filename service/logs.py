@@ -97,6 +97,25 @@ def configure_logging(level: str, log_format: LogFormat, stream: IO[str] | None 
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 
+def json_logging_config(level: str) -> dict[str, Any]:
+    """A ``logging.config.dictConfig`` writing JSON lines from every logger (uvicorn's too)."""
+    uvicorn = {"handlers": [], "propagate": True}
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"json": {"()": JsonFormatter}},
+        "handlers": {
+            "json": {
+                "class": "logging.StreamHandler",
+                "formatter": "json",
+                "stream": "ext://sys.stderr",
+            }
+        },
+        "root": {"handlers": ["json"], "level": level.upper()},
+        "loggers": {name: uvicorn for name in ("uvicorn", "uvicorn.error", "uvicorn.access")},
+    }
+
+
 def add_log_format_option(parser: argparse.ArgumentParser, default: LogFormat) -> None:
     """``--log-format text|json``; env ``VRAMTUNE_LOG_FORMAT`` overrides ``default``."""
     chosen = os.environ.get("VRAMTUNE_LOG_FORMAT", default)

@@ -28,15 +28,16 @@ from sqlalchemy import Table, delete, func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from service import optuna_tables
 from service.errors import Conflict
 
-_TRIALS = models.TrialModel.__table__
-_PARAMS = models.TrialParamModel.__table__
-_VALUES = models.TrialValueModel.__table__
-_INTERMEDIATE = models.TrialIntermediateValueModel.__table__
-_USER_ATTRS = models.TrialUserAttributeModel.__table__
-_SYSTEM_ATTRS = models.TrialSystemAttributeModel.__table__
-_STUDIES = models.StudyModel.__table__
+_TRIALS = optuna_tables.trials
+_PARAMS = optuna_tables.params
+_VALUES = optuna_tables.values
+_INTERMEDIATE = optuna_tables.intermediate
+_USER_ATTRS = optuna_tables.trial_user_attrs
+_SYSTEM_ATTRS = optuna_tables.trial_system_attrs
+_STUDIES = optuna_tables.studies
 
 
 def lock_study(session: Session, study_id: int) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MIB = 1024 * 1024
@@ -39,6 +39,13 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(
         MIB, ge=1024, description="Largest request body accepted; larger ones get a 413."
     )
+    processes: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Server processes sharing the port (uvicorn workers). More than one needs "
+        "PostgreSQL: replicas serialize on its row locks, SQLite's writes on a process lock.",
+    )
     access_log: bool = Field(
         False,
         description="Log every HTTP request (uvicorn's access log); off by default, as it cost "
@@ -47,3 +54,16 @@ class Settings(BaseSettings):
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="Log level of the server and uvicorn."
     )
+
+    @model_validator(mode="after")
+    def _one_process_on_sqlite(self) -> Settings:
+        if self.processes > 1 and self.database_url.startswith("sqlite"):
+            raise ValueError("processes > 1 needs PostgreSQL: SQLite's writes take a process lock")
+        return self
+
+    def as_environment(self) -> dict[str, str]:
+        """These settings as ``VRAMTUNE_*`` variables, for processes that read their own."""
+        return {
+            f"VRAMTUNE_{name.upper()}": str(value)
+            for name, value in self.model_dump(mode="json").items()
+        }

@@ -341,9 +341,16 @@ class WorkerRegistered(Wire):
 
 
 class Heartbeat(Wire):
-    """A worker is alive; renews every lease it holds."""
+    """A worker is alive; renews the leases of the trials it runs."""
 
     free_bytes: Bytes | None = None
+    trials: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None,
+        max_length=1024,
+        description="The trials the worker is running now: only their leases are renewed, so a "
+        "lease whose assignment never reached the worker (a lost reply to next) expires and its "
+        "trial is offered again. None (older workers): every lease of the worker is renewed.",
+    )
 
 
 StopReason = Literal["pruned", "paused", "deleted", "lease_lost"]

@@ -7,8 +7,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Path, Query
 from optuna.trial import TrialState
 
-from service.dashboard import fleet as fleet_view
-from service.dashboard import importance, plots, studies_view, trial_table
+from service.dashboard import fleet as fleet_view, importance, plots, studies_view, trial_table
 from service.dashboard.models import (
     Calibration,
     Fleet,

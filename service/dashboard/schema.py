@@ -26,18 +26,22 @@ from sqlalchemy import ColumnElement, Float, and_, case, cast, extract, func, or
 from sqlalchemy.orm import Session
 
 from service.dashboard.models import ParamInfo
+
+# Optuna's tables, re-exported: the dashboard's queries name them as schema.<table>.
+from service.optuna_tables import (
+    directions as directions,
+    intermediate as intermediate,
+    params as params,
+    studies as studies,
+    study_system_attrs as study_system_attrs,
+    trial_system_attrs as trial_system_attrs,
+    trial_user_attrs as trial_user_attrs,
+    trials as trials,
+    values as values,
+)
 from service.tables import LeaseRow, MemoryObservationRow, StudyRow, TrialRow, WorkerRow
 from service.wire import ParamValue
 
-studies = models.StudyModel.__table__
-directions = models.StudyDirectionModel.__table__
-study_system_attrs = models.StudySystemAttributeModel.__table__
-trials = models.TrialModel.__table__
-params = models.TrialParamModel.__table__
-values = models.TrialValueModel.__table__
-intermediate = models.TrialIntermediateValueModel.__table__
-trial_user_attrs = models.TrialUserAttributeModel.__table__
-trial_system_attrs = models.TrialSystemAttributeModel.__table__
 CONSTRAINTS_KEY = "constraints"  # optuna.study._constrained_optimization._CONSTRAINTS_KEY
 
 # vramtune's tables as Core tables: selecting plain columns skips the ORM's per-row work.

@@ -25,9 +25,18 @@ def test_demo_runs_a_bounded_study_and_keeps_it(tmp_path: Path) -> None:
     # The digits MLP trains in seconds on a CPU; the default char-transformer study is the
     # same code path with slower trials.
     result = run_vramtune(
-        "demo", "--study", str(ROOT / "examples" / "digits-mlp.yaml"), "--trials", "3",
-        "--exit-when-done", "--port", "0", "--database", str(database),
-        "--log-dir", str(tmp_path / "logs"),
+        "demo",
+        "--study",
+        str(ROOT / "examples" / "digits-mlp.yaml"),
+        "--trials",
+        "3",
+        "--exit-when-done",
+        "--port",
+        "0",
+        "--database",
+        str(database),
+        "--log-dir",
+        str(tmp_path / "logs"),
         timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -45,10 +45,35 @@ def test_two_servers_sixteen_workers_share_one_study_without_double_assignment(
     assert sorted(t.number for t in trials) == list(range(N_TRIALS))
     assert len({t.id for t in trials}) == N_TRIALS
     assert len({t.worker for t in trials}) > 1, "the work was shared"
-    _assert_one_lease_at_a_time(postgres_url)
+    _assert_one_lease_at_a_time(postgres_url, N_TRIALS)
 
 
-def _assert_one_lease_at_a_time(url: str) -> None:
+@pytest.mark.slow
+def test_one_server_of_two_processes_runs_a_study_to_its_end(
+    postgres_url: str, servers: ServerFactory, start_worker: WorkerFactory
+) -> None:
+    upgrade_database(postgres_url)
+    server = servers(postgres_url, processes=2, **FLEET)  # `vramtune serve --processes 2`
+    n_trials = 24
+    with Client(server.url) as client:
+        studies = Studies(client)
+        name = studies.create(
+            {"x": {"type": "float", "low": -2.0, "high": 2.0}},
+            n_trials=n_trials,
+            task_config={"step_seconds": 0.01},
+            budget={"max_steps": 10, "eval_every": 5},
+        )
+        workers = [start_worker(server.url) for _ in range(6)]
+        trials = studies.wait_until(name, finished(n_trials), PATIENCE_S)
+        for worker in workers:
+            worker.signal(signal.SIGTERM)
+        assert [worker.wait(PATIENCE_S) for worker in workers] == [0] * len(workers)
+    assert [t.state for t in trials] == ["COMPLETE"] * n_trials
+    assert sorted(t.number for t in trials) == list(range(n_trials))
+    _assert_one_lease_at_a_time(postgres_url, n_trials)
+
+
+def _assert_one_lease_at_a_time(url: str, n_trials: int) -> None:
     """No trial ever had two leases whose lifetimes overlap."""
     engine = sa.create_engine(url)
     with engine.connect() as connection:
@@ -60,7 +85,7 @@ def _assert_one_lease_at_a_time(url: str) -> None:
     for trial_id, created, ended in rows:
         assert ended is not None, f"trial {trial_id} still has a live lease"
         leases[trial_id].append((created, ended))
-    assert len(leases) == N_TRIALS
+    assert len(leases) == n_trials
     for trial_id, spans in leases.items():
         spans.sort()
         for (_, end), (start, _) in itertools.pairwise(spans):

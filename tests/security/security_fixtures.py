@@ -102,7 +102,6 @@ class Secured:
         return trial_id
 
 
-
 def first_token(stdout: str) -> str | None:
     """The token `vramtune db upgrade` printed, if any."""
     lines = [line for line in stdout.splitlines() if line.startswith("first admin token")]

@@ -46,7 +46,8 @@ schema = schemathesis.openapi.from_dict(create_app(Settings(database_url="sqlite
     suppress_health_check=list(HealthCheck),
 )
 def test_no_server_error_and_schema_conformance(
-    fuzzed_app: FastAPI, case: schemathesis.Case  # type: ignore[type-arg]
+    fuzzed_app: FastAPI,
+    case: schemathesis.Case,  # type: ignore[type-arg]
 ) -> None:
     """Whatever the fuzzer sends, the answer is not a 5xx and matches the documented schema."""
     response = case.call(app=fuzzed_app)

@@ -114,3 +114,11 @@ def test_python_client(server_url: str) -> None:
         with pytest.raises(ApiError) as caught:
             client.get_study("client-study")
         assert caught.value.status == 404
+
+
+def test_serve_refuses_several_processes_on_sqlite(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'v.db'}"
+    result = run_vramtune("serve", "--processes", "2", "--database-url", url)
+    assert result.returncode == 1
+    assert "processes > 1 needs PostgreSQL" in result.stderr
+    assert "Traceback" not in result.stderr

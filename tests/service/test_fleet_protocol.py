@@ -16,7 +16,7 @@ import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import httpx
@@ -32,7 +32,7 @@ from service.reaper import reap_once
 from service.settings import Settings
 from service.state import AppState
 from service.studies import utcnow
-from service.tables import MemoryObservationRow
+from service.tables import LeaseRow, MemoryObservationRow, TrialRow
 from service.testing import (
     ServerFactory,
     fresh_postgres_database,
@@ -594,3 +594,60 @@ def test_next_offers_only_the_studies_a_limited_token_allows(env: Env) -> None:
     assert env.http.post(f"/studies/{env.study}/resume").status_code == 200
     offered = next_for(frozenset({env.study}))
     assert offered is not None and offered.study == env.study
+
+
+def test_random_trials_are_asked_ahead_within_the_budget_and_leased_once(env: Env) -> None:
+    env.create_study(n_trials=7)
+    workers = [env.worker(f"w{i}") for i in range(9)]
+    first = [worker.next() for worker in workers[:5]]
+    # The fifth next found four leased trials: it asked two (half of them), leased one, and
+    # left the other pending, RUNNING in Optuna, for the next call.
+    assert len(env.trials()) == 6
+    rest = [worker.next() for worker in workers[5:]]
+    leased = [a for a in first + rest if a is not None]
+    assert len(leased) == 7 and rest[-2:] == [None, None]  # the budget, not one more
+    assert sorted(a["number"] for a in leased) == list(range(7))
+    assert len(env.trials()) == 7
+
+
+def test_a_sampler_that_reads_the_study_is_asked_one_trial_at_a_time(env: Env) -> None:
+    env.create_study(n_trials=20, sampler={"name": "tpe", "args": {"seed": 3}})
+    for count, worker in enumerate((env.worker(f"w{i}") for i in range(8)), start=1):
+        assert worker.next() is not None
+        assert len(env.trials()) == count
+
+
+def test_a_trial_row_from_before_migration_0002_is_leased_with_optunas_params(env: Env) -> None:
+    env.create_study(n_trials=1)
+    first = env.worker("w1")
+    assignment = first.next()
+    assert assignment is not None
+    with env.state.sessions() as session, session.begin():
+        trial = session.get_one(TrialRow, assignment["trial_id"])
+        trial.params = None  # as migration 0002 leaves the rows it found
+    interrupted = first.call(assignment, "fail", kind="interrupted", message="test")
+    assert interrupted.status_code == 200  # offered again
+    again = env.worker("w2").next()
+    assert again is not None and again["trial_id"] == assignment["trial_id"]
+    assert again["params"] == assignment["params"] == env.trials()[0].params
+
+
+def test_a_heartbeat_renews_only_the_leases_of_the_trials_the_worker_lists(env: Env) -> None:
+    env.create_study(n_trials=2)
+    worker = env.worker("w1")
+    running, lost = worker.next(), worker.next()  # as if the second answer never arrived
+    assert running is not None and lost is not None
+    time.sleep(0.05)  # the renewed expiry must be later than the granted one
+    body = {"free_bytes": GIB, "trials": [running["trial_id"]]}
+    assert env.http.post(f"/workers/{worker.id}/heartbeat", json=body).status_code == 200
+    with env.state.sessions() as session:
+        expiry = dict(session.execute(select(LeaseRow.trial_id, LeaseRow.expires_at)).all())
+
+    def granted(assignment: dict[str, Any]) -> datetime:  # the wire's UTC, as stored (naive)
+        return datetime.fromisoformat(assignment["lease_expires_at"]).replace(tzinfo=None)
+
+    assert expiry[running["trial_id"]] > granted(running)
+    assert expiry[lost["trial_id"]] == granted(lost)
+    reap_once(env.state, utcnow() + LATER)  # both expire eventually; the lost one is offered
+    offered = env.worker("w2").next()
+    assert offered is not None and offered["trial_id"] in (running["trial_id"], lost["trial_id"])

@@ -17,6 +17,7 @@ from worker.predictor import (
     EMULATED_CUDA_TARGET,
     CannotTrace,
     clear_cache,
+    core as predict_module,
     footprint,
     largest_micro_batch,
     measure_card_constants,
@@ -24,7 +25,6 @@ from worker.predictor import (
     target_for,
     trace_training,
 )
-from worker.predictor import core as predict_module
 from worker.runner import CardSpec, plan_for_micro_batch
 from worker.steps import batch_feeder, build_for_plan, train_step
 from worker.task import Batch, Config, Metric, Task
