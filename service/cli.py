@@ -65,19 +65,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine.dispose()
     configure_logging(settings.log_level, args.log_format)
     log_config: dict[str, Any] = LOGGING_CONFIG
+    factory = "service.app:create_app"
     if args.log_format == "json":
         # Uvicorn's and Optuna's records through the root handler too: every line is JSON
-        # (uvicorn applies log_config in each of its processes).
-        import optuna
-
+        # (uvicorn applies log_config in each of its processes, the factory runs in each).
         log_config = json_logging_config(settings.log_level)
-        optuna.logging.disable_default_handler()
-        optuna.logging.enable_propagation()
+        factory = "service.cli:app_with_json_logs"
+        _optuna_logs_to_root()
     if settings.processes > 1:
         # Each process builds its app from the environment: hand it these settings there.
         os.environ.update(settings.as_environment())
         uvicorn.run(
-            "service.app:create_app",
+            factory,
             factory=True,
             workers=settings.processes,
             host=settings.host,
@@ -96,6 +95,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         access_log=settings.access_log,
     )
     return 0
+
+
+def _optuna_logs_to_root() -> None:
+    import optuna
+
+    optuna.logging.disable_default_handler()
+    optuna.logging.enable_propagation()
+
+
+def app_with_json_logs() -> Any:
+    """The app of one server process whose logs are JSON (Optuna's own handler removed)."""
+    from service.app import create_app
+
+    _optuna_logs_to_root()
+    return create_app()
 
 
 def cmd_db_upgrade(args: argparse.Namespace) -> int:
