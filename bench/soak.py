@@ -11,7 +11,16 @@ Verdict: after a warm-up (the first fifth of the run), the RSS trend (least squa
 under ``--max-growth-mib-per-hour`` and the last sample within ``--max-growth-mib`` of the
 median of the first post-warm-up window.
 
-Usage: ``python bench/soak.py --minutes 10`` (results in bench/results/soak.{md,json}).
+With ``--tracemalloc`` the server runs under ``tracemalloc`` and dumps a snapshot of its Python
+heap on SIGUSR1; the soak takes one at the end of the warm-up and more at regular points, and
+reports the traced heap over time and the allocation sites that grew most between the first
+and the last snapshot: a leak shows there by file and line; RSS that grows while the traced
+heap stays flat is the allocator's (arenas, fragmentation, native caches), not Python objects
+kept alive. tracemalloc slows the server and adds its own memory to RSS: compare RSS within a
+run, not across runs with and without it.
+
+Usage: ``python bench/soak.py --minutes 10 [--tracemalloc]`` (results in
+bench/results/soak.{md,json}).
 """
 
 from __future__ import annotations
@@ -20,10 +29,13 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import sys
+import tempfile
 import threading
 import time
+import tracemalloc
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -182,18 +194,90 @@ def read(client: Http, path: str, raw: bool = False) -> Any:
     return json.loads(data)
 
 
-def sample_loop(server: psutil.Process, args: argparse.Namespace, state: SoakState) -> list[Sample]:
-    """RSS every ``--sample-s`` seconds until the run's end."""
+# The server under tracemalloc: ``python WRAPPER PORT`` (service_throughput's
+# BENCH_SERVER_SCRIPT), a snapshot written to SOAK_SNAPSHOT_DIR on each SIGUSR1.
+TRACED_SERVER = """
+import os, runpy, signal, sys, time, tracemalloc
+tracemalloc.start(int(os.environ.get("SOAK_TRACE_FRAMES", "8")))
+def dump(signum, frame):
+    path = os.path.join(os.environ["SOAK_SNAPSHOT_DIR"], f"{time.time_ns()}.snapshot")
+    tracemalloc.take_snapshot().dump(path + ".partial")
+    os.replace(path + ".partial", path)
+signal.signal(signal.SIGUSR1, dump)
+sys.argv = ["vramtune", "serve", "--port", sys.argv[1]]
+runpy.run_module("service", run_name="__main__", alter_sys=True)
+"""
+
+
+@dataclass
+class Tracer:
+    """Snapshots of the traced server's Python heap, taken on demand."""
+
+    directory: Path
+    taken: list[tuple[float, Path]] = field(default_factory=list)
+
+    def snapshot(self, server: psutil.Process, t_s: float, limit_s: float = 120.0) -> None:
+        """SIGUSR1 the server and wait for its snapshot file."""
+        before = set(self.directory.glob("*.snapshot"))
+        server.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            new = set(self.directory.glob("*.snapshot")) - before
+            if new:
+                self.taken.append((t_s, new.pop()))
+                return
+            time.sleep(0.5)
+        raise RuntimeError("the server wrote no tracemalloc snapshot")
+
+
+def sample_loop(
+    server: psutil.Process, args: argparse.Namespace, state: SoakState, tracer: Tracer | None
+) -> list[Sample]:
+    """RSS every ``--sample-s`` seconds until the run's end; heap snapshots at set points."""
     samples = []
     began = time.monotonic()
     end = began + args.minutes * 60
+    # After the warm-up (a fifth of the run), then at every further fifth, and at the end.
+    marks = [began + args.minutes * 60 * k / 5 for k in (1, 2, 3, 4)]
     while time.monotonic() < end:
         with state.lock:
             trials, studies = state.trials, state.studies
         rss = server.memory_info().rss / 2**20
         samples.append(Sample(round(time.monotonic() - began, 1), round(rss, 1), trials, studies))
+        if tracer is not None and marks and time.monotonic() >= marks[0]:
+            marks.pop(0)
+            tracer.snapshot(server, round(time.monotonic() - began, 1))
         time.sleep(args.sample_s)
+    if tracer is not None:
+        tracer.snapshot(server, round(time.monotonic() - began, 1))
     return samples
+
+
+# Frames of the measurement itself, not of the server.
+_NOT_THE_SERVER = (tracemalloc.__file__, "<frozen importlib._bootstrap>", "<unknown>")
+
+
+def heap_report(tracer: Tracer, top: int = 15) -> dict[str, Any]:
+    """The traced heap at each snapshot, and the sites that grew most from first to last."""
+    filters = [tracemalloc.Filter(False, name) for name in _NOT_THE_SERVER]
+    loaded = [
+        (t, tracemalloc.Snapshot.load(str(p)).filter_traces(filters)) for t, p in tracer.taken
+    ]
+    heap = []
+    for t, snap in loaded:
+        sizes = [trace.size for trace in snap.traces]
+        heap.append({"t_s": t, "traced_mib": round(sum(sizes) / 2**20, 2), "blocks": len(sizes)})
+    first, last = loaded[0][1], loaded[-1][1]
+    grew = [
+        {
+            "site": f"{diff.traceback[0].filename}:{diff.traceback[0].lineno}",
+            "size_diff_kib": round(diff.size_diff / 1024, 1),
+            "count_diff": diff.count_diff,
+            "size_kib": round(diff.size / 1024, 1),
+        }
+        for diff in last.compare_to(first, "lineno")[:top]
+    ]
+    return {"heap": heap, "grew": grew}
 
 
 def slope_per_hour(samples: list[Sample]) -> float:
@@ -250,6 +334,17 @@ def markdown(result: dict[str, Any]) -> str:
     lines += [
         f"| {s['t_s']} | {s['rss_mib']} | {s['trials']} | {s['studies']} |" for s in samples[::step]
     ]
+    heap = result.get("tracemalloc")
+    if heap:
+        lines += ["", "## Python heap (tracemalloc)", "", "| t (s) | traced MiB | blocks |"]
+        lines += ["|---|---|---|"]
+        lines += [f"| {h['t_s']} | {h['traced_mib']} | {h['blocks']} |" for h in heap["heap"]]
+        lines += ["", "Sites that grew most, first snapshot → last:", ""]
+        lines += ["| site | grew KiB | blocks | now KiB |", "|---|---|---|---|"]
+        lines += [
+            f"| `{g['site']}` | {g['size_diff_kib']} | {g['count_diff']} | {g['size_kib']} |"
+            for g in heap["grew"]
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -257,7 +352,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """The soak: server, workers, rotator, sampler; the result."""
     state = SoakState()
     cell = Cell("vramtune", args.database, args.sampler, 0, args.workers)
-    with fresh_database(args.database, "soak") as url:
+    scratch = tempfile.TemporaryDirectory(prefix="vramtune-soak-")
+    tracer = None
+    if args.tracemalloc:
+        tracer = Tracer(Path(scratch.name))
+        wrapper = tracer.directory / "traced_server.py"
+        wrapper.write_text(TRACED_SERVER)
+        os.environ["BENCH_SERVER_SCRIPT"] = str(wrapper)
+        os.environ["SOAK_SNAPSHOT_DIR"] = str(tracer.directory)
+    with scratch, fresh_database(args.database, "soak") as url:
         setup_vramtune_study(url, cell, n_trials=args.study_trials)
         with vramtune_server(url) as (port, server):
             threads = [
@@ -269,16 +372,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
             for thread in threads:
                 thread.start()
-            samples = sample_loop(server, args, state)
+            samples = sample_loop(server, args, state, tracer)
             state.stop.set()
             for thread in threads:
                 thread.join(30)
+        heap = None if tracer is None else heap_report(tracer)
     return {
         "samples": [asdict(s) for s in samples],
         "trials": state.trials,
         "studies": state.studies,
         "errors": state.errors[:20],
         "verdict": verdict(samples, args),
+        "tracemalloc": heap,
     }
 
 
@@ -293,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample-s", type=float, default=5.0)
     parser.add_argument("--max-growth-mib", type=float, default=20.0)
     parser.add_argument("--max-growth-mib-per-hour", type=float, default=60.0)
+    parser.add_argument(
+        "--tracemalloc", action="store_true", help="trace the server's Python heap (slower)"
+    )
     parser.add_argument("--out", default=str(REPO / "bench/results/soak"))
     args = parser.parse_args(argv)
     result = run(args)

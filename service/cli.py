@@ -10,7 +10,6 @@ import argparse
 import importlib
 import importlib.util
 import json
-import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -21,6 +20,7 @@ import yaml
 from pydantic import BaseModel
 
 from service.client import ApiError, Client
+from service.logs import add_log_format_option, configure_logging, json_logging_config
 from service.wire import ParetoFront, StudySummary, TrialOut
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
@@ -49,6 +49,7 @@ def _settings(args: argparse.Namespace) -> Any:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run the server with uvicorn, after checking the database is migrated."""
     import uvicorn
+    from uvicorn.config import LOGGING_CONFIG
 
     from service.app import create_app
     from service.db import NotMigrated, make_engine, require_migrated
@@ -62,19 +63,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     finally:
         engine.dispose()
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(settings.log_level, args.log_format)
+    log_config: dict[str, Any] = LOGGING_CONFIG
+    factory = "service.app:create_app"
+    if args.log_format == "json":
+        # Uvicorn's and Optuna's records through the root handler too: every line is JSON
+        # (uvicorn applies log_config in each of its processes, the factory runs in each).
+        log_config = json_logging_config(settings.log_level)
+        factory = "service.cli:app_with_json_logs"
+        _optuna_logs_to_root()
     if settings.processes > 1:
         # Each process builds its app from the environment: hand it these settings there.
         os.environ.update(settings.as_environment())
         uvicorn.run(
-            "service.app:create_app",
+            factory,
             factory=True,
             workers=settings.processes,
             host=settings.host,
             port=settings.port,
             log_level=settings.log_level,
+            log_config=log_config,
             access_log=settings.access_log,
         )
         return 0
@@ -83,9 +91,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        log_config=log_config,
         access_log=settings.access_log,
     )
     return 0
+
+
+def _optuna_logs_to_root() -> None:
+    import optuna
+
+    optuna.logging.disable_default_handler()
+    optuna.logging.enable_propagation()
+
+
+def app_with_json_logs() -> Any:
+    """The app of one server process whose logs are JSON (Optuna's own handler removed)."""
+    from service.app import create_app
+
+    _optuna_logs_to_root()
+    return create_app()
 
 
 def cmd_db_upgrade(args: argparse.Namespace) -> int:
@@ -306,6 +330,7 @@ def _add_server_commands(subparsers: Any) -> None:
         "--database-url", help="default: env VRAMTUNE_DATABASE_URL or sqlite:///./vramtune.db"
     )
     serve.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    add_log_format_option(serve, default="text")
     serve.add_argument(
         "--processes", type=int, help="server processes (PostgreSQL only; env VRAMTUNE_PROCESSES)"
     )

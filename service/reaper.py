@@ -15,8 +15,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime
+from typing import Any
 
 from optuna.trial import TrialState
 from sqlalchemy import select
@@ -24,6 +25,7 @@ from sqlalchemy.orm import Session
 
 from service.fleet import fleet_transaction
 from service.leases import end, expired_lease, resolution
+from service.logs import log_event
 from service.metrics import record_reaper_action
 from service.optuna_glue import spec_of
 from service.routing import (
@@ -83,10 +85,18 @@ def _reap_one_lease(run: _Pass) -> bool:
         )
         # A trial no longer held under this lease has nothing left to re-offer.
         held = trial is not None and trial.status == "leased" and trial.worker_id == lease.worker_id
-        if held and trial is not None and not _settled_in_optuna(run, trial):
-            _retry_or_fail(session, run, lease, trial)
+        then = "not_held"
+        if held and trial is not None:
+            then = "settled"
+            if not _settled_in_optuna(run, trial):
+                _retry_or_fail(session, run, lease, trial)
+                then = "reoffered" if trial.status == "pending" else "failed"
         end(lease, run.now, resolution("reaper", stop="lease_lost"))
-        return True
+        facts: dict[str, Any] = {"trial_id": lease.trial_id, "worker_id": lease.worker_id}
+        facts |= {"lease_id": lease.id, "expired_at": lease.expires_at, "then": then}
+        facts["attempt"] = None if trial is None else trial.attempt
+    log_event(log, "lease_reaped", **facts)  # once committed
+    return True
 
 
 def _retry_or_fail(session: Session, run: _Pass, lease: LeaseRow, trial: TrialRow) -> None:
@@ -151,6 +161,9 @@ def _route_waiting(run: _Pass, trial_id: int) -> None:
         trial.status, trial.outcome, trial.message = "done", "infeasible", reason
         trial.updated_at = run.now
         run.reaped.infeasible += 1
+        log_event(
+            log, "infeasible", trial_id=trial_id, study=study_row.name, min_bytes=trial.min_bytes
+        )
 
 
 def _count(reaped: Reaped) -> None:
@@ -166,7 +179,7 @@ async def reaper_loop(state: AppState, stop: asyncio.Event) -> None:
         try:
             reaped = await asyncio.to_thread(reap_once, state)
             if reaped.leases or reaped.infeasible:
-                log.info("reaper: %s", reaped)
+                log_event(log, "reaper_pass", **asdict(reaped))
         except Exception:  # a database outage must not end the loop; the next pass retries
             log.exception("reaper pass failed")
         with suppress(TimeoutError):

@@ -7,15 +7,16 @@ step and goes back to the server as interrupted, to be re-offered, not failed.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from service.logs import log_event
 from service.wire import (
     Assignment,
     Calibration,
@@ -31,13 +32,15 @@ from service.wire import (
     Prediction,
     ReportRequest,
     StartRequest,
+    TrialAck,
     WorkerRegister,
     WorkerRegistered,
 )
 from worker import gpu
-from worker.api import LeaseLost, Rejected, ServerClient, ServerUnavailable
+from worker.api import FinalCall, LeaseLost, Rejected, ServerClient, ServerUnavailable
 from worker.policy import HandBack, choose_plan, footprint
 from worker.runner import CardSpec, OutOfMemory, RunResult, Stopped, TrialRunner
+from worker.spool import Spool, Spooled
 
 log = logging.getLogger("vramtune.worker")
 
@@ -63,6 +66,7 @@ class AgentOptions:
     exit_when_idle_s: float | None = None
     idle_poll_s: float = 1.0
     shutdown_grace_s: float = 30.0
+    spool_dir: Path | None = None
 
 
 @dataclass
@@ -132,6 +136,7 @@ class Agent:
         self._heartbeats: threading.Thread | None = None
         self._heartbeats_stop = threading.Event()
         self._beat_now = threading.Event()
+        self.spool = None if options.spool_dir is None else Spool(options.spool_dir)
 
     # ------------------------------------------------------------ life cycle
 
@@ -154,6 +159,7 @@ class Agent:
                 target=self._heartbeat_loop, name="vramtune-heartbeat", daemon=True
             )
             self._heartbeats.start()
+            self._replay_spool()
         return self.registered
 
     def close(self) -> None:
@@ -201,7 +207,7 @@ class Agent:
         self.trials_run += 1
         # Renew the new lease at once: it started ticking before a slow answer reached us.
         self._beat_now.set()
-        self.event("assigned", assignment, attempt=assignment.attempt, params=assignment.params)
+        self.event("leased", assignment, attempt=assignment.attempt, params=assignment.params)
         try:
             self._run_trial(assignment)
         except LeaseLost as error:
@@ -299,7 +305,7 @@ class Agent:
             duration_s=result.duration_s,
             samples_per_s=result.samples_per_s,
         )
-        ack = self.client.complete(assignment.trial_id, request, retry_for_s=self._delivery_s())
+        ack = self._deliver("complete", assignment, request)
         self.event(
             "completed",
             assignment,
@@ -341,7 +347,7 @@ class Agent:
             prediction=prediction,
             measured=measured,
         )
-        ack = self.client.fail(assignment.trial_id, request, retry_for_s=self._delivery_s())
+        ack = self._deliver("fail", assignment, request)
         self.event(
             "failed",
             assignment,
@@ -358,7 +364,7 @@ class Agent:
             plan=decision.plan,
             reason=decision.reason[:4096],
         )
-        ack = self.client.hand_back(assignment.trial_id, request, retry_for_s=self._delivery_s())
+        ack = self._deliver("handback", assignment, request)
         self.event(
             "handed_back",
             assignment,
@@ -378,17 +384,17 @@ class Agent:
         return free if limit is None else min(free, limit)
 
     def event(self, name: str, assignment: Assignment | None = None, **fields: Any) -> None:
-        """One structured log line (JSON) with the worker's and the trial's ids."""
-        line: dict[str, Any] = {"event": name, "worker": self.options.name}
+        """One structured log line (service.logs) with the worker's and the trial's ids."""
+        ids: dict[str, Any] = {"worker": self.options.name}
         if self.registered is not None:
-            line["worker_id"] = self.registered.worker_id
+            ids["worker_id"] = self.registered.worker_id
         if assignment is not None:
-            line |= {
+            ids |= {
                 "trial_id": assignment.trial_id,
                 "number": assignment.number,
                 "study": assignment.study,
             }
-        log.info(json.dumps(line | fields, default=str))
+        log_event(log, name, **(ids | fields))
 
     def _registration(self) -> WorkerRegister:
         return WorkerRegister(
@@ -408,6 +414,76 @@ class Agent:
             return self.client.calibration(self.card.info.model, torch_version, task)
         except (ServerUnavailable, Rejected, LeaseLost):
             return None
+
+    def _deliver(
+        self,
+        call: FinalCall,
+        assignment: Assignment,
+        request: CompleteRequest | FailRequest | HandBackRequest,
+    ) -> TrialAck:
+        """Send a trial's final call until the server answers it, kept in the spool meanwhile.
+
+        The agent takes no new trial before that. A shutdown that finds the server still away
+        after its grace period leaves the call in the spool (if any) for the next start.
+        """
+        kept = None if self.spool is None else self.spool.keep(call, assignment.trial_id, request)
+        queued_at: list[float] = []
+
+        def queued(problem: str) -> None:
+            if not queued_at:  # said once: the retries themselves are logged by the client
+                queued_at.append(time.monotonic())
+                where = None if kept is None else str(kept.path)
+                self.event("result_queued", assignment, call=call, problem=problem, spool=where)
+
+        try:
+            ack = self.client.deliver(
+                call,
+                assignment.trial_id,
+                request,
+                retry_for_s=self._delivery_s(),
+                on_retry=queued,
+            )
+        except ServerUnavailable:
+            where = None if kept is None else str(kept.path)
+            self.event("result_kept" if kept else "result_lost", assignment, call=call, spool=where)
+            raise
+        except (LeaseLost, Rejected):
+            self._answered(kept)
+            raise
+        self._answered(kept)
+        if queued_at:
+            waited = round(time.monotonic() - queued_at[0], 3)
+            self.event(
+                "delivered", assignment, call=call, resolution=ack.resolution, waited_s=waited
+            )
+        return ack
+
+    def _answered(self, kept: Spooled | None) -> None:
+        if self.spool is not None and kept is not None:
+            self.spool.answered(kept)
+
+    def _replay_spool(self) -> None:
+        """Send the final calls an earlier run of this worker kept but never had answered."""
+        if self.spool is None:
+            return
+        models: dict[str, type[CompleteRequest | FailRequest | HandBackRequest]] = {
+            "complete": CompleteRequest,
+            "fail": FailRequest,
+            "handback": HandBackRequest,
+        }
+        for kept in self.spool.pending():
+            body = models[kept.call].model_validate(kept.body)
+            facts: dict[str, Any] = {"trial_id": kept.trial_id, "call": kept.call}
+            facts["kept_s"] = round(time.time() - kept.kept_at, 1)
+            try:
+                ack = self.client.deliver(kept.call, kept.trial_id, body, cancel=self.stop)
+            except LeaseLost as error:  # re-offered meanwhile: the trial is another's now
+                self.event("replay_refused", **facts, detail=str(error))
+            except Rejected as error:
+                self.event("replay_rejected", **facts, status=error.status_code, detail=str(error))
+            else:
+                self.event("delivered", **facts, replayed=True, resolution=ack.resolution)
+            self.spool.answered(kept)
 
     def _delivery_s(self) -> float | None:
         """Outcomes are retried until delivered, except for a grace period when shutting down."""

@@ -13,12 +13,13 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, Literal, TypeVar
 
 import httpx
 from pydantic import BaseModel
 
+from service.logs import log_event
 from service.wire import (
     API_PREFIX,
     Assignment,
@@ -39,6 +40,10 @@ from service.wire import (
 
 log = logging.getLogger("vramtune.worker.api")
 Model = TypeVar("Model", bound=BaseModel)
+# The calls that carry a trial's outcome and end its lease; each is answered once per lease
+# (a repeat gets the stored answer), so they are retried until the server takes them.
+FinalCall = Literal["complete", "fail", "handback"]
+OnRetry = Callable[[str], None]
 
 
 class LeaseLost(Exception):
@@ -140,17 +145,34 @@ class ServerClient:
         self, trial_id: int, body: CompleteRequest, retry_for_s: float | None = None
     ) -> TrialAck:
         """The trial's value(s); retried until delivered (idempotent under the same lease)."""
-        return self._trial(TrialAck, trial_id, "complete", body, retry_for_s)
+        return self.deliver("complete", trial_id, body, retry_for_s=retry_for_s)
 
     def fail(self, trial_id: int, body: FailRequest, retry_for_s: float | None = None) -> TrialAck:
         """The trial could not finish: OOM, error, interrupted or pruned."""
-        return self._trial(TrialAck, trial_id, "fail", body, retry_for_s)
+        return self.deliver("fail", trial_id, body, retry_for_s=retry_for_s)
 
     def hand_back(
         self, trial_id: int, body: HandBackRequest, retry_for_s: float | None = None
     ) -> TrialAck:
         """The trial does not fit this card; the server routes it."""
-        return self._trial(TrialAck, trial_id, "handback", body, retry_for_s)
+        return self.deliver("handback", trial_id, body, retry_for_s=retry_for_s)
+
+    def deliver(
+        self,
+        call: FinalCall,
+        trial_id: int,
+        body: CompleteRequest | FailRequest | HandBackRequest,
+        *,
+        retry_for_s: float | None = None,
+        cancel: threading.Event | None = None,
+        on_retry: OnRetry | None = None,
+    ) -> TrialAck:
+        """A trial's final call, retried until answered; ``on_retry(problem)`` before each retry."""
+        path = f"/trials/{trial_id}/{call}"
+        response = self._send(
+            "POST", path, body, retry_for_s=retry_for_s, cancel=cancel, on_retry=on_retry
+        )
+        return TrialAck.model_validate_json(response.content)
 
     def _trial(
         self,
@@ -188,6 +210,7 @@ class ServerClient:
         params: dict[str, str] | None = None,
         retry_for_s: float | None = None,
         cancel: threading.Event | None = None,
+        on_retry: OnRetry | None = None,
     ) -> httpx.Response:
         """One call, retried on transport errors and 5xx until `retry_for_s` or `cancel`."""
         content = None if body is None else body.model_dump_json().encode()
@@ -206,7 +229,16 @@ class ServerClient:
                 problem = f"HTTP {response.status_code}"
             if deadline is not None and time.monotonic() + delay > deadline:
                 raise ServerUnavailable(f"{method} {path}: {problem}")
-            log.warning("%s %s failed (%s); retrying in %.2fs", method, path, problem, delay)
+            log_event(
+                log,
+                "retrying",
+                level=logging.WARNING,
+                call=f"{method} {path}",
+                problem=problem,
+                delay_s=round(delay, 2),
+            )
+            if on_retry is not None:
+                on_retry(problem)
             if cancel is not None and cancel.wait(delay):
                 raise ServerUnavailable(f"{method} {path}: cancelled after {problem}")
             if cancel is None:

@@ -16,8 +16,10 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
 
+from service.logs import LogFormat, add_log_format_option, configure_logging
 from worker import gpu
 
 log = logging.getLogger("vramtune.worker")
@@ -64,6 +66,15 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     worker.add_argument(
         "--poll", type=float, default=1.0, metavar="SECONDS", help="wait between empty asks"
     )
+    worker.add_argument(
+        "--spool",
+        type=Path,
+        metavar="DIR",
+        help="keep each trial's final call in DIR until the server answers it, and send what an "
+        "earlier run left there at start (one DIR per worker process)",
+    )
+    # JSON by default: worker logs are read by tools (and tests) as one event per line.
+    add_log_format_option(worker, default="json")
     worker.set_defaults(func=worker_command)
 
     tasks = subparsers.add_parser("tasks", help="list the tasks a worker here would advertise")
@@ -82,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def worker_command(args: argparse.Namespace) -> int:
     """Run one worker (or, with --all-gpus, one per card) until SIGTERM/SIGINT."""
-    _configure_logging()
+    _configure_logging(args.log_format)
     if not args.server:
         print("vramtune worker: --server or VRAMTUNE_SERVER is required", file=sys.stderr)
         return 2
@@ -127,6 +138,7 @@ def _run_one(args: argparse.Namespace) -> int:
         max_trials=args.max_trials,
         exit_when_idle_s=args.exit_when_idle,
         idle_poll_s=args.poll,
+        spool_dir=args.spool,
     )
     if stop.is_set():
         return 0
@@ -175,6 +187,9 @@ def _child_argv(args: argparse.Namespace, index: int) -> list[str]:
         argv += ["--max-trials", str(args.max_trials)]
     if args.exit_when_idle is not None:
         argv += ["--exit-when-idle", str(args.exit_when_idle)]
+    if args.spool is not None:
+        argv += ["--spool", str(args.spool / f"cuda{index}")]
+    argv += ["--log-format", args.log_format]
     return argv
 
 
@@ -228,11 +243,8 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(error)) from error
 
 
-def _configure_logging() -> None:
-    level = os.environ.get("VRAMTUNE_LOG_LEVEL", "INFO").upper()
-    logging.basicConfig(
-        level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr
-    )
+def _configure_logging(log_format: LogFormat) -> None:
+    configure_logging(os.environ.get("VRAMTUNE_LOG_LEVEL", "INFO"), log_format)
     # httpx logs every request at INFO; the agent logs what matters.
     logging.getLogger("httpx").setLevel(logging.WARNING)
 

@@ -38,14 +38,19 @@ from service.wire import API_PREFIX
 
 REPO = Path(__file__).resolve().parents[2]
 PATIENCE_S = 150.0  # a failure bound for what takes seconds; never an assertion on time
-# Short periods, so that a killed worker's lease is reaped in seconds (a lease must still
-# outlive a slow call on a loaded 2-core machine).
+# Short periods, so that a killed worker's lease is reaped in seconds. A lease must still
+# outlive a stalled heartbeat on a loaded 2-core machine: with a 4 s lease and heartbeats every
+# 0.5 s (64 a second from 32 workers), a third of the leases of a 32-worker run expired under
+# load and their trials ran twice.
 FAST_FLEET = {
-    "lease_ttl_s": 4.0,
-    "heartbeat_interval_s": 0.5,
+    "lease_ttl_s": 10.0,
+    "heartbeat_interval_s": 1.0,
     "reaper_interval_s": 0.5,
-    "worker_stale_s": 4.0,
+    "worker_stale_s": 10.0,
 }
+# A worker exits when it has had no work for this long: only a net for a test that dies
+# without its teardown. A shorter one ended workers while re-offered trials were still to come.
+IDLE_EXIT_S = "600"
 
 
 # ---------------------------------------------------------------- workers
@@ -64,25 +69,27 @@ class WorkerProcess:
         return self.process.poll() is None
 
     def events(self) -> list[dict[str, Any]]:
-        """The structured (JSON) events it logged: registered, assigned, completed, ..."""
-        found = []
-        for line in self.log_path.read_text(errors="replace").splitlines():
-            start = line.find('{"event"')
-            if start >= 0:
-                try:
-                    found.append(json.loads(line[start:]))
-                except json.JSONDecodeError:  # a line cut short by SIGKILL
-                    continue
-        return found
+        """The events of its JSON log lines (service.logs): registered, leased, completed, ..."""
+        return json_events(self.log_path)
 
-    def running_a_trial(self) -> bool:
-        """Whether its last event says a trial started and has not ended."""
-        events = self.events()
-        return bool(events) and events[-1]["event"] == "started"
+    def worker_id(self) -> int:
+        """The id the server gave it (from its "registered" event)."""
+        return int(next(e["worker_id"] for e in self.events() if e["event"] == "registered"))
 
     def logs(self) -> str:
         """Everything it wrote."""
         return self.log_path.read_text(errors="replace")
+
+    def wait_for_event(self, name: str, timeout_s: float = PATIENCE_S) -> dict[str, Any]:
+        """The first event of that name it logs; fails if it exits or ``timeout_s`` passes."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = [e for e in self.events() if e["event"] == name]
+            if found:
+                return found[0]
+            if not self.alive() or time.monotonic() > deadline:
+                pytest.fail(f"{self.name} never logged {name!r}:\n{self.logs()[-4000:]}")
+            time.sleep(0.05)
 
 
 class Fleet:
@@ -94,15 +101,17 @@ class Fleet:
 
     def start(self, server: str, count: int, *options: str) -> list[WorkerProcess]:
         """``count`` workers on a server, each a simulated 1 GiB card running the quadratic task."""
-        started = [self._start_one(server, options) for _ in range(count)]
-        self.workers += started
-        return started
+        return [self.start_one(server, *options) for _ in range(count)]
 
-    def _start_one(self, server: str, options: tuple[str, ...]) -> WorkerProcess:
-        name = f"rel-{len(self.workers)}-{uuid.uuid4().hex[:4]}"
+    def start_one(self, server: str, *options: str, name: str | None = None) -> WorkerProcess:
+        """One worker; its name is ``rel-<index>-<random>`` unless given."""
+        name = name or f"rel-{len(self.workers)}-{uuid.uuid4().hex[:4]}"
         command = [sys.executable, "-m", "worker.cli", "worker", "--server", server]
-        command += ["--device", "cpu", "--memory-limit", "1GiB", "--poll", "0.2", "--name", name]
-        command += ["--tasks", "worker.tasks.quadratic", "--no-entry-points", *options]
+        # An idle worker asks for work twice a second: 32 asking 5 times a second slowed the
+        # server enough for heartbeats to miss their leases.
+        command += ["--device", "cpu", "--memory-limit", "1GiB", "--poll", "0.5", "--name", name]
+        command += ["--tasks", "worker.tasks.quadratic", "--no-entry-points"]
+        command += ["--log-format", "json", "--exit-when-idle", IDLE_EXIT_S, *options]
         log_path = self.log_dir / f"{name}.log"
         with log_path.open("ab") as log:
             process = subprocess.Popen(
@@ -112,25 +121,40 @@ class Fleet:
                 cwd=REPO,
                 env={**os.environ, "PYTHONUNBUFFERED": "1", "VRAMTUNE_LOG_LEVEL": "INFO"},
             )
-        return WorkerProcess(name, log_path, process)
+        self.workers.append(WorkerProcess(name, log_path, process))
+        return self.workers[-1]
 
-    def kill_random(self, rng: random.Random) -> WorkerProcess | None:
-        """SIGKILL a random live worker, one running a trial if any is; None when none is left."""
-        live = [w for w in self.workers if w.alive()]
-        busy = [w for w in live if w.running_a_trial()]
-        if not live:
-            return None
-        victim = rng.choice(busy or live)
-        victim.process.kill()
-        victim.process.wait()
-        return victim
+    def kill_busy(
+        self, rng: random.Random, timeout_s: float = PATIENCE_S
+    ) -> tuple[WorkerProcess, int]:
+        """SIGKILL a random live worker that is running a trial (waiting for one to be); the
+        worker and the trial it had started."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            last = {
+                w.name: (w.events() or [{"event": None}])[-1] for w in self.workers if w.alive()
+            }
+            busy = {name: e for name, e in last.items() if e["event"] == "started"}
+            if busy:
+                name = rng.choice(sorted(busy))
+                victim = next(w for w in self.workers if w.name == name)
+                victim.process.kill()
+                victim.process.wait()
+                return victim, int(busy[name]["trial_id"])
+            if time.monotonic() > deadline:
+                pytest.fail(f"no worker was running a trial for {timeout_s:.0f} s")
+            time.sleep(0.05)
 
     def events(self) -> list[dict[str, Any]]:
-        """Every worker's events."""
+        """Every worker's events (stop_all first: a live worker may not have logged its last)."""
         return [event for worker in self.workers for event in worker.events()]
 
     def stop_all(self) -> dict[str, int]:
-        """SIGTERM every live worker; exit code by name (-9 for those killed)."""
+        """SIGTERM every live worker and wait for it; exit code by name (-9 for those killed).
+
+        The server commits a call before the worker hears the answer and logs it: read the
+        events after this, never as soon as the database shows the study done.
+        """
         for worker in self.workers:
             if worker.alive():
                 worker.process.send_signal(signal.SIGTERM)
@@ -142,6 +166,21 @@ class Fleet:
                 worker.process.kill()
                 codes[worker.name] = worker.process.wait()
         return codes
+
+
+def json_events(path: Path) -> list[dict[str, Any]]:
+    """The events (objects with an "event" key) of a log of JSON lines (``--log-format json``)."""
+    found = []
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by SIGKILL
+            continue
+        if isinstance(record, dict) and "event" in record:
+            found.append(record)
+    return found
 
 
 # ---------------------------------------------------------------- a TCP proxy we can cut
@@ -363,9 +402,9 @@ def wait_for_finished(url: str, study: str, count: int) -> Outcome:
 def assert_accounted(outcome: Outcome, n_trials: int) -> None:
     """The budget exactly, every trial COMPLETE or FAIL with a reason, numbers told once, no
     trial held by two leases at once, and no lease left active."""
-    orphans = [t.number for t in outcome.trials if t._trial_id not in outcome.rows]
+    orphans = [(t.number, t.state.name) for t in outcome.trials if t._trial_id not in outcome.rows]
     # An ask Optuna committed whose vramtune transaction was lost (server killed, database gone)
-    assert orphans == [], f"Optuna trials {orphans} have no vramtune row: asked, never leased"
+    assert orphans == [], f"Optuna trials (number, state) {orphans} have no vramtune row"
     assert len(outcome.trials) == n_trials, f"{len(outcome.trials)} trials for {n_trials}"
     assert sorted(t.number for t in outcome.trials) == list(range(n_trials))
     states = outcome.states()

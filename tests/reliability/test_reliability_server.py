@@ -6,8 +6,10 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
+import pytest
 from reliability_helpers import (
     FAST_FLEET,
     Fleet,
@@ -16,12 +18,13 @@ from reliability_helpers import (
     assert_accounted,
     completed_by_workers,
     create_study,
+    read_outcome,
     wait_for_budget,
     wait_for_finished,
 )
 from sqlalchemy import make_url
 
-from service.testing import ServerFactory, upgrade_database
+from service.testing import ServerFactory, sqlite_url, upgrade_database
 from service.wire import API_PREFIX
 
 # A lease outlives the outages below, so a worker's result is delivered, not re-run.
@@ -37,14 +40,17 @@ def test_server_killed_and_restarted_loses_nothing(
     server = start_server(url, **PATIENT_FLEET)
     n_trials = 32
     study = create_study(server.url, n_trials, step_seconds=0.02)
-    fleet.start(server.url, 8, "--exit-when-idle", "30")
+    fleet.start(server.url, 8)
     before = wait_for_finished(url, study, n_trials // 3)
 
     server.kill()
     time.sleep(2.0)  # workers meet a dead server and back off
     server.start()
     outcome = wait_for_budget(url, study, n_trials)
+    gave_up = [w.name for w in fleet.workers if not w.alive()]
+    fleet.stop_all()
 
+    assert gave_up == [], "a worker gave up on the restarted server"
     assert_accounted(outcome, n_trials)
     assert outcome.states() == {"COMPLETE": n_trials}
     after = {t._trial_id: t for t in outcome.trials}
@@ -52,7 +58,6 @@ def test_server_killed_and_restarted_loses_nothing(
         if trial.state.name == "COMPLETE":  # a completed trial is never lost nor re-run
             assert after[trial._trial_id].values == trial.values
             assert outcome.rows[trial._trial_id].attempt == 0
-    assert all(w.alive() for w in fleet.workers), "a worker gave up on the restarted server"
     assert set(completed_by_workers(fleet.events()).values()) == {1}
 
 
@@ -66,15 +71,17 @@ def test_two_replicas_never_assign_a_trial_twice(
     n_trials = 48
     study = create_study(replicas[0].url, n_trials)
     with LeaseAuditor(url) as auditor:
-        for replica in replicas:
-            fleet.start(replica.url, 16, "--exit-when-idle", "30")
+        for _ in range(16):  # alternately, so that neither replica's half starts first
+            for replica in replicas:
+                fleet.start_one(replica.url)
         outcome = wait_for_budget(url, study, n_trials)
+    fleet.stop_all()
 
     assert auditor.polls > 0 and auditor.doubles == [], f"two active leases: {auditor.doubles}"
 
     assert_accounted(outcome, n_trials)  # leases of a trial follow one another; told once
     assert outcome.states() == {"COMPLETE": n_trials}
-    assigned = Counter(e["trial_id"] for e in fleet.events() if e["event"] == "assigned")
+    assigned = Counter(e["trial_id"] for e in fleet.events() if e["event"] == "leased")
     assert set(assigned) == {t._trial_id for t in outcome.trials}
     for trial_id, leases in outcome.leases.items():
         # More than one lease only after a lost one (a heartbeat too late on a loaded machine).
@@ -82,10 +89,7 @@ def test_two_replicas_never_assign_a_trial_twice(
         assert all((lease.resolution or {}).get("call") == "reaper" for lease in leases[:-1])
     by_replica = {
         replica.url: {
-            e["trial_id"]
-            for w in fleet.workers[i * 16 : (i + 1) * 16]
-            for e in w.events()
-            if e["event"] == "assigned"
+            e["trial_id"] for w in fleet.workers[i::2] for e in w.events() if e["event"] == "leased"
         }
         for i, replica in enumerate(replicas)
     }
@@ -116,9 +120,9 @@ def register_probe(server_url: str) -> int:
 
 def test_database_outage_is_503_and_results_wait_for_its_return(
     postgres_url: str,
+    tcp_proxy: Callable[[str, int], TcpProxy],  # first: torn down last, after the workers
     start_server: ServerFactory,
     fleet: Fleet,
-    tcp_proxy: Callable[[str, int], TcpProxy],
 ) -> None:
     """The database cut off: 503s (never 500), the server recovers by itself, and the results
     workers finished meanwhile are delivered afterwards (not lost, not re-run)."""
@@ -131,21 +135,59 @@ def test_database_outage_is_503_and_results_wait_for_its_return(
     # No intermediate reports: a worker whose run ends during the outage holds its result.
     study = create_study(server.url, n_trials, step_seconds=0.03, reports=False)
     probe = register_probe(server.url)
-    fleet.start(server.url, 8, "--exit-when-idle", "30")
+    fleet.start(server.url, 8)
     wait_for_finished(url, study, 8)
 
     proxy.cut()
     during = statuses_during(server.url, probe, study, OUTAGE_S)
     proxy.restore()
     outcome = wait_for_budget(url, study, n_trials)
+    fleet.stop_all()
 
     assert during == {503}, f"answers while the database was away: {during}"
     assert_accounted(outcome, n_trials)
     assert outcome.states() == {"COMPLETE": n_trials}
     assert all(row.attempt == 0 for row in outcome.rows.values()), "a result was re-run"
-    assert "/complete failed (HTTP 503)" in "".join(w.logs() for w in fleet.workers), (
-        "no worker had a result to keep during the outage: the test tested nothing"
-    )
+    events = fleet.events()
+    queued = {e["trial_id"] for e in events if e["event"] == "result_queued"}
+    assert queued, "no worker had a result to keep during the outage: the test tested nothing"
+    delivered = {e["trial_id"] for e in events if e["event"] == "delivered"}
+    assert queued <= delivered, f"kept, never delivered: {queued - delivered}"
+    values = {t._trial_id: t.values for t in outcome.trials}
+    for event in events:  # what was kept is what Optuna holds, told once
+        if event["event"] == "completed" and event["trial_id"] in queued:
+            assert values[event["trial_id"]] == event["values"]
+            assert event["resolution"] == "complete"
     metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
     assert 'status="503"' in metrics
     assert 'status="500"' not in metrics
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="server bug, reported: a heartbeat renews every active lease of its worker, also one "
+    "granted by a next whose answer never reached the worker (server killed after the commit, "
+    "a client timeout); the worker never runs that trial and the lease never expires",
+)
+def test_a_lease_whose_answer_was_lost_is_not_held_forever(
+    tmp_path: Path, start_server: ServerFactory
+) -> None:
+    """A next answered but not heard, then the worker heartbeats and asks again: the trial of
+    the lost answer is offered again to it, or its lease ends; never held by nobody."""
+    url = upgrade_database(sqlite_url(tmp_path))
+    # Heartbeats far more often than the lease lives: a loaded machine cannot make it expire.
+    server = start_server(url, lease_ttl_s=6.0, heartbeat_interval_s=0.3, reaper_interval_s=0.3)
+    study = create_study(server.url, 4)
+    card = {"model": "c", "total_bytes": 2**30, "free_bytes": 2**30, "simulated": True}
+    body = {"name": "deaf", "device": "cpu", "card": card, "tasks": ["quadratic"]}
+    with httpx.Client(base_url=server.url + API_PREFIX, timeout=30) as client:
+        worker = client.post("/workers", json=body).json()["worker_id"]
+        lost = client.post(f"/workers/{worker}/next", json={"free_bytes": 2**30}).json()
+        alive_until = time.monotonic() + 8.0  # longer than the lease lives
+        while time.monotonic() < alive_until:
+            assert client.post(f"/workers/{worker}/heartbeat", json={}).status_code == 200
+            time.sleep(0.3)
+        again = client.post(f"/workers/{worker}/next", json={"free_bytes": 2**30}).json()
+
+    leases = read_outcome(url, study).leases[lost["trial_id"]]
+    assert again["trial_id"] == lost["trial_id"] or not leases[0].active
