@@ -2,7 +2,9 @@
 # from the PyTorch index of your choice (TORCH_INDEX); the service target has no torch at all.
 FROM python:3.11-slim AS base
 WORKDIR /app
-ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
+# MALLOC_ARENA_MAX=2: glibc's per-thread arenas grew the server's RSS in steps under a fleet's
+# calls (bench/results/soak.md: +69 MiB/h by default, flat with 2 arenas; Python's heap flat).
+ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 MALLOC_ARENA_MAX=2
 COPY pyproject.toml README.md ./
 COPY service ./service
 COPY worker ./worker

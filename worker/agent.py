@@ -133,6 +133,10 @@ class Agent:
         self.registered: WorkerRegistered | None = None
         self.trials_run = 0
         self._running: _Running | None = None
+        # The trial this worker holds, from next's answer until its final call is settled:
+        # heartbeats name it, and the server renews that lease only (a lease whose answer
+        # never reached us then expires and its trial is offered again).
+        self._held: int | None = None
         self._heartbeats: threading.Thread | None = None
         self._heartbeats_stop = threading.Event()
         self._beat_now = threading.Event()
@@ -205,6 +209,7 @@ class Agent:
         if assignment is None:
             return False
         self.trials_run += 1
+        self._held = assignment.trial_id
         # Renew the new lease at once: it started ticking before a slow answer reached us.
         self._beat_now.set()
         self.event("leased", assignment, attempt=assignment.attempt, params=assignment.params)
@@ -214,6 +219,8 @@ class Agent:
             self.event("lease_lost", assignment, detail=str(error))
         except Rejected as error:
             self.event("rejected", assignment, status=error.status_code, detail=str(error.detail))
+        finally:
+            self._held = None
         return True
 
     # ------------------------------------------------------------ one trial
@@ -500,7 +507,7 @@ class Agent:
             try:
                 reply = self.client.heartbeat(
                     self.registered.worker_id,
-                    Heartbeat(free_bytes=self.free_bytes()),
+                    Heartbeat(free_bytes=self.free_bytes(), trials=self._held_trials()),
                     retry_for_s=interval,
                 )
             except (ServerUnavailable, LeaseLost, Rejected) as error:
@@ -511,6 +518,10 @@ class Agent:
                 if running is not None and order.trial_id == running.assignment.trial_id:
                     running.stop_reason = order.reason
                     self.event("stop_ordered", running.assignment, reason=order.reason)
+
+    def _held_trials(self) -> list[int]:
+        held = self._held
+        return [] if held is None else [held]
 
     def _reached_max_trials(self) -> bool:
         return self.options.max_trials is not None and self.trials_run >= self.options.max_trials
