@@ -75,24 +75,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if settings.processes > 1:
         # Each process builds its app from the environment: hand it these settings there.
         os.environ.update(settings.as_environment())
-        uvicorn.run(
-            factory,
-            factory=True,
-            workers=settings.processes,
-            host=settings.host,
-            port=settings.port,
-            log_level=settings.log_level,
-            log_config=log_config,
-            access_log=settings.access_log,
-        )
-        return 0
+        app: Any = factory
+        processes: dict[str, Any] = {"factory": True, "workers": settings.processes}
+    else:
+        app, processes = create_app(settings), {}
     uvicorn.run(
-        create_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
         log_config=log_config,
         access_log=settings.access_log,
+        **processes,
     )
     return 0
 

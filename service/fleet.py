@@ -16,7 +16,6 @@ from contextlib import contextmanager, nullcontext
 from datetime import datetime
 from typing import Literal
 
-from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial
 from sqlalchemy import case, func, or_, select
 from sqlalchemy.orm import Session
@@ -26,7 +25,7 @@ from service.db import is_sqlite
 from service.drafts import draft_trial
 from service.errors import Conflict, NotFound
 from service.leases import active_leases, end, ended_since, grant, renew, resolution
-from service.optuna_glue import spec_of, strategy
+from service.optuna_glue import asked_trial, spec_of, strategy
 from service.routing import plans_on, reoffer
 from service.settings import Settings
 from service.state import AppState
@@ -37,7 +36,6 @@ from service.wire import (
     Heartbeat,
     HeartbeatReply,
     NextRequest,
-    ParamValue,
     PlanOut,
     StopOrder,
     WorkerList,
@@ -269,7 +267,7 @@ def _lease(
         lease_expires_at=lease.expires_at,
         study=row.name,
         task=row.task,
-        params=_params(state.storage, trial),
+        params=asked_trial(state.storage, row, trial).params,
         task_config=spec.task_config,
         budget=spec.budget,
         memory_policy=spec.memory_policy,
@@ -279,14 +277,6 @@ def _lease(
             PlanOut.model_validate(plan) for plan in plans_on(trial.plans_tried, worker.card_model)
         ],
     )
-
-
-def _params(storage: BaseStorage, trial: TrialRow) -> dict[str, ParamValue]:
-    """The trial's parameters: on its row, or (rows from before migration 0002) in Optuna's."""
-    if trial.params is not None:
-        return trial.params
-    params: dict[str, ParamValue] = storage.get_trial(trial.trial_id).params
-    return params
 
 
 def _open_studies(
@@ -323,8 +313,14 @@ def _offered(session: Session, worker: WorkerRow, studies: Sequence[StudyRow]) -
 
 def _budgets_left(session: Session, studies: Sequence[StudyRow]) -> list[tuple[StudyRow, int]]:
     """The studies that have trials of their budget left to ask, with how many."""
-    lefts = [(row, spec_of(row).n_trials - _trials_used(session, row.study_id)) for row in studies]
+    lefts = [(row, _budget_left(session, row)) for row in studies]
     return [(row, left) for row, left in lefts if left > 0]
+
+
+def _budget_left(session: Session, row: StudyRow) -> int:
+    """Trials of the study's budget not asked yet (vramtune asks every trial of its studies)."""
+    used = select(func.count()).select_from(TrialRow).where(TrialRow.study_id == row.study_id)
+    return spec_of(row).n_trials - int(session.scalar(used) or 0)
 
 
 def _ask_count(session: Session, row: StudyRow, left: int) -> int:
@@ -335,12 +331,6 @@ def _ask_count(session: Session, row: StudyRow, left: int) -> int:
         TrialRow.study_id == row.study_id, TrialRow.status == "leased"
     )
     return max(1, min(left, ASK_AHEAD_MAX, int(session.scalar(running) or 0) // 2))
-
-
-def _trials_used(session: Session, study_id: int) -> int:
-    """Trials of the study's budget already asked (vramtune asks every trial of its studies)."""
-    query = select(func.count()).select_from(TrialRow).where(TrialRow.study_id == study_id)
-    return int(session.scalar(query) or 0)
 
 
 def _record_asked(
@@ -357,8 +347,9 @@ def _record_asked(
     )
     if row is None or not optuna_rows.lock_study(session, study_id):
         return []  # paused or deleted meanwhile
-    left = spec_of(row).n_trials - _trials_used(session, study_id)
-    asked = optuna_rows.insert_trials(session, study_id, drafts[: max(left, 0)], now)
+    asked = optuna_rows.insert_trials(
+        session, study_id, drafts[: max(_budget_left(session, row), 0)], now
+    )
     trials = [
         TrialRow(
             trial_id=trial._trial_id,

@@ -12,6 +12,7 @@ import sqlalchemy as sa
 
 from service.client import Client
 from service.testing import ServerFactory, upgrade_database
+from service.wire import TrialOut
 from tests.e2e.conftest import FAST_FLEET, Studies, WorkerFactory, finished
 
 N_WORKERS = 16
@@ -28,19 +29,9 @@ def test_two_servers_sixteen_workers_share_one_study_without_double_assignment(
 ) -> None:
     upgrade_database(postgres_url)
     replicas = [servers(postgres_url, **FLEET) for _ in range(2)]
-    with Client(replicas[0].url) as client:
-        studies = Studies(client)
-        name = studies.create(
-            {"x": {"type": "float", "low": -2.0, "high": 2.0}},
-            n_trials=N_TRIALS,
-            task_config={"step_seconds": 0.01},
-            budget={"max_steps": 20, "eval_every": 10},
-        )
-        workers = [start_worker(replicas[i % 2].url) for i in range(N_WORKERS)]
-        trials = studies.wait_until(name, finished(N_TRIALS), PATIENCE_S)
-        for worker in workers:
-            worker.signal(signal.SIGTERM)
-        assert [worker.wait(PATIENCE_S) for worker in workers] == [0] * N_WORKERS
+    trials = _run_to_the_end(
+        [r.url for r in replicas], start_worker, N_TRIALS, N_WORKERS, max_steps=20
+    )
     assert [t.state for t in trials] == ["COMPLETE"] * N_TRIALS
     assert sorted(t.number for t in trials) == list(range(N_TRIALS))
     assert len({t.id for t in trials}) == N_TRIALS
@@ -55,22 +46,30 @@ def test_one_server_of_two_processes_runs_a_study_to_its_end(
     upgrade_database(postgres_url)
     server = servers(postgres_url, processes=2, **FLEET)  # `vramtune serve --processes 2`
     n_trials = 24
-    with Client(server.url) as client:
+    trials = _run_to_the_end([server.url], start_worker, n_trials, 6, max_steps=10)
+    assert [t.state for t in trials] == ["COMPLETE"] * n_trials
+    assert sorted(t.number for t in trials) == list(range(n_trials))
+    _assert_one_lease_at_a_time(postgres_url, n_trials)
+
+
+def _run_to_the_end(
+    urls: list[str], start_worker: WorkerFactory, n_trials: int, n_workers: int, max_steps: int
+) -> list[TrialOut]:
+    """A study of n_trials run by n_workers spread over the servers; every worker then exits 0."""
+    with Client(urls[0]) as client:
         studies = Studies(client)
         name = studies.create(
             {"x": {"type": "float", "low": -2.0, "high": 2.0}},
             n_trials=n_trials,
             task_config={"step_seconds": 0.01},
-            budget={"max_steps": 10, "eval_every": 5},
+            budget={"max_steps": max_steps, "eval_every": max_steps // 2},
         )
-        workers = [start_worker(server.url) for _ in range(6)]
+        workers = [start_worker(urls[i % len(urls)]) for i in range(n_workers)]
         trials = studies.wait_until(name, finished(n_trials), PATIENCE_S)
         for worker in workers:
             worker.signal(signal.SIGTERM)
-        assert [worker.wait(PATIENCE_S) for worker in workers] == [0] * len(workers)
-    assert [t.state for t in trials] == ["COMPLETE"] * n_trials
-    assert sorted(t.number for t in trials) == list(range(n_trials))
-    _assert_one_lease_at_a_time(postgres_url, n_trials)
+        assert [worker.wait(PATIENCE_S) for worker in workers] == [0] * n_workers
+    return trials
 
 
 def _assert_one_lease_at_a_time(url: str, n_trials: int) -> None:
