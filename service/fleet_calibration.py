@@ -7,7 +7,7 @@ from sqlalchemy.orm import Session
 
 from service.calibration import Pair, fit_calibration
 from service.tables import MemoryObservationRow
-from service.wire import Calibration
+from service.wire import Calibration, held_peak
 
 MAX_OBSERVATIONS = 5000  # the newest ones: a fit follows the current torch and driver
 
@@ -29,7 +29,7 @@ def observed_pairs(session: Session, card_model: str, torch_version: str, task: 
         .limit(MAX_OBSERVATIONS)
     )
     return [
-        (max(p_alloc or 0, p_reserved or 0), max(m_alloc, m_reserved or 0))
+        (held_peak(p_alloc or 0, p_reserved), held_peak(m_alloc, m_reserved))
         for p_alloc, p_reserved, m_alloc, m_reserved in session.execute(query)
     ]
 

@@ -71,11 +71,6 @@ class TrialCall:
         return OptunaTell(self.session, self.storage, fenced.study, self.now)
 
 
-def peak_of(measured: Measured) -> int:
-    """The peak the card had to hold: reserved bytes when measured, else allocated."""
-    return max(measured.peak_reserved_bytes or 0, measured.peak_allocated_bytes)
-
-
 def _ack(fenced: Fenced, what: TrialResolution, detail: str = "") -> TrialAck:
     return TrialAck(trial_id=fenced.trial.trial_id, resolution=what, detail=detail)
 
@@ -163,7 +158,7 @@ def objective_values(spec: StudyCreate, body: CompleteRequest) -> list[float]:
     wanted = len(spec.objective_directions)
     values = list(body.values)
     if spec.minimize_peak_memory and len(values) == wanted - 1:
-        values.append(float(peak_of(body.measured)))
+        values.append(float(body.measured.peak_bytes))
     if len(values) != wanted:
         names = [*spec.directions, *(["peak memory"] if spec.minimize_peak_memory else [])]
         raise Invalid("values", f"expected {wanted} values ({', '.join(names)}), got {len(values)}")
@@ -177,7 +172,7 @@ def complete(call: TrialCall, trial_id: int, body: CompleteRequest) -> TrialAck:
         return fenced.replay
     spec = spec_of(fenced.study)
     values = objective_values(spec, body)  # 422 before anything is written
-    worker, peak = fenced.worker, peak_of(body.measured)
+    worker, peak = fenced.worker, body.measured.peak_bytes
     outcome = _outcome_of(body.plan, routed=fenced.trial.min_bytes > 0)
     attrs = {
         "plan": body.plan.model_dump(mode="json"),
@@ -261,6 +256,8 @@ def fail(call: TrialCall, trial_id: int, body: FailRequest) -> TrialAck:
     """OOM: retry once with a smaller plan; error: FAIL; interrupted: offer again; pruned."""
     fenced = fence(call.session, trial_id, body.lease, call.now, "fail", body.kind)
     if fenced.replay is not None:
+        if body.kind == "pruned":  # pruned by its report: the peak comes with this call
+            _keep_measured(call, fenced, body)
         return fenced.replay
     if body.kind == "oom":
         ack = _out_of_memory(call, fenced, body)
@@ -275,7 +272,31 @@ def fail(call: TrialCall, trial_id: int, body: FailRequest) -> TrialAck:
         tell_failed(call.telling(fenced), fenced.trial, reason)
         fenced.trial.outcome = "failed"
         ack = _ack(fenced, "failed", reason)
-    return _finish(call, fenced, ack, "fail", body.kind)
+    _finish(call, fenced, ack, "fail", body.kind)
+    if body.kind != "oom":  # an OOM is observed as such, with the plan it ran out under
+        _keep_measured(call, fenced, body)
+    return ack
+
+
+def _keep_measured(call: TrialCall, fenced: Fenced, body: FailRequest) -> None:
+    """A run stopped early still measured its peak: keep it on the trial and as an observation.
+
+    The worker sends `measured` only for a run that trained (at least one step). Once per lease:
+    a repeated call (a lost reply) finds the mark in the lease's resolution.
+    """
+    lease = fenced.lease
+    if body.measured is None or (lease.resolution or {}).get("measured"):
+        return
+    peak = body.measured.peak_bytes
+    write_attrs(
+        call.session,
+        fenced.trial.trial_id,
+        {"measured_peak_bytes": peak, "measured": body.measured.model_dump(mode="json")},
+    )
+    fenced.trial.measured_peak_bytes = peak
+    outcome = "failed" if body.kind == "error" else body.kind
+    observe(call, fenced, body.plan or fenced.trial.plan, body.prediction, body.measured, outcome)
+    lease.resolution = {**(lease.resolution or {}), "measured": True}  # a new dict: JSON change
 
 
 def _out_of_memory(call: TrialCall, fenced: Fenced, body: FailRequest) -> TrialAck:

@@ -406,6 +406,13 @@ class Plan(Wire):
     reason: ShortText = ""
 
 
+def held_peak(allocated: int, reserved: int | None) -> int:
+    """The one rule from two peaks to the bytes a card had to hold, for measured and predicted
+    peaks alike: what the caching allocator reserved when known, else what was allocated (the
+    larger, should a counter lag the other)."""
+    return max(reserved or 0, allocated)
+
+
 class Prediction(Wire):
     """A predicted peak and how it was reached."""
 
@@ -417,6 +424,11 @@ class Prediction(Wire):
     reason: ShortText = Field("", description="Why tracing was not possible, when it was not.")
     seconds: Finite = Field(0.0, ge=0)
 
+    @property
+    def peak_bytes(self) -> int:
+        """The bytes the card must hold for this prediction (`held_peak`)."""
+        return held_peak(self.peak_allocated_bytes, self.peak_reserved_bytes)
+
 
 class Measured(Wire):
     """Peaks measured while the trial ran."""
@@ -424,6 +436,11 @@ class Measured(Wire):
     peak_allocated_bytes: Bytes
     peak_reserved_bytes: Bytes | None = None
     nvml_peak_bytes: Bytes | None = None
+
+    @property
+    def peak_bytes(self) -> int:
+        """The bytes the card had to hold (`held_peak`): the trial's measured peak."""
+        return held_peak(self.peak_allocated_bytes, self.peak_reserved_bytes)
 
 
 class LeaseCall(Wire):

@@ -1,13 +1,16 @@
-"""The worker agent: register → heartbeat thread → next → plan → run → report, until stopped.
+"""The worker agent's loop: register → heartbeat thread → next → plan → run → report, until stopped.
 
 One agent drives one card. `run_once()` is one cycle (for tests); `run_forever(stop)` loops
 until the Event is set (SIGTERM/SIGINT in the CLI): the running trial then stops at its next
 step and goes back to the server as interrupted, to be re-offered, not failed.
+
+The parts around the loop live apart: the outcome mapping (worker/outcomes.py), delivery of a
+trial's final call with its spool (worker/delivery.py), the heartbeat thread
+(worker/heartbeat.py) and the structured log (worker/events.py).
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import threading
 import time
@@ -16,43 +19,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from service.logs import log_event
 from service.wire import (
     Assignment,
     Calibration,
     CardConstants,
     CompleteRequest,
-    FailKind,
     FailRequest,
-    HandBackRequest,
-    Heartbeat,
-    Measured,
     NextRequest,
     Plan,
     Prediction,
     ReportRequest,
     StartRequest,
-    TrialAck,
     WorkerRegister,
     WorkerRegistered,
 )
-from worker import gpu
-from worker.api import FinalCall, LeaseLost, Rejected, ServerClient, ServerUnavailable
-from worker.policy import HandBack, choose_plan, footprint
-from worker.runner import CardSpec, OutOfMemory, RunResult, Stopped, TrialRunner
-from worker.spool import Spool, Spooled
-
-log = logging.getLogger("vramtune.worker")
-
-# Why a stop order ends a trial, and what the server is told: a paused study gets its trial back
-# to offer again; a deleted study or a lost lease has nobody left to tell.
-_STOP_KINDS: dict[str, FailKind | None] = {
-    "pruned": "pruned",
-    "paused": "interrupted",
-    "interrupted": "interrupted",
-    "deleted": None,
-    "lease_lost": None,
-}
+from worker import gpu, outcomes
+from worker.api import LeaseLost, Rejected, ServerClient, ServerUnavailable
+from worker.delivery import Delivery
+from worker.events import AgentLog
+from worker.heartbeat import Heartbeats, RunningTrial
+from worker.policy import HandBack, choose_plan
+from worker.runner import CardSpec, OutOfMemory, Stopped, TrialRunner
+from worker.spool import Spool
 
 
 @dataclass
@@ -70,20 +58,15 @@ class AgentOptions:
 
 
 @dataclass
-class _Running:
-    """The trial being run now; the heartbeat thread may set `stop_reason`."""
-
-    assignment: Assignment
-    stop_reason: str | None = None
-
-
-@dataclass
 class _TrialReporter:
     """The `Reporter` a runner gets: intermediate values to the server, stop orders back."""
 
     agent: Agent
-    running: _Running
+    running: RunningTrial
     reported: list[int] = field(default_factory=list)
+    # Runners ask `stop_reason` before each step (the Reporter contract): the "go on" answers
+    # count the steps begun, so a stop after one of them ends a run that trained.
+    steps_begun: int = 0
 
     def report(self, step: int, value: float) -> bool:
         """Send one intermediate value; True when the pruner prunes the trial."""
@@ -109,7 +92,15 @@ class _TrialReporter:
         """Why the run must stop now: a stop order, or the agent shutting down."""
         if self.running.stop_reason is not None:
             return self.running.stop_reason
-        return "interrupted" if self.agent.stop.is_set() else None
+        if self.agent.stop.is_set():
+            return "interrupted"
+        self.steps_begun += 1
+        return None
+
+    @property
+    def trained(self) -> bool:
+        """Whether the run trained at least one step (or reported, which only a step does)."""
+        return self.steps_begun > 0 or bool(self.reported)
 
 
 class Agent:
@@ -132,15 +123,12 @@ class Agent:
         self.stop = stop or threading.Event()
         self.registered: WorkerRegistered | None = None
         self.trials_run = 0
-        self._running: _Running | None = None
-        # The trial this worker holds, from next's answer until its final call is settled:
-        # heartbeats name it, and the server renews that lease only (a lease whose answer
-        # never reached us then expires and its trial is offered again).
-        self._held: int | None = None
-        self._heartbeats: threading.Thread | None = None
-        self._heartbeats_stop = threading.Event()
-        self._beat_now = threading.Event()
+        self.log = AgentLog(options.name)
+        self.heartbeats = Heartbeats(client, self.free_bytes, self.log)
         self.spool = None if options.spool_dir is None else Spool(options.spool_dir)
+        self.delivery = Delivery(
+            client, self.spool, self.log, lambda: self.stop, options.shutdown_grace_s
+        )
 
     # ------------------------------------------------------------ life cycle
 
@@ -158,20 +146,15 @@ class Agent:
         """Register (once) and start the heartbeat thread."""
         if self.registered is None:
             self.registered = self.client.register(self._registration(), cancel=self.stop)
+            self.log.worker_id = self.registered.worker_id
             self.event("registered", card=self.card.info.model, free_bytes=self.free_bytes())
-            self._heartbeats = threading.Thread(
-                target=self._heartbeat_loop, name="vramtune-heartbeat", daemon=True
-            )
-            self._heartbeats.start()
-            self._replay_spool()
+            self.heartbeats.start(self.registered)
+            self.delivery.replay_spool()
         return self.registered
 
     def close(self) -> None:
         """Stop heartbeating and tell the server this worker leaves."""
-        self._heartbeats_stop.set()
-        self._beat_now.set()
-        if self._heartbeats is not None:
-            self._heartbeats.join(timeout=5.0)
+        self.heartbeats.close()
         if self.registered is not None:
             try:
                 self.client.stop_worker(self.registered.worker_id)
@@ -209,9 +192,7 @@ class Agent:
         if assignment is None:
             return False
         self.trials_run += 1
-        self._held = assignment.trial_id
-        # Renew the new lease at once: it started ticking before a slow answer reached us.
-        self._beat_now.set()
+        self.heartbeats.hold(assignment.trial_id)
         self.event("leased", assignment, attempt=assignment.attempt, params=assignment.params)
         try:
             self._run_trial(assignment)
@@ -220,7 +201,7 @@ class Agent:
         except Rejected as error:
             self.event("rejected", assignment, status=error.status_code, detail=str(error.detail))
         finally:
-            self._held = None
+            self.heartbeats.release(assignment.trial_id)
         return True
 
     # ------------------------------------------------------------ one trial
@@ -228,7 +209,8 @@ class Agent:
     def _run_trial(self, assignment: Assignment) -> None:
         runner = self.runners.get(assignment.task)
         if runner is None:
-            self._fail(assignment, "error", f"task {assignment.task!r} is not installed here")
+            message = f"task {assignment.task!r} is not installed here"
+            self._finish(assignment, outcomes.failed(assignment, "error", message))
             return
         config = {**assignment.task_config, **assignment.params}
         planning_began = time.monotonic()
@@ -243,7 +225,8 @@ class Agent:
                 self._calibration(assignment.task),
             )
         except Exception as error:  # the task's check of its configuration (TaskConfigError)
-            self._fail(assignment, "error", _message(error))
+            message = outcomes.error_message(error)
+            self._finish(assignment, outcomes.failed(assignment, "error", message))
             return
         planning_s = round(time.monotonic() - planning_began, 4)
         if isinstance(decision, HandBack):
@@ -255,12 +238,11 @@ class Agent:
                 lease=assignment.lease, plan=decision.plan, prediction=decision.prediction
             ),
         )
-        predicted = footprint(decision.prediction)
         self.event(
             "started",
             assignment,
             plan=decision.plan.reason,
-            predicted=predicted,
+            predicted=decision.prediction.peak_bytes,
             planning_s=planning_s,
         )
         self._run_planned(assignment, runner, config, decision.plan, decision.prediction)
@@ -273,105 +255,70 @@ class Agent:
         plan: Plan,
         prediction: Prediction,
     ) -> None:
-        running = _Running(assignment)
-        self._running = running
+        running = self.heartbeats.running(assignment)
+        reporter = _TrialReporter(self, running)
         began = time.monotonic()
         try:
-            result = runner.run(
-                config, plan, assignment.budget, self.card, _TrialReporter(self, running)
-            )
+            result = runner.run(config, plan, assignment.budget, self.card, reporter)
         except OutOfMemory as oom:
-            seconds = time.monotonic() - began
-            self._fail(assignment, "oom", str(oom), plan, prediction, oom.measured, seconds)
+            request = outcomes.failed(assignment, "oom", str(oom), plan, prediction, oom.measured)
+            self._finish(assignment, request, time.monotonic() - began)
         except Stopped as stopped:
-            self._stopped(assignment, str(stopped.reason), plan, prediction, stopped.measured)
+            self._stopped(assignment, stopped, plan, prediction, reporter.trained)
         except Exception as error:  # a broken configuration must fail its trial, not the worker
-            seconds = time.monotonic() - began
-            self._fail(assignment, "error", _message(error), plan, prediction, None, seconds)
+            message = outcomes.error_message(error)
+            request = outcomes.failed(assignment, "error", message, plan, prediction)
+            self._finish(assignment, request, time.monotonic() - began)
         else:
-            self._complete(assignment, result, plan, prediction)
+            self._finish(assignment, outcomes.completed(assignment, result, plan, prediction))
         finally:
-            self._running = None
-
-    def _complete(
-        self, assignment: Assignment, result: RunResult, plan: Plan, prediction: Prediction
-    ) -> None:
-        values = list(result.values)
-        if assignment.minimize_peak_memory:
-            values.append(float(peak_bytes(result.measured)))
-        if len(values) != assignment.n_objectives or not all(map(math.isfinite, values)):
-            message = f"values {values}: the study needs {assignment.n_objectives} finite ones"
-            self._fail(assignment, "error", message, plan, prediction, result.measured)
-            return
-        request = CompleteRequest(
-            lease=assignment.lease,
-            values=values,
-            plan=plan,
-            prediction=prediction,
-            measured=result.measured,
-            duration_s=result.duration_s,
-            samples_per_s=result.samples_per_s,
-        )
-        ack = self._deliver("complete", assignment, request)
-        self.event(
-            "completed",
-            assignment,
-            values=values,
-            resolution=ack.resolution,
-            measured=peak_bytes(result.measured),
-            seconds=round(result.duration_s, 3),
-        )
+            self.heartbeats.finished(running)
 
     def _stopped(
         self,
         assignment: Assignment,
-        reason: str,
+        stopped: Stopped,
         plan: Plan,
         prediction: Prediction,
-        measured: Measured | None,
+        trained: bool,
     ) -> None:
-        kind = _STOP_KINDS.get(reason, "interrupted")
-        if kind is None:
-            self.event("dropped", assignment, reason=reason)
+        request = outcomes.stopped(assignment, stopped, plan, prediction, trained)
+        if request is None:
+            self.event("dropped", assignment, reason=str(stopped.reason))
             return
-        self._fail(assignment, kind, reason, plan, prediction, measured)
+        self._finish(assignment, request)
 
-    def _fail(
+    def _finish(
         self,
         assignment: Assignment,
-        kind: FailKind,
-        message: str,
-        plan: Plan | None = None,
-        prediction: Prediction | None = None,
-        measured: Measured | None = None,
+        request: CompleteRequest | FailRequest,
         seconds: float | None = None,
     ) -> None:
-        request = FailRequest(
-            lease=assignment.lease,
-            kind=kind,
-            message=message[:4096],
-            plan=plan,
-            prediction=prediction,
-            measured=measured,
-        )
-        ack = self._deliver("fail", assignment, request)
+        """Deliver a complete or fail call and log what became of the trial."""
+        if isinstance(request, CompleteRequest):
+            ack = self.delivery.deliver("complete", assignment, request)
+            self.event(
+                "completed",
+                assignment,
+                values=request.values,
+                resolution=ack.resolution,
+                measured=request.measured.peak_bytes,
+                seconds=round(request.duration_s, 3),
+            )
+            return
+        ack = self.delivery.deliver("fail", assignment, request)
         self.event(
             "failed",
             assignment,
-            kind=kind,
-            message=message,
+            kind=request.kind,
+            message=request.message,
             resolution=ack.resolution,
             seconds=None if seconds is None else round(seconds, 3),
         )
 
     def _hand_back(self, assignment: Assignment, decision: HandBack, planning_s: float) -> None:
-        request = HandBackRequest(
-            lease=assignment.lease,
-            min_footprint_bytes=decision.min_footprint_bytes,
-            plan=decision.plan,
-            reason=decision.reason[:4096],
-        )
-        ack = self._deliver("handback", assignment, request)
+        request = outcomes.handed_back(assignment, decision)
+        ack = self.delivery.deliver("handback", assignment, request)
         self.event(
             "handed_back",
             assignment,
@@ -392,16 +339,7 @@ class Agent:
 
     def event(self, name: str, assignment: Assignment | None = None, **fields: Any) -> None:
         """One structured log line (service.logs) with the worker's and the trial's ids."""
-        ids: dict[str, Any] = {"worker": self.options.name}
-        if self.registered is not None:
-            ids["worker_id"] = self.registered.worker_id
-        if assignment is not None:
-            ids |= {
-                "trial_id": assignment.trial_id,
-                "number": assignment.number,
-                "study": assignment.study,
-            }
-        log_event(log, name, **(ids | fields))
+        self.log.event(name, assignment, **fields)
 
     def _registration(self) -> WorkerRegister:
         return WorkerRegister(
@@ -422,120 +360,9 @@ class Agent:
         except (ServerUnavailable, Rejected, LeaseLost):
             return None
 
-    def _deliver(
-        self,
-        call: FinalCall,
-        assignment: Assignment,
-        request: CompleteRequest | FailRequest | HandBackRequest,
-    ) -> TrialAck:
-        """Send a trial's final call until the server answers it, kept in the spool meanwhile.
-
-        The agent takes no new trial before that. A shutdown that finds the server still away
-        after its grace period leaves the call in the spool (if any) for the next start.
-        """
-        kept = None if self.spool is None else self.spool.keep(call, assignment.trial_id, request)
-        queued_at: list[float] = []
-
-        def queued(problem: str) -> None:
-            if not queued_at:  # said once: the retries themselves are logged by the client
-                queued_at.append(time.monotonic())
-                where = None if kept is None else str(kept.path)
-                self.event("result_queued", assignment, call=call, problem=problem, spool=where)
-
-        try:
-            ack = self.client.deliver(
-                call,
-                assignment.trial_id,
-                request,
-                retry_for_s=self._delivery_s(),
-                on_retry=queued,
-            )
-        except ServerUnavailable:
-            where = None if kept is None else str(kept.path)
-            self.event("result_kept" if kept else "result_lost", assignment, call=call, spool=where)
-            raise
-        except (LeaseLost, Rejected):
-            self._answered(kept)
-            raise
-        self._answered(kept)
-        if queued_at:
-            waited = round(time.monotonic() - queued_at[0], 3)
-            self.event(
-                "delivered", assignment, call=call, resolution=ack.resolution, waited_s=waited
-            )
-        return ack
-
-    def _answered(self, kept: Spooled | None) -> None:
-        if self.spool is not None and kept is not None:
-            self.spool.answered(kept)
-
-    def _replay_spool(self) -> None:
-        """Send the final calls an earlier run of this worker kept but never had answered."""
-        if self.spool is None:
-            return
-        models: dict[str, type[CompleteRequest | FailRequest | HandBackRequest]] = {
-            "complete": CompleteRequest,
-            "fail": FailRequest,
-            "handback": HandBackRequest,
-        }
-        for kept in self.spool.pending():
-            body = models[kept.call].model_validate(kept.body)
-            facts: dict[str, Any] = {"trial_id": kept.trial_id, "call": kept.call}
-            facts["kept_s"] = round(time.time() - kept.kept_at, 1)
-            try:
-                ack = self.client.deliver(kept.call, kept.trial_id, body, cancel=self.stop)
-            except LeaseLost as error:  # re-offered meanwhile: the trial is another's now
-                self.event("replay_refused", **facts, detail=str(error))
-            except Rejected as error:
-                self.event("replay_rejected", **facts, status=error.status_code, detail=str(error))
-            else:
-                self.event("delivered", **facts, replayed=True, resolution=ack.resolution)
-            self.spool.answered(kept)
-
-    def _delivery_s(self) -> float | None:
-        """Outcomes are retried until delivered, except for a grace period when shutting down."""
-        return self.options.shutdown_grace_s if self.stop.is_set() else None
-
-    def _heartbeat_loop(self) -> None:
-        assert self.registered is not None
-        interval = self.registered.heartbeat_interval_s
-        while True:
-            self._beat_now.wait(interval)
-            self._beat_now.clear()
-            if self._heartbeats_stop.is_set():
-                return
-            try:
-                reply = self.client.heartbeat(
-                    self.registered.worker_id,
-                    Heartbeat(free_bytes=self.free_bytes(), trials=self._held_trials()),
-                    retry_for_s=interval,
-                )
-            except (ServerUnavailable, LeaseLost, Rejected) as error:
-                self.event("heartbeat_missed", error=str(error))
-                continue
-            running = self._running
-            for order in reply.stop:
-                if running is not None and order.trial_id == running.assignment.trial_id:
-                    running.stop_reason = order.reason
-                    self.event("stop_ordered", running.assignment, reason=order.reason)
-
-    def _held_trials(self) -> list[int]:
-        held = self._held
-        return [] if held is None else [held]
-
     def _reached_max_trials(self) -> bool:
         return self.options.max_trials is not None and self.trials_run >= self.options.max_trials
 
     def _idle_too_long(self, idle_since: float) -> bool:
         limit = self.options.exit_when_idle_s
         return limit is not None and time.monotonic() - idle_since >= limit
-
-
-def peak_bytes(measured: Measured) -> int:
-    """The measured peak the card had to hold (reserved when known, else allocated)."""
-    return max(measured.peak_reserved_bytes or 0, measured.peak_allocated_bytes)
-
-
-def _message(error: BaseException) -> str:
-    text = str(error)
-    return text if text else type(error).__name__

@@ -152,7 +152,7 @@ class _Chooser:
     def below_tried(self, budget: int, plans_tried: Sequence[PlanOut]) -> int:
         """An OOM shows this card cannot hold what the tried plan was predicted to need."""
         for tried in plans_tried:
-            budget = min(budget, footprint(self.predict(_plan_of(tried))) - 1)
+            budget = min(budget, self.predict(_plan_of(tried)).peak_bytes - 1)
         return budget
 
     def cheapest(
@@ -177,7 +177,7 @@ class _Chooser:
         if not stage.micro_batch:
             plan = Plan(**stage.flags())
             prediction = self.predict(plan)
-            return (plan, prediction) if footprint(prediction) <= budget else None
+            return (plan, prediction) if prediction.peak_bytes <= budget else None
         micro = self.largest_micro_batch(stage, budget)
         if micro is None:
             return None
@@ -185,7 +185,7 @@ class _Chooser:
         micro = math.ceil(self.batch / math.ceil(self.batch / micro))
         plan = plan_for_micro_batch(self.batch, micro, **stage.flags())
         prediction = self.predict(plan)
-        return (plan, prediction) if footprint(prediction) <= budget else None
+        return (plan, prediction) if prediction.peak_bytes <= budget else None
 
     def largest_micro_batch(self, stage: _Stage, budget: int) -> int | None:
         """Ask the predictor's solver when the runner has one, else bisect on predictions."""
@@ -198,7 +198,7 @@ class _Chooser:
         return _largest_true(
             self.batch,
             lambda micro: (
-                footprint(self.predict(plan_for_micro_batch(self.batch, micro, **stage.flags())))
+                self.predict(plan_for_micro_batch(self.batch, micro, **stage.flags())).peak_bytes
                 <= budget
             ),
         )
@@ -209,7 +209,7 @@ class _Chooser:
         """Give the trial back with the footprint of the smallest plan allowed."""
         micro = 1 if smallest.micro_batch else self.batch
         plan = plan_for_micro_batch(self.batch, micro, **smallest.flags())
-        need = footprint(self.predict(plan))
+        need = self.predict(plan).peak_bytes
         reason = (
             f"does not fit: the smallest allowed plan ({describe(plan)}) needs {_gib(need)}, "
             f"the budget is {_gib(budget)} ({_gib(free_bytes)} free, margin {policy.margin:.0%})"
@@ -286,11 +286,6 @@ def _uncalibrated_budget(budget: int, calibration: Calibration | None) -> int:
     return max(math.floor((line - calibration.offset_bytes) / calibration.scale), 0)
 
 
-def footprint(prediction: Prediction) -> int:
-    """Bytes the card must hold: what the caching allocator reserves at the peak."""
-    return max(prediction.peak_reserved_bytes, prediction.peak_allocated_bytes)
-
-
 def describe(plan: Plan) -> str:
     """A plan in words, e.g. 'micro-batch 16 x 4 accumulation + checkpointing'."""
     parts = ["as asked" if plan.micro_batch is None else f"micro-batch {plan.micro_batch}"]
@@ -311,14 +306,14 @@ def _reason(
     free_bytes: int,
     policy: MemoryPolicy,
 ) -> str:
-    fit = f"predicted {_gib(footprint(prediction))} <= budget {_gib(budget)}"
+    fit = f"predicted {_gib(prediction.peak_bytes)} <= budget {_gib(budget)}"
     room = f"({_gib(free_bytes)} free, margin {policy.margin:.0%})"
     if plan == Plan():
         return f"as asked: {fit} {room}"
     slowdown = expected_slowdown(plan, chooser.batch)
     return (
         f"resized to {describe(plan)}, effective batch {chooser.batch} unchanged: as asked needs "
-        f"{_gib(footprint(as_asked))}; cheapest plan that fits (expected slowdown {slowdown:.2f}x),"
+        f"{_gib(as_asked.peak_bytes)}; cheapest plan that fits (expected slowdown {slowdown:.2f}x),"
         f" {fit} {room}"
     )
 

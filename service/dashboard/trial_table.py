@@ -7,6 +7,7 @@ import re
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Literal
 
 from optuna.trial import TrialState
@@ -286,7 +287,7 @@ def trial_detail(session: Session, name: str, number: int, max_points: int) -> T
         message=record.message if record else None,
         plans_tried=[p for p in (plan_out(p) for p in (record.plans_tried if record else [])) if p],
         user_attrs=_user_attrs(session, found.trial_id),
-        observations=_observations(session, found.trial_id),
+        observations=_observations(session, found.trial_id, found.datetime_start),
     )
 
 
@@ -310,9 +311,12 @@ def _user_attrs(session: Session, trial_id: int) -> dict[str, Any]:
     return {key: json.loads(value) for key, value in rows}
 
 
-def _observations(session: Session, trial_id: int) -> list[Observation]:
+def _observations(session: Session, trial_id: int, since: datetime | None) -> list[Observation]:
+    """The trial's runs. Observations outlive a deleted study (the calibration's history), and
+    SQLite reuses a deleted trial's id: only those since the trial began are this trial's."""
     OBS = MemoryObservationRow
-    rows = session.scalars(select(OBS).where(OBS.trial_id == trial_id).order_by(OBS.id))
+    query = select(OBS).where(OBS.trial_id == trial_id).order_by(OBS.id)
+    rows = session.scalars(query if since is None else query.where(OBS.created_at >= since))
     return [
         Observation(
             card_model=o.card_model,

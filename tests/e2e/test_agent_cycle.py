@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import Any
 
+import httpx
 import pytest
 
 from service.client import Client
@@ -66,13 +68,20 @@ def test_a_configuration_the_task_refuses_fails_with_the_tasks_message(
     assert trial.outcome == "failed"
 
 
-def test_the_pruner_prunes_through_intermediate_reports(agent: Agent, studies: Studies) -> None:
+def test_the_pruner_prunes_through_intermediate_reports(
+    agent: Agent, studies: Studies, fleet_server: ServerProcess
+) -> None:
     pruner = {"name": "threshold", "args": {"upper": -1.0}}  # every value is above: prune at once
     name = studies.create(X, n_trials=1, pruner=pruner)
     assert agent.run_once() is True
     [trial] = studies.trials(name)
     assert trial.state == "PRUNED"
     assert list(trial.intermediate) == [5]
+    # The pruned run trained five steps: its peak is the trial's and an observation.
+    assert trial.measured_peak_bytes is not None and trial.measured_peak_bytes > 0
+    shown = dashboard_trial(fleet_server, name, trial.number)
+    assert shown["measured_bytes"] == trial.measured_peak_bytes
+    assert [o["outcome"] for o in shown["observations"]] == ["pruned"]
 
 
 def test_a_wrong_number_of_values_fails_the_trial_not_the_worker(
@@ -113,9 +122,21 @@ def test_pausing_the_study_stops_the_trial_and_gives_it_back(
         assert not cycle.is_alive(), "the stop order ended the run"
         [paused] = studies.trials(name)
         assert paused.state != "FAIL"
+        assert paused.measured_peak_bytes is not None, "the interrupted run's peak is kept"
         assert agent.run_once() is False, "a paused study offers nothing"
         client.resume(name)
     assert agent.run_once() is True
     [trial] = studies.wait_until(name, finished(1))
     assert trial.state == "COMPLETE"
     assert trial.attempt == paused.attempt, "an interrupted run is not a failed attempt"
+    runs = dashboard_trial(fleet_server, name, trial.number)["observations"]
+    assert sorted(o["outcome"] for o in runs) == ["complete", "interrupted"]
+
+
+def dashboard_trial(server: ServerProcess, study: str, number: int) -> dict[str, Any]:
+    """The dashboard's view of one trial, with its runs (memory observations)."""
+    url = f"{server.url}/api/v1/dashboard/studies/{study}/trials/{number}"
+    response = httpx.get(url, timeout=30)
+    assert response.status_code == 200, response.text
+    found: dict[str, Any] = response.json()
+    return found

@@ -321,6 +321,52 @@ def test_pruned_at_report_is_told_once_and_ordered_stopped(env: Env) -> None:
     assert env.trials()[0].state == TrialState.PRUNED
 
 
+def test_a_pruned_runs_peak_is_kept_once_when_its_report_pruned_it(env: Env) -> None:
+    env.create_study(pruner={"name": "threshold", "args": {"upper": 1.0}})
+    worker = env.worker("w1")
+    assignment = worker.next()
+    assert assignment is not None
+    assert worker.call(assignment, "report", step=1, value=5.0).json() == {"prune": True}
+    measured = {"peak_allocated_bytes": 3 * GIB, "peak_reserved_bytes": 4 * GIB}
+    for _ in range(2):  # the second call is a retry after a lost reply: one observation
+        acked = worker.call(assignment, "fail", kind="pruned", plan=PLAN, measured=measured)
+        assert acked.status_code == 200 and acked.json()["resolution"] == "pruned"
+    [trial] = env.page().values()
+    assert trial["measured_peak_bytes"] == 4 * GIB  # reserved: the one rule of service.wire
+    assert env.observations() == 1
+
+
+def test_an_interrupted_runs_peak_is_an_observation_and_the_trial_is_offered_again(
+    env: Env,
+) -> None:
+    env.create_study()
+    worker = env.worker("w1")
+    assignment = worker.next()
+    assert assignment is not None
+    measured = {"peak_allocated_bytes": GIB}
+    acked = worker.call(assignment, "fail", kind="interrupted", plan=PLAN, measured=measured)
+    assert acked.json()["resolution"] == "retry"
+    assert env.observations() == 1
+    [trial] = env.page().values()
+    assert trial["measured_peak_bytes"] == GIB
+    again = worker.next()
+    assert again is not None and again["trial_id"] == assignment["trial_id"]
+    assert worker.complete(again, 0.5, peak=2 * GIB).status_code == 200
+    assert env.observations() == 2
+    [trial] = env.page().values()
+    assert trial["measured_peak_bytes"] == 2 * GIB
+
+
+def test_a_stop_without_a_measurement_is_no_observation(env: Env) -> None:
+    env.create_study()
+    worker = env.worker("w1")
+    assignment = worker.next()
+    assert assignment is not None
+    acked = worker.call(assignment, "fail", kind="interrupted", plan=PLAN)
+    assert acked.json()["resolution"] == "retry"
+    assert env.observations() == 0
+
+
 def test_memory_objective_gets_the_measured_peak(env: Env) -> None:
     env.create_study(n_trials=2, minimize_peak_memory=True, pruner={"name": "median"})
     worker = env.worker("w1")

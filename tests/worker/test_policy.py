@@ -12,7 +12,6 @@ from worker.policy import (
     RunAsPlanned,
     choose_plan,
     expected_slowdown,
-    footprint,
 )
 from worker.runner import CardSpec, Config, TrialRunner
 from worker.tasks.quadratic import MIB, QuadraticConfig, QuadraticTask, footprint_bytes
@@ -57,7 +56,7 @@ def test_the_margin_is_held_back() -> None:
     decision = choose(need(Plan()), MemoryPolicy(margin=0.1))
     assert isinstance(decision, RunAsPlanned)
     assert decision.plan.micro_batch is not None
-    assert footprint(decision.prediction) <= need(Plan()) * 0.9
+    assert decision.prediction.peak_bytes <= need(Plan()) * 0.9
 
 
 def test_too_big_runs_as_balanced_micro_batches_with_the_same_effective_batch() -> None:
@@ -133,7 +132,7 @@ def test_a_plan_that_ran_out_of_memory_is_never_chosen_again() -> None:
         assert decision.plan.model_dump(exclude={"reason"}) not in [
             t.model_dump(exclude={"reason"}) for t in tried
         ]
-        footprints.append(footprint(decision.prediction))
+        footprints.append(decision.prediction.peak_bytes)
         tried.append(PlanOut(**decision.plan.model_dump()))
     else:
         pytest.fail("the ladder never ended")
@@ -146,7 +145,7 @@ def test_after_an_oom_as_asked_the_next_plan_is_smaller() -> None:
     decision = choose(2**30, NO_MARGIN, [PlanOut()])
     assert isinstance(decision, RunAsPlanned)
     assert decision.plan.micro_batch is not None
-    assert footprint(decision.prediction) < need(Plan())
+    assert decision.prediction.peak_bytes < need(Plan())
     assert effective_batch(decision.plan) == CONFIG["batch_size"]
 
 
@@ -224,8 +223,8 @@ def test_the_services_calibration_is_applied_before_comparing_with_the_budget() 
     decision = choose_plan(QuadraticTask(), CONFIG, NO_MARGIN, CARD, exact, [], doubled)
     assert isinstance(decision, RunAsPlanned)
     assert decision.plan.micro_batch is not None, "twice the prediction no longer fits as asked"
-    assert footprint(decision.prediction) <= exact
-    assert footprint(decision.prediction) == 2 * need(decision.plan)
+    assert decision.prediction.peak_bytes <= exact
+    assert decision.prediction.peak_bytes == 2 * need(decision.plan)
 
 
 def test_the_solver_gets_the_budget_in_uncalibrated_bytes() -> None:
@@ -237,4 +236,4 @@ def test_the_solver_gets_the_budget_in_uncalibrated_bytes() -> None:
     bisecting = choose_plan(QuadraticTask(), CONFIG, NO_MARGIN, CARD, free, [], calibration)
     assert isinstance(solving, RunAsPlanned) and isinstance(bisecting, RunAsPlanned)
     assert solving.plan == bisecting.plan
-    assert footprint(solving.prediction) <= free
+    assert solving.prediction.peak_bytes <= free
