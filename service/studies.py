@@ -200,6 +200,8 @@ def trial_out(trial: FrozenTrial, row: TrialRow | None, worker: WorkerRow | None
         predicted_peak_bytes=known("predicted_peak_bytes"),
         measured_peak_bytes=known("measured_peak_bytes"),
         outcome=known("outcome"),
+        planning_s=attrs.get("vramtune.planning_s"),
+        prediction_source=attrs.get("vramtune.prediction_source"),
         user_attrs=attrs,
     )
 

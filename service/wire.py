@@ -8,6 +8,7 @@ the JSON names. Byte counts are plain integers; every float is finite.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
@@ -48,6 +49,7 @@ UtcDatetime = Annotated[datetime, AfterValidator(_as_utc)]
 
 MAX_PARAMS = 64
 MAX_CHOICES = 256
+MAX_SHARED_PREDICTIONS = 256  # per plan choice, and per assignment
 MAX_FLOAT_STEPS = 10**15  # grid points of a stepped float (Optuna's Decimal checks fail beyond)
 Key = Annotated[str, Field(min_length=1, max_length=128)]
 # A fixed setting or a sampler/pruner argument: a JSON scalar, finite, bounded in length.
@@ -279,6 +281,8 @@ class TrialOut(Wire):
     outcome: str | None = Field(
         None, description="as_asked, resized, routed, infeasible, oom, failed, pruned."
     )
+    planning_s: float | None = Field(None, description="Seconds the worker took to choose a plan.")
+    prediction_source: PredictionSource | None = None
     user_attrs: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -330,6 +334,20 @@ class WorkerRegister(Wire):
     card: CardInfo
     tasks: list[Name] = Field(min_length=1, max_length=256)
     constants: CardConstants = Field(default_factory=CardConstants)
+    shape_params: dict[Name, list[Key]] = Field(
+        default_factory=dict,
+        max_length=256,
+        description="Per task, the configuration keys its memory depends on (shape parameters "
+        "and the batch size): predictions are shared across the fleet by their values. A task "
+        "not listed is keyed by its whole configuration.",
+    )
+
+    @field_validator("shape_params")
+    @classmethod
+    def _few_shape_params(cls, shapes: dict[str, list[str]]) -> dict[str, list[str]]:
+        if any(len(keys) > MAX_PARAMS for keys in shapes.values()):
+            raise ValueError(f"a task has at most {MAX_PARAMS} shape parameters")
+        return shapes
 
 
 class WorkerRegistered(Wire):
@@ -394,6 +412,11 @@ class Assignment(Wire):
     plans_tried: list[PlanOut] = Field(
         default_factory=list, description="Plans that already ran out of memory on this card model."
     )
+    predictions: list[SharedPrediction] = Field(
+        default_factory=list,
+        description="Predictions the fleet already made for this trial's task and shape on "
+        "this worker's card model and torch version: used instead of tracing again.",
+    )
 
 
 class Plan(Wire):
@@ -413,6 +436,15 @@ def held_peak(allocated: int, reserved: int | None) -> int:
     return max(reserved or 0, allocated)
 
 
+PlanKey = tuple[int | None, int, bool, bool]
+
+
+def plan_key(plan: Plan | PlanOut) -> PlanKey:
+    """What makes two plans the same run: micro-batch, accumulation, checkpointing, bf16 (the
+    reason is only words)."""
+    return (plan.micro_batch, plan.accumulation, plan.checkpointing, plan.bf16)
+
+
 class Prediction(Wire):
     """A predicted peak and how it was reached."""
 
@@ -428,6 +460,45 @@ class Prediction(Wire):
     def peak_bytes(self) -> int:
         """The bytes the card must hold for this prediction (`held_peak`)."""
         return held_peak(self.peak_allocated_bytes, self.peak_reserved_bytes)
+
+
+class SharedPrediction(Wire):
+    """One prediction as the fleet shares it: a task's shape under a plan, on one card model
+    and torch version (the reporting worker's), and what it predicted (before calibration)."""
+
+    shape: dict[Key, ParamValue] = Field(
+        max_length=2 * MAX_PARAMS,  # a task without shape keys: task_config and params
+        description="The configuration's shape parameters' values.",
+    )
+    plan: Plan
+    prediction: Prediction
+
+
+PredictionSource = Literal["fleet", "worker", "mixed"]
+
+
+def shape_of(config: Mapping[str, Any], keys: Sequence[str] | None) -> dict[str, ParamValue]:
+    """What a shared prediction is keyed by: the values of the task's shape keys in a trial's
+    configuration (task_config overlaid with params); the whole configuration when the task
+    declares none. Worker and server both key by this."""
+    names = sorted(config) if keys is None else sorted(set(keys))
+    return {name: config.get(name) for name in names}
+
+
+class PlanChoice(Wire):
+    """How a worker chose a trial's plan: how long it took, and where the predictions came from."""
+
+    planning_s: Finite | None = Field(None, ge=0, description="Seconds spent choosing the plan.")
+    prediction_source: PredictionSource | None = Field(
+        None,
+        description="'fleet': every prediction came with the assignment, none was traced; "
+        "'worker': all were made by this worker; 'mixed': some of each.",
+    )
+    predictions: list[SharedPrediction] = Field(
+        default_factory=list,
+        max_length=MAX_SHARED_PREDICTIONS,
+        description="The predictions this worker made for the choice, for the fleet to share.",
+    )
 
 
 class Measured(Wire):
@@ -449,7 +520,7 @@ class LeaseCall(Wire):
     lease: str = Field(min_length=16, max_length=128)
 
 
-class StartRequest(LeaseCall):
+class StartRequest(LeaseCall, PlanChoice):
     """The worker chose a plan and starts running."""
 
     plan: Plan
@@ -493,7 +564,7 @@ class FailRequest(LeaseCall):
     measured: Measured | None = None
 
 
-class HandBackRequest(LeaseCall):
+class HandBackRequest(LeaseCall, PlanChoice):
     """The trial does not fit this card even at its smallest footprint."""
 
     min_footprint_bytes: Bytes

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from service.wire import (
+    MAX_SHARED_PREDICTIONS,
     Assignment,
     Calibration,
     CardConstants,
@@ -27,9 +28,9 @@ from service.wire import (
     FailRequest,
     NextRequest,
     Plan,
+    PlanChoice,
     Prediction,
     ReportRequest,
-    StartRequest,
     WorkerRegister,
     WorkerRegistered,
 )
@@ -40,6 +41,7 @@ from worker.events import AgentLog
 from worker.heartbeat import Heartbeats, RunningTrial
 from worker.policy import HandBack, choose_plan
 from worker.runner import CardSpec, OutOfMemory, Stopped, TrialRunner
+from worker.shared_predictions import shape_keys, shared
 from worker.spool import Spool
 
 
@@ -214,9 +216,10 @@ class Agent:
             return
         config = {**assignment.task_config, **assignment.params}
         planning_began = time.monotonic()
+        predictions = shared(runner, config, assignment.predictions)
         try:
             decision = choose_plan(
-                runner,
+                predictions,
                 config,
                 assignment.memory_policy,
                 self.card,
@@ -228,22 +231,27 @@ class Agent:
             message = outcomes.error_message(error)
             self._finish(assignment, outcomes.failed(assignment, "error", message))
             return
-        planning_s = round(time.monotonic() - planning_began, 4)
-        if isinstance(decision, HandBack):
-            self._hand_back(assignment, decision, planning_s)
-            return
-        self.client.start(
-            assignment.trial_id,
-            StartRequest(
-                lease=assignment.lease, plan=decision.plan, prediction=decision.prediction
-            ),
+        choice = PlanChoice(
+            planning_s=round(time.monotonic() - planning_began, 4),
+            prediction_source=predictions.source,
+            predictions=predictions.made[:MAX_SHARED_PREDICTIONS],
         )
+        how = {
+            "planning_s": choice.planning_s,
+            "prediction_source": choice.prediction_source,
+            "predictions_shared": predictions.fleet_used,
+            "predictions_made": len(predictions.made),
+        }
+        if isinstance(decision, HandBack):
+            self._hand_back(assignment, decision, choice, how)
+            return
+        self.client.start(assignment.trial_id, outcomes.started(assignment, decision, choice))
         self.event(
             "started",
             assignment,
             plan=decision.plan.reason,
             predicted=decision.prediction.peak_bytes,
-            planning_s=planning_s,
+            **how,
         )
         self._run_planned(assignment, runner, config, decision.plan, decision.prediction)
 
@@ -316,16 +324,18 @@ class Agent:
             seconds=None if seconds is None else round(seconds, 3),
         )
 
-    def _hand_back(self, assignment: Assignment, decision: HandBack, planning_s: float) -> None:
-        request = outcomes.handed_back(assignment, decision)
+    def _hand_back(
+        self, assignment: Assignment, decision: HandBack, choice: PlanChoice, how: dict[str, Any]
+    ) -> None:
+        request = outcomes.handed_back(assignment, decision, choice)
         ack = self.delivery.deliver("handback", assignment, request)
         self.event(
             "handed_back",
             assignment,
             min_footprint=decision.min_footprint_bytes,
-            planning_s=planning_s,
             resolution=ack.resolution,
             reason=decision.reason,
+            **how,
         )
 
     # ------------------------------------------------------------ helpers
@@ -350,6 +360,11 @@ class Agent:
             constants=CardConstants.model_validate(
                 {k: v for k, v in self.card.constants.items() if k in CardConstants.model_fields}
             ),
+            shape_params={
+                task: keys
+                for task, runner in self.runners.items()
+                if (keys := shape_keys(runner)) is not None
+            },
         )
 
     def _calibration(self, task: str) -> Calibration | None:

@@ -16,9 +16,11 @@ from service.wire import (
     HandBackRequest,
     Measured,
     Plan,
+    PlanChoice,
     Prediction,
+    StartRequest,
 )
-from worker.policy import HandBack
+from worker.policy import HandBack, RunAsPlanned
 from worker.runner import RunResult, Stopped
 
 FinalRequest = CompleteRequest | FailRequest | HandBackRequest
@@ -90,13 +92,21 @@ def failed(
     )
 
 
-def handed_back(assignment: Assignment, decision: HandBack) -> HandBackRequest:
-    """The hand-back call of a trial no allowed plan fits here."""
+def handed_back(assignment: Assignment, decision: HandBack, choice: PlanChoice) -> HandBackRequest:
+    """The hand-back call of a trial no allowed plan fits here, with how that was found."""
     return HandBackRequest(
         lease=assignment.lease,
         min_footprint_bytes=decision.min_footprint_bytes,
         plan=decision.plan,
         reason=decision.reason[:4096],
+        **dict(choice),
+    )
+
+
+def started(assignment: Assignment, decision: RunAsPlanned, choice: PlanChoice) -> StartRequest:
+    """The start call of a trial that runs here as planned, with how the plan was chosen."""
+    return StartRequest(
+        lease=assignment.lease, plan=decision.plan, prediction=decision.prediction, **dict(choice)
     )
 
 

@@ -15,7 +15,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from service.wire import Calibration, MemoryPolicy, Plan, PlanOut, Prediction
+from service.wire import (
+    Calibration,
+    MemoryPolicy,
+    Plan,
+    PlanKey,
+    PlanOut,
+    Prediction,
+    plan_key,
+)
 from worker.runner import CardSpec, Config, TrialRunner, plan_for_micro_batch
 
 # A micro-batch costs about as much as this many extra samples (kernel launches, a GPU that is
@@ -138,11 +146,11 @@ class _Chooser:
         self.card = card
         self.calibration = calibration
         self.batch = batch
-        self._predictions: dict[tuple[object, ...], Prediction] = {}
+        self._predictions: dict[PlanKey, Prediction] = {}
 
     def predict(self, plan: Plan) -> Prediction:
         """The runner's prediction with the service's calibration applied (once per plan)."""
-        key = _key(plan)
+        key = plan_key(plan)
         if key not in self._predictions:
             raw = self.runner.predict(self.config, plan, self.card)
             calibrated = raw if self.calibration is None else _calibrated(raw, self.calibration)
@@ -156,7 +164,7 @@ class _Chooser:
         return budget
 
     def cheapest(
-        self, stages: Sequence[_Stage], budget: int, tried: set[tuple[object, ...]]
+        self, stages: Sequence[_Stage], budget: int, tried: set[PlanKey]
     ) -> tuple[Plan, Prediction] | None:
         """The fitting plan of least expected slowdown over `stages` (earlier wins ties)."""
         best: tuple[Plan, Prediction] | None = None
@@ -165,7 +173,7 @@ class _Chooser:
             if stage.best_slowdown() >= best_slowdown:
                 continue
             found = self.fit(stage, budget)
-            if found is None or _key(found[0]) in tried:
+            if found is None or plan_key(found[0]) in tried:
                 continue
             slowdown = expected_slowdown(found[0], self.batch)
             if slowdown < best_slowdown:
@@ -258,7 +266,7 @@ def _blind_plan(
     micro = batch
     while micro >= 1:
         plan = plan_for_micro_batch(batch, micro)
-        if _key(plan) not in tried:
+        if plan_key(plan) not in tried:
             reason = f"no prediction ({prediction.reason or 'untraceable'}): {describe(plan)}"
             return RunAsPlanned(plan.model_copy(update={"reason": reason}), prediction)
         if not (policy.allow_resize and "micro_batch" in policy.resizes):
@@ -322,13 +330,8 @@ def _plan_of(tried: PlanOut) -> Plan:
     return Plan(**tried.model_dump(exclude={"reason"}))
 
 
-def _key(plan: Plan | PlanOut) -> tuple[object, ...]:
-    """What makes two plans the same run (the reason is only words)."""
-    return (plan.micro_batch, plan.accumulation, plan.checkpointing, plan.bf16)
-
-
-def _keys(plans: Sequence[PlanOut]) -> set[tuple[object, ...]]:
-    return {_key(plan) for plan in plans}
+def _keys(plans: Sequence[PlanOut]) -> set[PlanKey]:
+    return {plan_key(plan) for plan in plans}
 
 
 def _gib(n: int) -> str:

@@ -59,6 +59,8 @@ class WorkerRow(Base):
     last_heartbeat: Mapped[datetime] = mapped_column(DateTime, index=True)
     stopped: Mapped[bool] = mapped_column(Boolean, default=False)
     trials_done: Mapped[int] = mapped_column(Integer, default=0)
+    # Per task, the configuration keys predictions are shared by (NULL before migration 0003).
+    shape_params: Mapped[dict[str, list[str]] | None] = mapped_column(JSON, nullable=True)
 
 
 class TrialRow(Base):
@@ -133,6 +135,43 @@ class MemoryObservationRow(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime)
 
     __table_args__ = (Index("ix_vramtune_obs_key", "card_model", "torch_version", "task"),)
+
+
+class PredictionRow(Base):
+    """A prediction one worker made, shared with the fleet: (task, shape, plan, card model,
+    torch version) -> predicted peak, before calibration. One row per key: the first wins.
+
+    ``shape_hash`` is the SHA-256 of the shape's canonical JSON (service.fleet.predictions),
+    ``plan_key`` the plan's micro-batch, accumulation, checkpointing and bf16 in one string.
+    """
+
+    __tablename__ = "vramtune_predictions"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    task: Mapped[str] = mapped_column(String(128))
+    card_model: Mapped[str] = mapped_column(String(256))
+    torch_version: Mapped[str] = mapped_column(String(64))
+    shape_hash: Mapped[str] = mapped_column(String(64))
+    plan_key: Mapped[str] = mapped_column(String(64))
+    shape: Mapped[dict[str, Any]] = mapped_column(JSON)
+    plan: Mapped[dict[str, Any]] = mapped_column(JSON)
+    prediction: Mapped[dict[str, Any]] = mapped_column(JSON)
+    peak_bytes: Mapped[int] = mapped_column(BigInteger)
+    worker_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    trial_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+
+    __table_args__ = (
+        Index(
+            "ux_vramtune_predictions_key",
+            "task",
+            "card_model",
+            "torch_version",
+            "shape_hash",
+            "plan_key",
+            unique=True,
+        ),
+    )
 
 
 class TokenRow(Base):

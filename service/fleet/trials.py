@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session
 from service.api.errors import Invalid
 from service.calibration import raw_peaks
 from service.db.tables import MemoryObservationRow, WorkerRow
+from service.fleet import predictions
 from service.fleet.leases import Fenced, end, fence, resolution
 from service.fleet.routing import (
     MAX_OOM_RETRIES,
@@ -46,6 +47,7 @@ from service.wire import (
     HandBackRequest,
     Measured,
     Plan,
+    PlanChoice,
     Prediction,
     ReportReply,
     ReportRequest,
@@ -121,7 +123,22 @@ def start(call: TrialCall, trial_id: int, body: StartRequest) -> TrialAck:
     fenced.trial.plan = body.plan.model_dump(mode="json")
     fenced.trial.predicted_peak_bytes = predicted
     fenced.trial.updated_at = call.now
+    _plan_chosen(call, fenced, body)
     return _ack(fenced, "started", f"running as planned: {body.plan.reason}".strip(": "))
+
+
+def _plan_chosen(call: TrialCall, fenced: Fenced, body: PlanChoice) -> None:
+    """How the plan was chosen, on the trial; the predictions made for it, for the fleet."""
+    attrs = {"planning_s": body.planning_s, "prediction_source": body.prediction_source}
+    write_attrs(call.session, fenced.trial.trial_id, attrs)
+    predictions.keep(
+        call.session,
+        fenced.worker,
+        fenced.study.task,
+        fenced.trial.trial_id,
+        body.predictions,
+        call.now,
+    )
 
 
 def report(call: TrialCall, trial_id: int, body: ReportRequest) -> ReportReply:
@@ -342,6 +359,7 @@ def hand_back(call: TrialCall, trial_id: int, body: HandBackRequest) -> TrialAck
         call.session, fenced.study.task, call.now, call.settings.worker_stale_s, worker.id
     )
     write_attrs(call.session, trial_id, {"handback": handback})
+    _plan_chosen(call, fenced, body)
     trial.min_bytes = footprint
     if capacity >= footprint:
         trial.status = "waiting"

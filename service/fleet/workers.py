@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session
 from service.api.errors import Conflict, NotFound
 from service.db.engine import is_sqlite
 from service.db.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
+from service.fleet import predictions
 from service.fleet.leases import active_leases, end, ended_since, grant, renew, resolution
 from service.fleet.routing import plans_on, reoffer
 from service.optuna import rows as optuna_rows
@@ -87,6 +88,7 @@ def register(
         last_heartbeat=now,
         stopped=False,
         trials_done=0,
+        shape_params={task: sorted(set(keys)) for task, keys in body.shape_params.items()},
     )
     session.add(worker)
     session.flush()
@@ -259,6 +261,8 @@ def _lease(
     lease = grant(session, trial, worker, now, state.settings.lease_ttl_s)
     session.flush()
     spec = spec_of(row)
+    params = asked_trial(state.storage, row, trial).params
+    config = {**spec.task_config, **params}
     return Assignment(
         trial_id=trial.trial_id,
         number=trial.number,
@@ -267,7 +271,7 @@ def _lease(
         lease_expires_at=lease.expires_at,
         study=row.name,
         task=row.task,
-        params=asked_trial(state.storage, row, trial).params,
+        params=params,
         task_config=spec.task_config,
         budget=spec.budget,
         memory_policy=spec.memory_policy,
@@ -276,6 +280,7 @@ def _lease(
         plans_tried=[
             PlanOut.model_validate(plan) for plan in plans_on(trial.plans_tried, worker.card_model)
         ],
+        predictions=predictions.shared_for(session, worker, row.task, config),
     )
 
 

@@ -26,7 +26,8 @@ from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy import func, select
 
 from service.app import build_state
-from service.db.tables import LeaseRow, MemoryObservationRow, TrialRow
+from service.db.tables import LeaseRow, MemoryObservationRow, TrialRow, WorkerRow
+from service.fleet import predictions
 from service.fleet.reaper import reap_once
 from service.fleet.workers import next_assignment
 from service.optuna.glue import dispose_storage
@@ -623,6 +624,63 @@ def test_calibration_is_fitted_from_the_runs_it_saw(env: Env) -> None:
     assert calibration["scale"] == pytest.approx(2.0)  # measured twice what was predicted
     other = env.http.get("/calibration", params={**query, "task": "another"}).json()
     assert other["n_observations"] == 0
+
+
+def test_a_prediction_one_worker_made_comes_with_the_next_assignment_of_its_shape(
+    env: Env,
+) -> None:
+    env.create_study(n_trials=3, task_config={"width": 64})
+    maker, twin = env.worker("maker"), env.worker("twin")
+    other_card = env.worker("other", model="Sim 16G", total_bytes=16 * GIB)
+    first = maker.next()
+    assert first is not None and first["predictions"] == []
+    config = {"width": 64, **first["params"]}
+    shared = {"shape": config, "plan": PLAN, "prediction": _prediction(GIB)}
+    started = maker.call(
+        first,
+        "start",
+        plan=PLAN,
+        prediction=_prediction(GIB),
+        planning_s=1.25,
+        prediction_source="worker",
+        predictions=[shared, shared],  # a key twice: kept once
+    )
+    assert started.status_code == 200, started.text
+    [trial] = env.page().values()
+    assert (trial["planning_s"], trial["prediction_source"]) == (1.25, "worker")
+    # The stored predictions are keyed by the whole configuration here (SimWorker registers no
+    # shape keys): a trial with other params is another shape, and gets none.
+    second = twin.next()
+    assert second is not None and second["predictions"] == []
+    with env.state.sessions() as session:
+        shape = {"width": 64, **second["params"]}
+        row = session.get_one(WorkerRow, twin.id)
+        assert predictions.shared_for(session, row, env.task, shape) == []
+        [again] = predictions.shared_for(session, row, env.task, config)
+        assert again.prediction.peak_allocated_bytes == GIB and again.plan.micro_batch is None
+        other = session.get_one(WorkerRow, other_card.id)
+        assert predictions.shared_for(session, other, env.task, config) == [], "another card"
+
+
+def test_an_assignment_carries_the_fleets_predictions_for_its_shape(env: Env) -> None:
+    env.create_study(n_trials=2, search_space={"x": {"type": "categorical", "choices": [1.0]}})
+    body = {
+        "name": "shaped",
+        "device": "cpu",
+        "card": {"model": "Sim 8G", "total_bytes": 8 * GIB, "free_bytes": 8 * GIB},
+        "tasks": [env.task],
+        "shape_params": {env.task: ["width"]},
+    }
+    worker = SimWorker(env.http, "plain", env.task)
+    worker.id = env.http.post("/workers", json=body).json()["worker_id"]
+    first = worker.next()
+    assert first is not None and first["predictions"] == []
+    shared = {"shape": {"width": None}, "plan": HALVED, "prediction": _prediction(GIB)}
+    started = worker.call(first, "start", plan=HALVED, predictions=[shared])
+    assert started.status_code == 200, started.text
+    second = worker.next()
+    assert second is not None
+    assert [p["plan"]["micro_batch"] for p in second["predictions"]] == [8]
 
 
 def test_next_offers_only_the_studies_a_limited_token_allows(env: Env) -> None:

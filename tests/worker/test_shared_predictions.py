@@ -1,0 +1,94 @@
+"""Predictions shared across the fleet, worker side: a plan choice from the fleet's
+predictions makes none of its own, and chooses the plan a choice from scratch chooses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from service.wire import CardInfo, MemoryPolicy, Plan, Prediction, SharedPrediction
+from worker.policy import RunAsPlanned, choose_plan
+from worker.runner import CardSpec, Config, plan_for_micro_batch
+from worker.shared_predictions import SharedPredictionsWithSolver, shape_keys, shared
+from worker.tasks.quadratic import MIB, QuadraticConfig, QuadraticTask, footprint_bytes
+
+# 16 MiB fixed + 4 MiB of weights, then 256 KiB of activations per sample.
+CONFIG: dict[str, Any] = {"width": 64, "batch_size": 256, "x": 0.5}
+CARD = CardSpec(info=CardInfo(model="simulated-cpu-1GiB", total_bytes=2**30, free_bytes=2**30))
+POLICY = MemoryPolicy(margin=0.0)
+SMALL = 20 * MIB + 100 * 256 * 1024  # room for a micro-batch of 100: the trial is resized
+
+
+class CountingQuadratic(QuadraticTask):
+    """The quadratic with a bisecting solver, counting what it had to compute ("traces")."""
+
+    def __init__(self) -> None:
+        self.traced = 0
+
+    def predict(self, config: Config, plan: Plan, card: CardSpec) -> Prediction:
+        self.traced += 1
+        return super().predict(config, plan, card)
+
+    def largest_micro_batch(
+        self, config: Config, plan: Plan, budget_bytes: int, card: CardSpec
+    ) -> tuple[int, Prediction] | None:
+        batch = self.batch_size(config)
+        flags = {"checkpointing": plan.checkpointing, "bf16": plan.bf16}
+        fitting = [
+            micro
+            for micro in range(1, batch + 1)
+            if footprint_bytes(
+                QuadraticConfig.of(config), plan_for_micro_batch(batch, micro, **flags)
+            )
+            <= budget_bytes
+        ]
+        if not fitting:
+            return None
+        plan_at = plan_for_micro_batch(batch, max(fitting), **flags)
+        return max(fitting), self.predict(config, plan_at, card)
+
+
+def choice(runner: CountingQuadratic, fleet: list[SharedPrediction], free: int = SMALL) -> Any:
+    wrapped = shared(runner, CONFIG, fleet)
+    decision = choose_plan(wrapped, CONFIG, POLICY, CARD, free)
+    return wrapped, decision
+
+
+def test_a_second_worker_chooses_the_same_plan_from_the_fleets_predictions_alone() -> None:
+    first, second = CountingQuadratic(), CountingQuadratic()
+    made, chosen = choice(first, [])
+    assert isinstance(made, SharedPredictionsWithSolver)
+    assert isinstance(chosen, RunAsPlanned) and chosen.plan.micro_batch is not None
+    assert made.source == "worker" and first.traced == len(made.made) > 0
+    again, chosen_again = choice(second, made.made)
+    assert second.traced == 0, "nothing traced twice"
+    assert again.source == "fleet" and again.made == [] and again.fleet_used > 0
+    assert chosen_again == chosen
+
+
+def test_a_choice_the_fleet_does_not_settle_makes_the_rest_itself() -> None:
+    first, second = CountingQuadratic(), CountingQuadratic()
+    made, _ = choice(first, [])
+    other, decision = choice(second, made.made, free=SMALL // 2)
+    assert isinstance(decision, RunAsPlanned)
+    assert other.source == "mixed" and 0 < second.traced == len(other.made)
+
+
+def test_another_shape_ignores_the_fleets_predictions() -> None:
+    made, _ = choice(CountingQuadratic(), [])
+    runner = CountingQuadratic()
+    wider = {**CONFIG, "width": 32}
+    wrapped = shared(runner, wider, made.made)
+    choose_plan(wrapped, wider, POLICY, CARD, SMALL)
+    assert wrapped.source == "worker" and runner.traced > 0
+
+
+def test_a_torch_task_is_keyed_by_its_shape_parameters_and_batch_size() -> None:
+    class Task:
+        shape_params = frozenset({"d_model", "n_layers"})
+        batch_size_param = "batch_size"
+
+    class Runner:
+        task = Task()
+
+    assert shape_keys(Runner()) == ["batch_size", "d_model", "n_layers"]  # type: ignore[arg-type]
+    assert shape_keys(QuadraticTask()) is None  # keyed by its whole configuration
