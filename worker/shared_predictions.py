@@ -6,16 +6,16 @@ card model and torch version. `shared(runner, config, assignment.predictions)` w
 for one plan choice: a prediction the fleet has is used as is; any other is the runner's own
 and is collected in `made`, which the start (or hand-back) call sends for the fleet to share.
 
-The largest-micro-batch solve is answered from known predictions when they settle it: a
-micro-batch m that fits and m + 1 that does not (or m the whole batch). Else the runner's own
-solver runs, and the prediction at m + 1 is made too (mostly a hit in the predictor's cache,
-which the solve has just filled) so that the next worker's solve is settled without a trace.
+The largest-micro-batch solve on a shape the fleet knows searches from the fleet's
+predictions and predicts only micro-batches nobody predicted yet (none, for the same budget);
+on a shape it does not know, the runner's own solver answers.
 One wrapper per trial, no state shared between trials: several may be chosen at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 
 from service.wire import (
     Plan,
@@ -121,54 +121,88 @@ class SharedPredictionsWithSolver(SharedPredictions):
     ) -> None:
         super().__init__(runner, config, fleet)
         self.solver = solver
+        self._given = set(self._fleet)  # what the fleet gave, apart from what is made here
 
     def largest_micro_batch(
         self, config: Config, plan: Plan, budget_bytes: int, card: CardSpec
     ) -> tuple[int, Prediction] | None:
-        """The largest micro-batch that fits `budget_bytes`: from known predictions when they
-        settle it, else from the runner's solver (and the prediction just past its answer)."""
+        """The largest micro-batch whose prediction fits `budget_bytes` under `plan`'s flags.
+
+        Without the fleet's predictions for these flags, the runner's solver answers (and the
+        prediction just past its answer is made too: mostly a hit in the predictor's cache,
+        which the solve has just filled), so the next worker's search starts settled. With
+        them, the search narrows the bracket they give, predicting only what is not known.
+        """
         batch = self.batch_size(config)
         flags = {"checkpointing": plan.checkpointing, "bf16": plan.bf16}
-        settled, answer = self._settled(batch, flags, budget_bytes)
-        if settled:
-            return answer
-        found = self.solver.largest_micro_batch(config, plan, budget_bytes, card)
-        if found is None:  # not even 1 fits: the solver predicted it, so its cache has it
-            self.predict(config, plan_for_micro_batch(batch, 1, **flags), card)
-            return None
-        micro, prediction = found
-        self._keep(plan_for_micro_batch(batch, micro, **flags), prediction)
-        if micro < batch:  # the witness that micro is the largest
-            self.predict(config, plan_for_micro_batch(batch, micro + 1, **flags), card)
-        return found
 
-    def _settled(
-        self, batch: int, flags: dict[str, bool], budget: int
-    ) -> tuple[bool, tuple[int, Prediction] | None]:
-        """(True, answer) when known predictions decide the solve, else (False, None)."""
-        known: dict[int, tuple[PlanKey, Prediction]] = {}
+        def at(micro: int) -> Prediction:
+            return self.predict(config, plan_for_micro_batch(batch, micro, **flags), card)
+
+        known = self._known_peaks(batch, flags)
+        if not any(key in self._given for key in known.values()):
+            found = self.solver.largest_micro_batch(config, plan, budget_bytes, card)
+            if found is None:
+                at(1)  # the solver predicted it: the fleet learns that not even 1 fits
+            else:
+                self._keep(plan_for_micro_batch(batch, found[0], **flags), found[1])
+                if found[0] < batch:
+                    at(found[0] + 1)
+            return found
+        peaks = {micro: self._fleet[key].prediction.peak_bytes for micro, key in known.items()}
+        return largest_fitting(at, batch, peaks, budget_bytes)
+
+    def _known_peaks(self, batch: int, flags: dict[str, bool]) -> dict[int, PlanKey]:
+        """Micro-batches with a known prediction under these flags, and their plans' keys."""
+        known = {}
         for key, shared in self._fleet.items():
             micro = shared.plan.micro_batch or batch
             if plan_key(plan_for_micro_batch(batch, micro, **flags)) == key:
-                known[micro] = (key, shared.prediction)
-        fitting = [micro for micro, (_, p) in known.items() if p.peak_bytes <= budget]
-        if not fitting:
-            if 1 not in known:
-                return False, None
-            self._use(known[1][0])
-            return True, None
-        best = max(fitting)
-        above = known.get(best + 1)
-        if best != batch and (above is None or above[1].peak_bytes <= budget):
-            return False, None
-        self._use(known[best][0])
-        if above is not None:
-            self._use(above[0])
-        return True, (best, known[best][1])
+                known[micro] = key
+        return known
 
-    def _use(self, key: PlanKey) -> None:
-        if key not in self._mine():
-            self._used.add(key)
+
+def largest_fitting(
+    at: Callable[[int], Prediction], batch: int, peaks: Mapping[int, int], budget: int
+) -> tuple[int, Prediction] | None:
+    """The largest micro-batch in [1, batch] whose prediction `at` fits `budget`, for a peak
+    that grows with the micro-batch: the bracket [fits, does not fit] the known `peaks` give,
+    narrowed by secant steps (a bisection after a step that did not halve it). Exact: it ends
+    on a micro-batch that fits next to one that does not."""
+    hi = min((m for m, peak in peaks.items() if peak > budget), default=batch + 1)
+    lo = max((m for m, peak in peaks.items() if peak <= budget and m < hi), default=0)
+    if lo == 0:
+        lo_p = at(1)
+        if lo_p.peak_bytes > budget:
+            return None
+        lo = 1
+    else:
+        lo_p = at(lo)
+    if hi <= batch:
+        hi_p = at(hi)
+    else:
+        hi_p = lo_p if lo == batch else at(batch)
+        if hi_p.peak_bytes <= budget:
+            return batch, hi_p
+        hi = batch
+    halve = False
+    while hi - lo > 1:
+        width = hi - lo
+        guess = (lo + hi) // 2 if halve else _secant(lo, lo_p, hi, hi_p, budget)
+        prediction = at(guess)
+        if prediction.peak_bytes <= budget:
+            lo, lo_p = guess, prediction
+        else:
+            hi, hi_p = guess, prediction
+        halve = hi - lo > width // 2
+    return lo, lo_p
+
+
+def _secant(lo: int, lo_p: Prediction, hi: int, hi_p: Prediction, budget: int) -> int:
+    """Where the line through the bracket's ends meets the budget, strictly inside it."""
+    slope = (hi_p.peak_bytes - lo_p.peak_bytes) / (hi - lo)
+    guess = lo + math.floor((budget - lo_p.peak_bytes) / slope) if slope > 0 else lo + 1
+    return min(max(guess, lo + 1), hi - 1)
 
 
 def shared(

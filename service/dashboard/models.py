@@ -245,6 +245,10 @@ class TrialDetail(TrialRowOut):
     intermediate_total: int
     message: str | None
     plans_tried: list[PlanOut]
+    planning_s: float | None = Field(None, description="Seconds the worker took to choose a plan.")
+    prediction_source: str | None = Field(
+        None, description="Where the plan's predictions came from: fleet, worker or mixed."
+    )
     user_attrs: dict[str, Any]
     observations: list[Observation]
 

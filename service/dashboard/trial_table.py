@@ -279,6 +279,7 @@ def trial_detail(session: Session, name: str, number: int, max_points: int) -> T
     steps, values = _intermediate(session, found.trial_id)
     kept = series.extremes([v if v is not None else 0.0 for v in values], max_points)
     record = session.get(TrialRow, found.trial_id)
+    attrs = _user_attrs(session, found.trial_id)
     return TrialDetail(
         **row.model_dump(),
         intermediate_steps=[steps[i] for i in kept],
@@ -286,7 +287,9 @@ def trial_detail(session: Session, name: str, number: int, max_points: int) -> T
         intermediate_total=len(steps),
         message=record.message if record else None,
         plans_tried=[p for p in (plan_out(p) for p in (record.plans_tried if record else [])) if p],
-        user_attrs=_user_attrs(session, found.trial_id),
+        planning_s=attrs.get("vramtune.planning_s"),
+        prediction_source=attrs.get("vramtune.prediction_source"),
+        user_attrs=attrs,
         observations=_observations(session, found.trial_id, found.datetime_start),
     )
 

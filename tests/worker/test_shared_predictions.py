@@ -5,10 +5,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from service.wire import CardInfo, MemoryPolicy, Plan, Prediction, SharedPrediction
 from worker.policy import RunAsPlanned, choose_plan
 from worker.runner import CardSpec, Config, plan_for_micro_batch
-from worker.shared_predictions import SharedPredictionsWithSolver, shape_keys, shared
+from worker.shared_predictions import (
+    SharedPredictionsWithSolver,
+    largest_fitting,
+    shape_keys,
+    shared,
+)
 from worker.tasks.quadratic import MIB, QuadraticConfig, QuadraticTask, footprint_bytes
 
 # 16 MiB fixed + 4 MiB of weights, then 256 KiB of activations per sample.
@@ -92,3 +99,30 @@ def test_a_torch_task_is_keyed_by_its_shape_parameters_and_batch_size() -> None:
 
     assert shape_keys(Runner()) == ["batch_size", "d_model", "n_layers"]  # type: ignore[arg-type]
     assert shape_keys(QuadraticTask()) is None  # keyed by its whole configuration
+
+
+def piecewise_peak(micro: int) -> int:
+    """A peak as the predictor finds it: the larger of an optimizer-step line and an
+    activation line, so small micro-batches are set by the optimizer step."""
+    return max(5_000 + 10 * micro, 1_000 + 90 * micro)
+
+
+@pytest.mark.parametrize("known", [(), (64,), (1, 64), (7, 8, 64), (30, 31), (50,)])
+def test_the_search_from_known_peaks_is_exact_and_predicts_nothing_known_twice(
+    known: tuple[int, ...],
+) -> None:
+    batch = 64
+    asked: list[int] = []
+
+    def at(micro: int) -> Prediction:
+        asked.append(micro)
+        peak = piecewise_peak(micro)
+        return Prediction(peak_allocated_bytes=peak, peak_reserved_bytes=peak)
+
+    for budget in range(4_000, 8_000, 37):
+        asked.clear()
+        found = largest_fitting(at, batch, {m: piecewise_peak(m) for m in known}, budget)
+        fitting = [m for m in range(1, batch + 1) if piecewise_peak(m) <= budget]
+        assert (found[0] if found else None) == (max(fitting) if fitting else None)
+        assert len(asked) == len(set(asked)), "no micro-batch predicted twice"
+        assert len(asked) <= 12

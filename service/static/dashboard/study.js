@@ -420,6 +420,7 @@
         ["params", paramText(t.params)],
         ["plan", planText(t.plan)],
         ["peak predicted / measured", `${VT.bytes(t.predicted_bytes)} / ${VT.bytes(t.measured_bytes)}`],
+        ["plan chosen in", planningText(t)],
         ["worker", t.worker ? `${t.worker} (${t.card_model})` : "–"],
         ["duration", VT.duration(t.duration_s)],
         ["attempts", String(t.attempt + 1)],
@@ -430,6 +431,14 @@
   }
 
   // ------------------------------------------------------------------ trial table
+
+  // How long the worker took to choose the plan, and whether it traced or took the fleet's
+  // predictions (shared across workers, so a shape is traced once).
+  function planningText(t) {
+    if (t.planning_s === null || t.planning_s === undefined) return "–";
+    const source = { fleet: "the fleet's predictions", worker: "its own traces", mixed: "the fleet's and its own" }[t.prediction_source];
+    return source ? `${VT.duration(t.planning_s)}, from ${source}` : VT.duration(t.planning_s);
+  }
 
   function planText(plan) {
     if (!plan) return "–";
