@@ -83,6 +83,8 @@ class SharedPredictions:
         if shared is not None:
             if key not in self._mine():
                 self._used.add(key)
+                # Its seconds are what it costs here: nothing (the trace was another worker's).
+                return shared.prediction.model_copy(update={"seconds": 0.0})
             return shared.prediction
         prediction = self.runner.predict(config, plan, card)
         self._keep(plan, prediction)

@@ -56,6 +56,7 @@ from service.wire import (
     StudyCreate,
     TrialAck,
     TrialResolution,
+    held_peak,
 )
 
 
@@ -220,7 +221,7 @@ def complete(call: TrialCall, trial_id: int, body: CompleteRequest) -> TrialAck:
 
 def _predicted(prediction: Prediction | None) -> int | None:
     """The peak the trace predicted, before calibration: what the measured peak is held to."""
-    return None if prediction is None else max(raw_peaks(prediction))
+    return None if prediction is None else held_peak(*raw_peaks(prediction))
 
 
 def _outcome_of(plan: Plan, routed: bool) -> str:

@@ -9,6 +9,9 @@ from pathlib import Path
 import httpx
 import optuna
 import pytest
+from alembic import command
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, inspect
@@ -16,7 +19,7 @@ from sqlalchemy.orm import Session
 
 from service.api.errors import install_error_handlers
 from service.app import create_app
-from service.db.migrate import VERSION_TABLE, NotMigrated, head_revision
+from service.db.migrate import VERSION_TABLE, NotMigrated, alembic_config, head_revision
 from service.db.tables import Base, StudyRow
 from service.settings import Settings
 from service.testing import (
@@ -55,6 +58,24 @@ def test_db_upgrade_creates_both_schemas_and_is_idempotent(database_url: str) ->
     finally:
         engine.dispose()
     optuna.create_study(study_name="plain", storage=database_url)  # Optuna accepts the schema
+
+
+def test_the_migrations_build_vramtunes_tables_as_the_models_declare_them(
+    migrated_url: str,
+) -> None:
+    engine = create_engine(migrated_url)
+    try:
+        with engine.connect() as connection:
+            diffs = compare_metadata(MigrationContext.configure(connection), Base.metadata)
+        ours = [d for d in diffs if "vramtune_" in str(d) and VERSION_TABLE not in str(d)]
+        assert ours == []
+        # The newest revision goes down and up again (0003: the shared predictions).
+        command.downgrade(alembic_config(engine), "0002")
+        assert "vramtune_predictions" not in inspect(engine).get_table_names()
+        command.upgrade(alembic_config(engine), "head")
+        assert "vramtune_predictions" in inspect(engine).get_table_names()
+    finally:
+        engine.dispose()
 
 
 def test_a_failed_row_insert_leaves_no_optuna_study(migrated_url: str) -> None:
