@@ -39,7 +39,7 @@ from worker.api import LeaseLost, Rejected, ServerClient, ServerUnavailable
 from worker.delivery import Delivery
 from worker.events import AgentLog
 from worker.heartbeat import Heartbeats, RunningTrial
-from worker.policy import HandBack, choose_plan
+from worker.policy import Decision, HandBack, choose_plan
 from worker.runner import CardSpec, OutOfMemory, Stopped, TrialRunner
 from worker.shared_predictions import shape_keys, shared
 from worker.spool import Spool
@@ -215,7 +215,29 @@ class Agent:
             self._finish(assignment, outcomes.failed(assignment, "error", message))
             return
         config = {**assignment.task_config, **assignment.params}
-        planning_began = time.monotonic()
+        chosen = self._choose(assignment, runner, config)
+        if chosen is None:
+            return
+        decision, choice, how = chosen
+        if isinstance(decision, HandBack):
+            self._hand_back(assignment, decision, choice, how)
+            return
+        self.client.start(assignment.trial_id, outcomes.started(assignment, decision, choice))
+        self.event(
+            "started",
+            assignment,
+            plan=decision.plan.reason,
+            predicted=decision.prediction.peak_bytes,
+            **how,
+        )
+        self._run_planned(assignment, runner, config, decision.plan, decision.prediction)
+
+    def _choose(
+        self, assignment: Assignment, runner: TrialRunner, config: dict[str, Any]
+    ) -> tuple[Decision, PlanChoice, dict[str, Any]] | None:
+        """The plan (or hand-back), how it was chosen, and that in log fields; None when the
+        configuration is refused (the trial is failed with the task's message)."""
+        began = time.monotonic()
         predictions = shared(runner, config, assignment.predictions)
         try:
             decision = choose_plan(
@@ -230,9 +252,9 @@ class Agent:
         except Exception as error:  # the task's check of its configuration (TaskConfigError)
             message = outcomes.error_message(error)
             self._finish(assignment, outcomes.failed(assignment, "error", message))
-            return
+            return None
         choice = PlanChoice(
-            planning_s=round(time.monotonic() - planning_began, 4),
+            planning_s=round(time.monotonic() - began, 4),
             prediction_source=predictions.source,
             predictions=predictions.made[:MAX_SHARED_PREDICTIONS],
         )
@@ -242,18 +264,7 @@ class Agent:
             "predictions_shared": predictions.fleet_used,
             "predictions_made": len(predictions.made),
         }
-        if isinstance(decision, HandBack):
-            self._hand_back(assignment, decision, choice, how)
-            return
-        self.client.start(assignment.trial_id, outcomes.started(assignment, decision, choice))
-        self.event(
-            "started",
-            assignment,
-            plan=decision.plan.reason,
-            predicted=decision.prediction.peak_bytes,
-            **how,
-        )
-        self._run_planned(assignment, runner, config, decision.plan, decision.prediction)
+        return decision, choice, how
 
     def _run_planned(
         self,
