@@ -529,6 +529,41 @@ class Calibration(Wire):
     n_observations: int = 0
 
 
+# How a worker applies the Calibration it is served; the raw peaks ride in Prediction.constants
+# under these keys, so that the server fits on what the predictor said before any correction.
+RAW_ALLOCATED = "uncalibrated_allocated_bytes"
+RAW_RESERVED = "uncalibrated_reserved_bytes"
+
+
+def calibrated_bytes(predicted: int, calibration: Calibration) -> int:
+    """`predicted` after the correction and the margin (never negative)."""
+    line = calibration.scale * predicted + calibration.offset_bytes
+    return max(math.ceil(line * (1 + calibration.margin_fraction)), 0)
+
+
+def raw_peaks(prediction: Prediction) -> tuple[int, int]:
+    """(allocated, reserved) as predicted before any calibration: what a fit must be fed."""
+    return (
+        prediction.constants.get(RAW_ALLOCATED, prediction.peak_allocated_bytes),
+        prediction.constants.get(RAW_RESERVED, prediction.peak_reserved_bytes),
+    )
+
+
+def apply_calibration(prediction: Prediction, calibration: Calibration) -> Prediction:
+    """The prediction corrected by `calibration`; the raw peaks stay in `constants`.
+
+    Applying it again starts from the raw peaks, so calibration never compounds.
+    """
+    allocated, reserved = raw_peaks(prediction)
+    return prediction.model_copy(
+        update={
+            "peak_allocated_bytes": calibrated_bytes(allocated, calibration),
+            "peak_reserved_bytes": calibrated_bytes(reserved, calibration),
+            "constants": {**prediction.constants, RAW_ALLOCATED: allocated, RAW_RESERVED: reserved},
+        }
+    )
+
+
 class ErrorOut(BaseModel):
     """Every error body: {"detail": ...}."""
 

@@ -35,9 +35,8 @@ def worker_state(stopped: bool, age_s: float, stale_s: float, lost_s: float) -> 
     return "live"
 
 
-def fleet(session: Session, settings: Settings) -> Fleet:
+def fleet(session: Session, settings: Settings, now: datetime) -> Fleet:
     """Every worker, newest heartbeat first, with the trials it holds leases on."""
-    now = schema.utcnow()
     stale_s, lost_s = thresholds(settings)
     rows = list(
         session.scalars(

@@ -63,9 +63,8 @@ def infeasible(session: Session, facts: StudyFacts) -> set[int]:
     return facts.infeasible_ids
 
 
-def list_studies(session: Session) -> StudyListOut:
+def list_studies(session: Session, now: datetime) -> StudyListOut:
     """Every Optuna study in the database, vramtune's with their task and budget."""
-    now = schema.utcnow()
     facts = _facts(session, None)
     ids = [f.study_id for f in facts]
     activity = _activity(session, ids, now)
@@ -234,10 +233,9 @@ class _Settled:
     card_models: list[str]
 
 
-def overview(session: Session, name: str) -> StudyOverview:
+def overview(session: Session, name: str, now: datetime) -> StudyOverview:
     """The study page's header: state, counts, best trial, parameters, card models, revision."""
     facts = study_facts(session, name, counted=True)
-    now = schema.utcnow()
     activity = _activity(session, [facts.study_id], now).get(facts.study_id)
     spec = spec_of(facts.row) if facts.row else None
     peak_memory = bool(spec and spec.minimize_peak_memory)

@@ -22,7 +22,6 @@ from optuna.trial import TrialState
 from sqlalchemy.orm import Session
 
 from service.api.errors import Invalid
-from service.calibration import raw_peaks
 from service.db.tables import MemoryObservationRow, WorkerRow
 from service.fleet.leases import Fenced, end, fence, resolution
 from service.fleet.routing import (
@@ -54,6 +53,7 @@ from service.wire import (
     StudyCreate,
     TrialAck,
     TrialResolution,
+    raw_peaks,
 )
 
 

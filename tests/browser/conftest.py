@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 from service.auth import tokens as auth
 from service.client import Client
 from service.db.engine import make_engine
+from service.state import utcnow
 from service.testing import ServerProcess, server_factory, sqlite_url, upgrade_database
 from tests.browser.chromium import CHROMIUM, launch
 from tests.e2e.conftest import WorkerProcess
@@ -97,7 +98,9 @@ def make_tokens(url: str) -> dict[str, str]:
     engine = make_engine(url)
     try:
         with Session(engine) as session, session.begin():
-            return {s: auth.create_token(session, f"browser-{s}", [s])[1] for s in auth.SCOPES}
+            return {
+                s: auth.create_token(session, f"browser-{s}", [s], utcnow())[1] for s in auth.SCOPES
+            }
     finally:
         engine.dispose()
 
