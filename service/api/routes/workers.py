@@ -8,7 +8,7 @@ from fastapi import APIRouter, Path, Query, Response
 
 from service.api.deps import StateDep
 from service.auth.tokens import PrincipalDep
-from service.fleet import workers as fleet
+from service.fleet import dispatch, workers as fleet
 from service.fleet.calibration import calibration_for
 from service.wire import (
     Assignment,
@@ -50,7 +50,7 @@ def next_trial(
     worker_id: WorkerId, body: NextRequest, state: StateDep, principal: PrincipalDep
 ) -> Assignment | Response:
     """Lease a trial to the worker (200), or 204 when no study of its tasks has work."""
-    assignment = fleet.next_assignment(state, worker_id, body, state.clock(), principal.studies)
+    assignment = dispatch.next_assignment(state, worker_id, body, state.clock(), principal.studies)
     return Response(status_code=204) if assignment is None else assignment
 
 
