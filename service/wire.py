@@ -406,6 +406,14 @@ class Plan(Wire):
     reason: ShortText = ""
 
 
+def ran_as(plan: Plan | PlanOut, routed: bool) -> str:
+    """A run's memory outcome: routed (a larger card after a hand-back), resized, or as_asked."""
+    if routed:
+        return "routed"
+    resized = plan.accumulation > 1 or plan.checkpointing or plan.bf16
+    return "resized" if resized else "as_asked"
+
+
 class Prediction(Wire):
     """A predicted peak and how it was reached."""
 

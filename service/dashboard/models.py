@@ -13,6 +13,15 @@ DashboardState = Literal["running", "paused", "done", "idle"]
 WorkerState = Literal["live", "stale", "lost", "stopped"]
 
 
+class MemoryCounts(BaseModel):
+    """A vramtune study's trials by what memory did to them."""
+
+    resized: int = Field(0, description="Completed smaller: micro-batch, checkpointing or bf16.")
+    routed: int = Field(0, description="Completed on a larger card after a hand-back.")
+    infeasible: int = Field(0, description="Fit no card of the fleet.")
+    oom: int = Field(0, description="Ran out of memory at least once (retried or failed).")
+
+
 class StudyListItem(BaseModel):
     """One study as the studies page lists it."""
 
@@ -23,6 +32,7 @@ class StudyListItem(BaseModel):
     directions: list[str]
     n_trials: int | None = Field(description="The trial budget (None for a plain Optuna study).")
     counts: dict[str, int] = Field(description="Trials by Optuna TrialState name.")
+    memory: MemoryCounts | None = Field(description="None for a plain Optuna study.")
     finished: int
     running: int
     best_value: float | None
@@ -158,6 +168,7 @@ class RegionCategory(BaseModel):
     numbers: list[int]
     x: list[ParamValue]
     y: list[ParamValue]
+    pruned: list[bool] = Field(description="Whether each trial was pruned (drawn as a shape).")
 
 
 class Regions(BaseModel):

@@ -11,7 +11,7 @@ from typing import Any
 from optuna.distributions import BaseDistribution
 from optuna.study import StudyDirection
 from optuna.trial import TrialState
-from sqlalchemy import and_, case, func, select
+from sqlalchemy import ColumnElement, and_, case, func, or_, select
 from sqlalchemy.orm import Session
 
 from service.api.errors import NotFound
@@ -19,6 +19,7 @@ from service.dashboard import cache, schema
 from service.dashboard.models import (
     BestTrial,
     DashboardState,
+    MemoryCounts,
     ParamInfo,
     StudyListItem,
     StudyListOut,
@@ -68,12 +69,19 @@ def list_studies(session: Session, now: datetime) -> StudyListOut:
     facts = _facts(session, None)
     ids = [f.study_id for f in facts]
     activity = _activity(session, ids, now)
-    items = [_list_item(session, f, activity.get(f.study_id), now) for f in facts]
+    memory = _memory_counts(session, ids)
+    items = [
+        _list_item(session, f, activity.get(f.study_id), memory.get(f.study_id), now) for f in facts
+    ]
     return StudyListOut(studies=items, now=schema.utc(now))
 
 
 def _list_item(
-    session: Session, facts: StudyFacts, activity: Activity | None, now: datetime
+    session: Session,
+    facts: StudyFacts,
+    activity: Activity | None,
+    memory: MemoryCounts | None,
+    now: datetime,
 ) -> StudyListItem:
     best = best_feasible(session, facts) if len(facts.directions) == 1 else None
     return StudyListItem(
@@ -84,6 +92,7 @@ def _list_item(
         directions=[d.name.lower() for d in facts.directions],
         n_trials=spec_of(facts.row).n_trials if facts.row else None,
         counts=facts.counts,
+        memory=(memory or MemoryCounts()) if facts.row else None,
         finished=_finished(facts.counts),
         running=facts.counts.get(TrialState.RUNNING.name, 0),
         best_value=best[2] if best else None,
@@ -91,6 +100,35 @@ def _list_item(
         created_at=schema.aware(facts.row.created_at if facts.row else None),
         last_activity=schema.aware(activity.last if activity else None),
     )
+
+
+def _memory_counts(session: Session, ids: list[int]) -> dict[int, MemoryCounts]:
+    """Each vramtune study's resized, routed, infeasible and ever-OOMed trials, in one query."""
+    VT, OBS = schema.vt_trials, schema.vt_observations
+    oomed = select(OBS.c.trial_id).where(OBS.c.outcome == "oom")
+    ran_out = or_(VT.c.outcome == "oom", VT.c.trial_id.in_(oomed.scalar_subquery()))
+
+    def count(condition: ColumnElement[bool]) -> ColumnElement[int]:
+        return func.sum(case((condition, 1), else_=0))
+
+    query = (
+        select(
+            VT.c.study_id,
+            count(VT.c.outcome == "resized"),
+            count(VT.c.outcome == "routed"),
+            count(VT.c.outcome == "infeasible"),
+            count(ran_out),
+        )
+        .where(VT.c.study_id.in_(ids))
+        .group_by(VT.c.study_id)
+    )
+    fields = ("resized", "routed", "infeasible", "oom")
+    return {
+        sid: MemoryCounts.model_validate(
+            {name: int(n or 0) for name, n in zip(fields, counts, strict=True)}
+        )
+        for sid, *counts in session.execute(query)
+    }
 
 
 def _facts(session: Session, name: str | None, counted: bool = True) -> list[StudyFacts]:

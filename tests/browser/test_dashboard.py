@@ -89,6 +89,9 @@ def test_studies_page_lists_studies_with_their_counts(live: Live, open_page: Ope
     assert "done" in text
     assert f"{N_TRIALS} / {N_TRIALS}" in text
     assert "quadratic" in text
+    memory = row.locator("td[data-col='memory']")
+    assert "infeasible" in memory.inner_text()  # width 4096 fits no card of the fleet
+    assert "resized" in memory.inner_text() or "routed" in memory.inner_text()
     page.screenshot("dashboard-studies")
     assert page.errors == []
 

@@ -111,6 +111,20 @@ def test_studies_list_counts_and_best_feasible_value(client: TestClient) -> None
     assert sum(study["counts"].values()) == N_TRIALS
     # numbers 3, 7, 11 were handed back (infeasible): their placeholder values never count
     assert study["best_value"] == 0.0
+    # 1, 5, 9 resized; 2, 6, 10 ran out of memory once (then ran again); one card: none routed
+    assert study["memory"] == {"resized": 3, "routed": 0, "infeasible": 3, "oom": 3}
+
+
+def test_a_plain_optuna_study_has_no_memory_counts(client: TestClient) -> None:
+    import optuna
+
+    url = client.app.state.vt.settings.database_url  # type: ignore[attr-defined]
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    optuna.create_study(storage=url, study_name="plain-no-memory").optimize(
+        lambda t: t.suggest_float("x", 0, 1), n_trials=1
+    )
+    (plain,) = [s for s in get(client, D)["studies"] if s["name"] == "plain-no-memory"]
+    assert plain["memory"] is None
 
 
 def test_overview_history_and_memory_exclude_infeasible_trials(client: TestClient) -> None:
@@ -135,11 +149,34 @@ def test_calibration_counts_every_run_per_card(client: TestClient) -> None:
     assert card["median_abs_error"] == pytest.approx(0.05, abs=0.001)
 
 
-def test_regions_name_each_outcome(client: TestClient) -> None:
+def test_regions_name_each_memory_outcome(client: TestClient) -> None:
     regions = get(client, f"{D}/{STUDY}/regions", x="x", y="width")
     names = {c["name"]: c["count"] for c in regions["categories"]}
-    assert names == {"infeasible": 3, "resized after oom": 3, "resized": 3, "as asked": 3}
+    # 2, 6, 10 ran out of memory once, then completed: their prediction missed, so "oom"
+    assert names == {"infeasible": 3, "oom": 3, "resized": 3, "as asked": 3}
     assert regions["total"] == N_TRIALS
+    assert not any(p for c in regions["categories"] for p in c["pruned"])  # none was pruned
+
+
+def test_a_pruned_trial_keeps_the_colour_of_how_it_ran(client: TestClient) -> None:
+    """Pruned is a mark on a point, not a category: a resized run that was pruned is resized."""
+    spec = {
+        "name": "api-pruned",
+        "task": "quadratic",
+        "search_space": {"x": {"type": "float", "low": -1.0, "high": 1.0}},
+        "n_trials": 1,
+    }
+    assert client.post(f"{V}/studies", json=spec).status_code == 201
+    (worker,) = [w for w in get(client, f"{V}/workers")["workers"] if w["name"] == "api-worker"]
+    job = ok(client.post(f"{V}/workers/{worker['id']}/next", json={"free_bytes": CARD}))
+    assert job["study"] == "api-pruned"  # the only vramtune study with trials left
+    lease, trial = job["lease"], job["trial_id"]
+    plan = {"micro_batch": 4, "accumulation": 2}
+    ok(client.post(f"{V}/trials/{trial}/start", json={"lease": lease, "plan": plan}))
+    pruned = {"lease": lease, "kind": "pruned", "plan": plan}
+    ok(client.post(f"{V}/trials/{trial}/fail", json=pruned))
+    (category,) = get(client, f"{D}/api-pruned/regions", x="x", y="x")["categories"]
+    assert (category["name"], category["pruned"]) == ("resized", [True])
 
 
 def test_trial_table_sorts_filters_and_pages(client: TestClient) -> None:

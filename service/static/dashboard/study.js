@@ -14,19 +14,20 @@
   const EVALUATORS = { PedAnovaImportanceEvaluator: "PED-ANOVA", FanovaImportanceEvaluator: "fANOVA" };
   const LARGE_STUDY = 2000;
   const LARGE_REDRAW_MS = 10000;
-  const REGION_STYLE = {
-    "as asked": { color: "#19a979", symbol: "circle" },
-    resized: { color: "#4f6bed", symbol: "diamond" },
-    routed: { color: "#945ecf", symbol: "square" },
-    "resized after oom": { color: "#e8743b", symbol: "triangle" },
-    oom: { color: "#d64545", symbol: "x" },
-    infeasible: { color: "#2d2d2d", symbol: "x" },
-    "waiting for a larger card": { color: "#d98a00", symbol: "square" },
-    pruned: { color: "#a0a8b8", symbol: "open" },
-    failed: { color: "#ed4a7b", symbol: "open" },
-    running: { color: "#13a4b4", symbol: "star" },
-    waiting: { color: "#c9b037", symbol: "open" },
+  // The region map: a colour per memory outcome (or state, for trials that did not run to an
+  // end); a pruned trial keeps its outcome's colour and is drawn as a triangle.
+  const REGION_COLOR = {
+    "as asked": "#19a979",
+    resized: "#4f6bed",
+    routed: "#945ecf",
+    oom: "#d64545",
+    infeasible: "#2d2d2d",
+    "waiting for a larger card": "#d98a00",
+    failed: "#ed4a7b",
+    running: "#13a4b4",
+    waiting: "#c9b037",
   };
+  const PRUNED_SYMBOL = "triangle";
 
   const table = { sort: "number", order: "desc", states: [], outcome: "", worker: "", offset: 0, limit: 50, total: 0 };
   let overview = null;
@@ -325,14 +326,25 @@
       document.getElementById("region-y").value = d.y;
       const ax = regionAxis(d.x, 0);
       const ay = regionAxis(d.y, 1);
-      const traces = d.categories.map((c) => {
-        const style = REGION_STYLE[c.name] || { color: "#777", symbol: "circle" };
+      const part = (c, indices, pruned) => {
+        const numbers = indices.map((i) => c.numbers[i]);
         return {
-          name: `${c.name} (${c.count})`, mode: "markers", x: ax.place(c.x, c.numbers), y: ay.place(c.y, c.numbers), data: c.numbers,
-          color: style.color, symbol: style.symbol, size: 7, opacity: 0.75,
-          hover: (i) => `trial #${c.numbers[i]}: ${c.name}\n${d.x} = ${text(c.x[i])}\n${d.y} = ${text(c.y[i])}`,
+          name: pruned ? "" : `${c.name} (${c.count})`, mode: "markers", data: numbers,
+          x: ax.place(indices.map((i) => c.x[i]), numbers), y: ay.place(indices.map((i) => c.y[i]), numbers),
+          color: REGION_COLOR[c.name] || "#777", symbol: pruned ? PRUNED_SYMBOL : "circle", size: pruned ? 8 : 7, opacity: 0.75,
+          hover: (k) => `trial #${numbers[k]}: ${c.name}${pruned ? ", pruned" : ""}\n${d.x} = ${text(c.x[indices[k]])}\n${d.y} = ${text(c.y[indices[k]])}`,
         };
-      });
+      };
+      const traces = [];
+      for (const c of d.categories) {
+        const all = c.numbers.map((_, i) => i);
+        traces.push(part(c, all.filter((i) => !c.pruned[i]), false)); // named: the legend's entry
+        const pruned = all.filter((i) => c.pruned[i]);
+        if (pruned.length) traces.push(part(c, pruned, true));
+      }
+      if (d.categories.some((c) => c.pruned.includes(true))) {
+        traces.push({ name: "pruned", mode: "markers", x: [], y: [], color: "#8a93a6", symbol: PRUNED_SYMBOL });
+      }
       const pair = `${d.x}\u0000${d.y}`;
       VT.plot(node, { x: ax.axis, y: ay.axis, keepView: pair === regionPair, onClick: pick, traces }, "No trial holds both parameters yet.");
       regionPair = pair;
