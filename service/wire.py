@@ -16,6 +16,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -35,6 +36,7 @@ Name = Annotated[
     ),
 ]
 ShortText = Annotated[str, Field(max_length=4096)]
+MetricName = Annotated[str, Field(min_length=1, max_length=64)]
 Direction = Literal["minimize", "maximize"]
 ParamValue = str | int | float | bool | None
 
@@ -201,6 +203,12 @@ class StudyCreate(Wire):
     minimize_peak_memory: bool = Field(
         False, description="Add the measured peak memory as an extra objective (minimized)."
     )
+    metric_names: list[MetricName] | None = Field(
+        None,
+        max_length=2,
+        description="The task's metric per direction, e.g. [accuracy]: how the dashboard "
+        "names its axes (default: value).",
+    )
     task_config: dict[Key, ConfigValue] = Field(
         default_factory=dict, max_length=64, description="Fixed task settings, not tuned."
     )
@@ -216,6 +224,16 @@ class StudyCreate(Wire):
         if self.minimize_peak_memory and len(self.directions) > 1:
             raise ValueError("minimize_peak_memory takes a study with one direction")
         return self
+
+    @field_validator("metric_names")
+    @classmethod
+    def _one_name_per_direction(
+        cls, names: list[str] | None, info: ValidationInfo
+    ) -> list[str] | None:
+        directions = info.data.get("directions")
+        if names is not None and directions is not None and len(names) != len(directions):
+            raise ValueError(f"one name per direction: {len(directions)} direction(s)")
+        return names
 
     @property
     def objective_directions(self) -> list[Direction]:

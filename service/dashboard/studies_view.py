@@ -314,7 +314,10 @@ def _settled(session: Session, facts: StudyFacts, peak_memory: bool) -> _Settled
 
 
 def _objective_names(session: Session, facts: StudyFacts, peak_memory_last: bool) -> list[str]:
-    """Optuna's metric names when set, else objective 0, 1...; the peak-memory objective named."""
+    """The spec's or Optuna's metric names, else objective 0, 1...; peak memory named as such."""
+    given = spec_of(facts.row).metric_names if facts.row else None
+    if given:
+        return [*given, "peak memory (bytes)"] if peak_memory_last else list(given)
     a = schema.study_system_attrs
     stored = session.scalar(
         select(a.c.value_json).where(

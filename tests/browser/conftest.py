@@ -42,6 +42,7 @@ XSS_PARAM_STUDY = "dash-xss-params"
 XSS_PARAM = '<img src=x onerror="window.__xss=1">'
 XSS_STUDY = "<script>window.__xss=1</script>"
 N_TRIALS = 30
+METRIC = "quadratic loss"  # the metric name STUDY's axes are titled with
 
 
 def quadratic_spec(name: str, n_trials: int, **extra: Any) -> dict[str, Any]:
@@ -135,7 +136,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     with server_factory(directory) as start:
         server = start(url, auth="on", **FLEET)
         with Client(server.url, token=tokens["admin"]) as client:
-            client.create_study(quadratic_spec(STUDY, N_TRIALS))
+            client.create_study(quadratic_spec(STUDY, N_TRIALS, metric_names=[METRIC]))
             client.create_study(two_objective_spec())
             hostile = quadratic_spec(XSS_PARAM_STUDY, 3)
             hostile["search_space"] = {XSS_PARAM: {"type": "float", "low": 0.0, "high": 1.0}}

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from tests.browser.conftest import (
+    METRIC,
     MO_STUDY,
     N_TRIALS,
     STUDY,
@@ -111,6 +112,42 @@ def test_study_page_draws_every_plot_with_points(live: Live, open_page: OpenPage
     assert "as asked" in legend, legend
     assert page.page.locator("#calibration-stats tbody tr").count() >= 1
     page.screenshot("dashboard-study")
+    assert page.errors == []
+
+
+def test_axes_are_named_with_the_metric(live: Live, open_page: OpenPage) -> None:
+    page = open_page(study_url(live, STUDY))
+    wait_rendered(page)
+    assert text(page, "#plot-history .axis-y") == METRIC
+    assert text(page, "#plot-memory .axis-y") == METRIC
+    assert text(page, "#memory-title") == f"{METRIC} vs peak memory"
+    assert page.errors == []
+
+
+def memory_answer(peaks_mib: list[int]) -> dict[str, Any]:
+    """A /memory answer with these measured peaks (what the page is given instead of STUDY's)."""
+    n = len(peaks_mib)
+    return {
+        "objective": 0, "direction": "minimize", "total": n, "numbers": list(range(n)),
+        "values": [float(i) for i in range(n)], "measured_bytes": [p * 2**20 for p in peaks_mib],
+        "card_models": ["sim"] * n, "outcomes": ["as_asked"] * n, "front_numbers": [0],
+        "front_values": [0.0], "front_bytes": [peaks_mib[0] * 2**20], "downsampled": False,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(("peaks_mib", "log"), [([2, 40, 2048], True), ([200, 400, 900], False)])
+def test_memory_axes_are_logarithmic_when_peaks_span_decades(
+    live: Live, open_page: OpenPage, peaks_mib: list[int], log: bool
+) -> None:
+    context = open_page(f"{live.url}/fleet").page.context  # a context to route, then navigate
+    answer = memory_answer(peaks_mib)
+    context.route(re.compile(r"/memory\?"), lambda route: route.fulfill(json=answer))
+    page = Page(context.new_page())
+    page.page.on("console", lambda m: page.errors.append(m.text) if m.type == "error" else None)
+    page.page.goto(study_url(live, STUDY))
+    wait_rendered(page)
+    assert points(page, "memory") >= len(peaks_mib)
+    assert text(page, "#plot-memory .axis-x").endswith(", log)") is log
     assert page.errors == []
 
 

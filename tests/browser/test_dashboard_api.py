@@ -115,6 +115,23 @@ def test_studies_list_counts_and_best_feasible_value(client: TestClient) -> None
     assert study["memory"] == {"resized": 3, "routed": 0, "infeasible": 3, "oom": 3}
 
 
+def test_metric_names_name_the_objectives(client: TestClient) -> None:
+    space = {"x": {"type": "float", "low": 0.0, "high": 1.0}}
+    spec = {"task": "quadratic", "search_space": space, "metric_names": ["val_loss"]}
+    assert client.post(f"{V}/studies", json=spec | {"name": "api-named"}).status_code == 201
+    assert get(client, f"{D}/api-named")["objective_names"] == ["val_loss"]
+    with_peak = spec | {"name": "api-named-peak", "minimize_peak_memory": True}
+    assert client.post(f"{V}/studies", json=with_peak).status_code == 201
+    names = get(client, f"{D}/api-named-peak")["objective_names"]
+    assert names == ["val_loss", "peak memory (bytes)"]
+    for name in ("api-named", "api-named-peak"):  # no worker is to run them
+        ok(client.post(f"{V}/studies/{name}/pause"))
+    two = spec | {"name": "api-named-bad", "metric_names": ["a", "b"]}
+    refused = client.post(f"{V}/studies", json=two)
+    assert refused.status_code == 422
+    assert refused.json()["detail"][0]["loc"] == ["body", "metric_names"]
+
+
 def test_a_plain_optuna_study_has_no_memory_counts(client: TestClient) -> None:
     import optuna
 

@@ -178,9 +178,11 @@
       }));
       const front = { x: d.front_bytes.map((b) => b / scale.div), y: d.front_values, n: d.front_numbers };
       traces.push({ name: "Pareto front", mode: "lines+markers", shape: "hv", symbol: "diamond", x: front.x, y: front.y, data: front.n, color: VT.COLORS[1], size: 7, opacity: 1, hover: point(front, "front: ") });
+      const type = VT.spanType(d.measured_bytes);
+      document.getElementById("memory-title").textContent = `${objectiveName(d.objective)} vs peak memory`;
       VT.plot(
         document.getElementById("plot-memory"),
-        { x: { title: `measured peak (${scale.name})` }, y: { title: objectiveName(d.objective) }, keepView: sameObjective("memory", d.objective), onClick: pick, traces },
+        { x: { title: VT.axisTitle("measured peak", scale.name, type), type }, y: { title: objectiveName(d.objective) }, keepView: sameObjective("memory", d.objective), onClick: pick, traces },
         "No completed trial with a measured peak yet.",
       );
       hint("memory-hint", `${d.total.toLocaleString()} trials · ${d.front_numbers.length} on the front${thinned(d, d.numbers.length)}`);
@@ -248,6 +250,8 @@
       const all = d.cards.flatMap((c) => [...c.predicted_bytes, ...c.measured_bytes]);
       const scale = VT.byteScale(all);
       const top = Math.max(0, ...all) / scale.div;
+      const type = VT.spanType(all); // one type for both axes: the diagonal stays a diagonal
+      const low = type === "log" ? Math.min(...all.filter((b) => b > 0)) / scale.div / 1.05 : 0;
       const traces = d.cards.map((c, i) => {
         const x = c.predicted_bytes.map((b) => b / scale.div);
         const y = c.measured_bytes.map((b) => b / scale.div);
@@ -256,10 +260,11 @@
           hover: (k) => `trial #${c.numbers[k]} (${c.outcomes[k]})\npredicted ${VT.num(x[k])} ${scale.name}\nmeasured ${VT.num(y[k])} ${scale.name}`,
         };
       });
-      if (traces.length) traces.push({ name: "measured = predicted", mode: "lines", dash: true, width: 1, x: [0, top * 1.05], y: [0, top * 1.05], color: "#9aa3b5" });
+      if (traces.length) traces.push({ name: "measured = predicted", mode: "lines", dash: true, width: 1, x: [low, top * 1.05], y: [low, top * 1.05], color: "#9aa3b5" });
+      const axis = (name) => ({ title: VT.axisTitle(name, scale.name, type), type, zero: type !== "log" });
       VT.plot(
         document.getElementById("plot-calibration"),
-        { x: { title: `predicted peak (${scale.name})`, zero: true }, y: { title: `measured peak (${scale.name})`, zero: true }, keepView: true, onClick: pick, traces },
+        { x: axis("predicted peak"), y: axis("measured peak"), keepView: true, onClick: pick, traces },
         "No run with a prediction yet.",
       );
       const pct = (v) => (v === null ? "–" : `${(v * 100).toFixed(1)} %`);
