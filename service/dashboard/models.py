@@ -143,7 +143,10 @@ class CardCalibration(BaseModel):
     """Predicted against measured peaks of every run on one card model."""
 
     card_model: str
-    n: int
+    n: int = Field(description="Runs with a prediction: the sample the figures are of.")
+    median_bias: float | None = Field(
+        description="Median of measured/predicted - 1: above 0, runs used more than predicted."
+    )
     median_abs_error: float | None = Field(description="Median of |measured/predicted - 1|.")
     p95_abs_error: float | None
     under_fraction: float | None = Field(description="Share of runs that used more than predicted.")
@@ -157,6 +160,10 @@ class Calibration(BaseModel):
     """The calibration picture of a study, one card model at a time."""
 
     cards: list[CardCalibration]
+    target_under_fraction: float = Field(
+        description="The share of runs the calibration served to workers lets exceed its "
+        "corrected prediction plus margin."
+    )
     downsampled: bool
 
 

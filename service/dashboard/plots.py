@@ -12,6 +12,7 @@ from optuna.trial import TrialState
 from sqlalchemy import Select, and_, select
 from sqlalchemy.orm import Session
 
+from service.calibration import UNDER_PREDICTION_RATE
 from service.dashboard import cache, schema, series
 from service.dashboard.errors import invalid_query
 from service.dashboard.models import (
@@ -239,16 +240,22 @@ def _calibration(session: Session, facts: StudyFacts, max_points: int) -> Calibr
         by_card[row[0]].append(row)
     per_card = max(1, max_points // max(1, len(by_card)))
     cards = [_card_calibration(card, rows, per_card) for card, rows in sorted(by_card.items())]
-    return Calibration(cards=cards, downsampled=any(len(c.numbers) < c.n for c in cards))
+    return Calibration(
+        cards=cards,
+        target_under_fraction=UNDER_PREDICTION_RATE,
+        downsampled=any(len(c.numbers) < c.n for c in cards),
+    )
 
 
 def _card_calibration(card: str, rows: list[Any], max_points: int) -> CardCalibration:
-    errors = sorted(abs(r[3] / r[2] - 1) for r in rows if r[2] > 0)
+    biases = sorted(r[3] / r[2] - 1 for r in rows if r[2] > 0)
+    errors = sorted(abs(b) for b in biases)
     under = [i for i, r in enumerate(rows) if r[3] > r[2]]
     kept = series.spread(len(rows), max_points, keep=under)
     return CardCalibration(
         card_model=card,
         n=len(rows),
+        median_bias=series.quantile(biases, 0.5),
         median_abs_error=series.quantile(errors, 0.5),
         p95_abs_error=series.quantile(errors, 0.95),
         under_fraction=len(under) / len(rows) if rows else None,

@@ -111,6 +111,11 @@ def test_study_page_draws_every_plot_with_points(live: Live, open_page: OpenPage
     assert "infeasible" in legend, legend  # width 4096 fits no card of the fleet
     assert "as asked" in legend, legend
     assert page.page.locator("#calibration-stats tbody tr").count() >= 1
+    headers = page.page.locator("#calibration-stats th").all_inner_texts()
+    assert {"samples", "median bias", "under-predicted"} <= set(headers), headers
+    bias = text(page, "#calibration-stats td[data-col='median bias']")
+    assert re.fullmatch(r"[+-]?\d+\.\d %", bias), bias  # signed when not zero
+    assert "Under-predicted: runs that used more memory" in text(page, "#calibration-note")
     page.screenshot("dashboard-study")
     assert page.errors == []
 

@@ -164,6 +164,8 @@ def test_calibration_counts_every_run_per_card(client: TestClient) -> None:
     assert card["n"] >= 9  # every started run, the OOM attempts included
     assert card["under_fraction"] == 1.0  # every run measured 5 % above its prediction
     assert card["median_abs_error"] == pytest.approx(0.05, abs=0.001)
+    assert card["median_bias"] == pytest.approx(0.05, abs=0.001)  # signed: above, not below
+    assert get(client, f"{D}/{STUDY}/calibration")["target_under_fraction"] == 0.01
 
 
 def test_regions_name_each_memory_outcome(client: TestClient) -> None:

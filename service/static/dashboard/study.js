@@ -268,13 +268,25 @@
         "No run with a prediction yet.",
       );
       const pct = (v) => (v === null ? "–" : `${(v * 100).toFixed(1)} %`);
+      const signed = (v) => (v === null ? "–" : `${v > 0 ? "+" : ""}${(v * 100).toFixed(1)} %`);
+      const columns = [
+        ["card", "", (c) => c.card_model],
+        ["samples", "runs with a prediction", (c) => c.n.toLocaleString()],
+        ["median bias", "measured / predicted − 1: above 0, runs used more than predicted", (c) => signed(c.median_bias)],
+        ["median |error|", "", (c) => pct(c.median_abs_error)],
+        ["p95 |error|", "", (c) => pct(c.p95_abs_error)],
+        ["under-predicted", "runs that used more than predicted", (c) => pct(c.under_fraction)],
+      ];
       fill(
         document.getElementById("calibration-stats"),
-        d.cards.length
-          ? el("thead", {}, el("tr", {}, el("th", { text: "card" }), el("th", { class: "num", text: "runs" }), el("th", { class: "num", text: "median |error|" }), el("th", { class: "num", text: "p95 |error|" }), el("th", { class: "num", text: "under-predicted" })))
-          : null,
-        el("tbody", {}, d.cards.map((c) => el("tr", {}, el("td", { text: c.card_model }), el("td", { class: "num", text: c.n }), el("td", { class: "num", text: pct(c.median_abs_error) }), el("td", { class: "num", text: pct(c.p95_abs_error) }), el("td", { class: "num", text: pct(c.under_fraction) })))),
+        d.cards.length ? el("thead", {}, el("tr", {}, columns.map(([name, title], i) => el("th", { class: i ? "num" : "", title, text: name })))) : null,
+        el("tbody", {}, d.cards.map((c) => el("tr", {}, columns.map(([name, , cell], i) => el("td", { class: i ? "num" : "", "data-col": name, text: cell(c) }))))),
       );
+      document.getElementById("calibration-note").textContent = d.cards.length
+        ? "Under-predicted: runs that used more memory than the trace predicted, before any calibration. " +
+          "Workers are served a fit of these runs per card model: predictions are scaled, offset and given a margin " +
+          `so that about ${pct(d.target_under_fraction)} of runs exceed them. Runs beyond the margin can run out of memory.`
+        : "";
     }, "card-calibration");
   }
 
