@@ -40,6 +40,8 @@ from service.dashboard.studies_view import StudyFacts, infeasible, study_facts
 T, V, P = schema.trials, schema.values, schema.params
 MAX_SAMPLE = 1000
 MIN_TRIALS = 2
+# Below this many completed trials importances are computed but mostly reflect noise.
+FEW_TRIALS = 10
 # A running study changes with every trial: its importances are recomputed at most this often
 # (a finished study's revision stays, so they are computed once per process).
 FRESH_S = 30.0
@@ -191,7 +193,18 @@ def _compute(session: Session, facts: StudyFacts, objective: int, now: datetime)
         n_used=len(trials),
         importances=[Importance(name=k, importance=float(v)) for k, v in found.items()],
         note=note if note or found else "no parameter varies across the sampled trials",
+        caveat=_caveat(len(trials)) if found else None,
         computed_at=schema.utc(now),
+    )
+
+
+def _caveat(n_used: int) -> str | None:
+    """A warning to show beside importances drawn from too few completed trials."""
+    if n_used >= FEW_TRIALS:
+        return None
+    return (
+        f"from {n_used} completed trials only: below {FEW_TRIALS}, importances mostly reflect "
+        "noise and change as trials complete"
     )
 
 

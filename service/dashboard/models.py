@@ -204,6 +204,7 @@ class Importances(BaseModel):
     n_used: int
     importances: list[Importance]
     note: str | None = Field(None, description="Why there are none, when there are none.")
+    caveat: str | None = Field(None, description="Why to doubt them, when there are few trials.")
     computed_at: datetime
 
 

@@ -156,6 +156,24 @@ def test_memory_axes_are_logarithmic_when_peaks_span_decades(
     assert page.errors == []
 
 
+def test_importances_from_few_trials_carry_a_caveat(live: Live, open_page: OpenPage) -> None:
+    page = open_page(study_url(live, STUDY))
+    wait_importances(page)
+    assert text(page, "#importances-caveat") == ""  # 15 completed trials: no caveat
+    context = page.page.context
+    few = {
+        "objective": 0, "evaluator": "PedAnovaImportanceEvaluator", "n_complete": 4,
+        "n_used": 4, "importances": [{"name": "x", "importance": 1.0}],
+        "caveat": "from 4 completed trials only", "computed_at": "2030-01-01T00:00:00Z",
+    }  # fmt: skip
+    context.route(re.compile(r"/importances\?"), lambda route: route.fulfill(json=few))
+    page.page.reload()
+    wait_importances(page)
+    assert text(page, "#importances-caveat") == "Caveat: from 4 completed trials only."
+    assert page.page.locator("#importances-caveat").is_visible()
+    assert page.errors == []
+
+
 def test_the_page_opens_before_its_importances_arrive(live: Live, open_page: OpenPage) -> None:
     held: list[Any] = []
     context = open_page(f"{live.url}/fleet").page.context  # a context to route, then navigate

@@ -227,6 +227,7 @@ def test_importances_use_optunas_evaluator(client: TestClient) -> None:
     assert found["evaluator"] == "PedAnovaImportanceEvaluator"
     assert found["n_used"] == N_TRIALS - 3
     assert {i["name"] for i in found["importances"]} <= {"x", "width"}
+    assert found["caveat"].startswith("from 9 completed trials only")  # fewer than 10
 
 
 def two_objectives(trial: Any) -> tuple[float, float]:
@@ -255,8 +256,10 @@ def test_two_objectives_have_a_front_and_importances_of_their_own(client: TestCl
     swapped = get(client, f"{path}/pareto", x=1, y=0)
     assert sorted(swapped["front_numbers"]) == sorted(pareto["front_numbers"])
     for objective, driver in ((0, "a"), (1, "c")):  # Optuna's target= picks the objective
-        found = get(client, f"{path}/importances", objective=objective)["importances"]
+        answer = get(client, f"{path}/importances", objective=objective)
+        found = answer["importances"]
         assert max(found, key=lambda i: i["importance"])["name"] == driver
+        assert answer["caveat"] is None  # 40 completed trials
     history = get(client, f"{path}/history", objective=1)
     assert history["direction"] == "maximize"
     assert history["best_values"][-1] == max(t.values[1] for t in study.trials)

@@ -413,6 +413,7 @@
       },
       d.note || "No importances yet.",
     );
+    document.getElementById("importances-caveat").textContent = d.caveat ? `Caveat: ${d.caveat}.` : "";
     const which = overview && overview.directions.length > 1 ? `${objectiveName(d.objective)} · ` : "";
     hint("importances-hint", d.n_used ? `${which}Optuna ${EVALUATORS[d.evaluator] || d.evaluator} on ${d.n_used.toLocaleString()} of ${d.n_complete.toLocaleString()} completed` : "");
     document.body.dataset.importances = `${revision}/${d.objective}`;
