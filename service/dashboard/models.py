@@ -293,7 +293,10 @@ class FleetWorker(BaseModel):
     heartbeat_age_s: float
     registered_at: datetime
     current: list[CurrentTrial]
-    trials_done: int
+    trials_run: int = Field(
+        description="Trials it was leased and did not hand back: run, running, or lost mid-run."
+    )
+    trials_done: int = Field(description="Trials it completed.")
 
 
 class FleetTotals(BaseModel):

@@ -322,10 +322,32 @@ def test_fleet_page_shows_workers_their_cards_and_trials(live: Live, open_page: 
         row = page.page.locator(f"tr[data-worker='{name}'][data-state='live']")
         row.wait_for(timeout=WAIT_MS)  # a heartbeat late on a busy machine passes
         assert "MiB" in row.inner_text()
-    done = [int(t) for t in page.page.locator("#workers tbody td.num").all_inner_texts()]
-    assert sum(done) >= N_TRIALS // 2
+    cells = page.page.locator("#workers tbody td[data-col='trials']").all_inner_texts()
+    run_done = [[int(n.replace(",", "")) for n in cell.split(" / ")] for cell in cells]
+    assert all(run >= done for run, done in run_done), cells  # every completed trial was run
+    assert sum(done for _, done in run_done) >= N_TRIALS // 2
     assert "Live workers" in page.page.locator("#fleet-summary").inner_text()
     page.screenshot("dashboard-fleet")
+    assert page.errors == []
+
+
+def test_a_stopped_worker_is_greyed_out(live: Live, open_page: OpenPage) -> None:
+    import httpx
+
+    card = {"model": "sim-gone", "total_bytes": 2**30, "free_bytes": 2**30, "simulated": True}
+    worker = {"name": "gone-worker", "device": "cpu", "card": card, "tasks": ["nothing"]}
+    headers = {"Authorization": f"Bearer {live.tokens['worker']}"}
+    with httpx.Client(base_url=f"{live.url}/api/v1", headers=headers) as http:
+        worker_id = http.post("/workers", json=worker).json()["worker_id"]
+        assert http.post(f"/workers/{worker_id}/stop").status_code == 204
+    page = open_page(f"{live.url}/fleet")
+    row = page.page.locator("tr[data-worker='gone-worker'][data-state='stopped']")
+    row.wait_for(timeout=WAIT_MS)
+    assert "stopped" in (row.get_attribute("class") or "")
+    opacity = row.locator("td").first.evaluate("td => getComputedStyle(td).opacity")
+    assert float(opacity) < 1
+    live_row = page.page.locator("tr[data-worker='small-card']")
+    assert live_row.locator("td").first.evaluate("td => getComputedStyle(td).opacity") == "1"
     assert page.errors == []
 
 
