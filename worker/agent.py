@@ -359,7 +359,7 @@ class Agent:
         return free if limit is None else min(free, limit)
 
     def event(self, name: str, assignment: Assignment | None = None, **fields: Any) -> None:
-        """One structured log line (service.logs) with the worker's and the trial's ids."""
+        """One structured log line (common.logs) with the worker's and the trial's ids."""
         self.log.event(name, assignment, **fields)
 
     def _registration(self) -> WorkerRegister:

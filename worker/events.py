@@ -5,14 +5,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from service.logs import log_event
+from common.logs import log_event
 from service.wire import Assignment
 
 log = logging.getLogger("vramtune.worker")
 
 
 class AgentLog:
-    """Writes the agent's events (service.logs) under the worker's name and, once known, id."""
+    """Writes the agent's events (common.logs) under the worker's name and, once known, id."""
 
     def __init__(self, worker: str) -> None:
         self.worker = worker

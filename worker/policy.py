@@ -22,6 +22,7 @@ from service.wire import (
     PlanKey,
     PlanOut,
     Prediction,
+    apply_calibration,
     plan_key,
 )
 from worker.runner import CardSpec, Config, TrialRunner, plan_for_micro_batch
@@ -277,13 +278,8 @@ def _blind_plan(
 
 
 def _calibrated(prediction: Prediction, calibration: Calibration) -> Prediction:
-    """The prediction corrected by the service's fit (service.calibration, pydantic only)."""
-    try:
-        from service.calibration import apply_calibration
-    except ImportError:  # a server without the calibration module serves the identity
-        return prediction
-    calibrated: Prediction = apply_calibration(prediction, calibration)
-    return calibrated
+    """The prediction corrected by the service's fit, applied as the contract defines."""
+    return apply_calibration(prediction, calibration)
 
 
 def _uncalibrated_budget(budget: int, calibration: Calibration | None) -> int:
