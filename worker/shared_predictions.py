@@ -55,6 +55,7 @@ class SharedPredictions:
         self.shape = shape_of(config, shape_keys(runner))
         # A prediction for another shape is not this trial's (a server keyed differently).
         self._fleet = {plan_key(s.plan): s for s in fleet if s.shape == self.shape}
+        self._given = frozenset(self._fleet)  # the fleet's, apart from those made here
         self._used: set[PlanKey] = set()
         self.made: list[SharedPrediction] = []
 
@@ -81,7 +82,7 @@ class SharedPredictions:
         key = plan_key(plan)
         shared = self._fleet.get(key)
         if shared is not None:
-            if key not in self._mine():
+            if key in self._given:
                 self._used.add(key)
                 # Its seconds are what it costs here: nothing (the trace was another worker's).
                 return shared.prediction.model_copy(update={"seconds": 0.0})
@@ -107,9 +108,6 @@ class SharedPredictions:
         self.made.append(made)
         self._fleet[key] = made
 
-    def _mine(self) -> set[PlanKey]:
-        return {plan_key(made.plan) for made in self.made}
-
 
 class SharedPredictionsWithSolver(SharedPredictions):
     """`SharedPredictions` for a runner that solves for the largest micro-batch itself."""
@@ -123,7 +121,6 @@ class SharedPredictionsWithSolver(SharedPredictions):
     ) -> None:
         super().__init__(runner, config, fleet)
         self.solver = solver
-        self._given = set(self._fleet)  # what the fleet gave, apart from what is made here
 
     def largest_micro_batch(
         self, config: Config, plan: Plan, budget_bytes: int, card: CardSpec
