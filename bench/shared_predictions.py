@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -111,13 +110,15 @@ def write(rows: list[dict[str, Any]], before: tuple[float, ...], after: tuple[fl
             for r in (row["scratch"], row["fleet"], row["fleet_5pc"])
         ]
         lines.append(f"| {shape} | " + " | ".join(cells) + " |")
-    ratio = statistics.median(r["scratch"]["cpu_s"] / max(r["fleet"]["cpu_s"], 1e-4) for r in rows)
+    fleet_ms = max(r["fleet"]["cpu_s"] for r in rows) * 1000
     lines += [
         "",
-        f"Median CPU-time ratio scratch / fleet (same budget): {ratio:.0f}x. With the same "
-        "budget the second worker makes no prediction and chooses the same plan (asserted); "
-        "with a smaller budget it predicts only the micro-batches its search needs beyond "
-        "the fleet's.",
+        f"From the fleet's predictions on the same budget the choice takes at most "
+        f"{fleet_ms:.1f} ms of CPU, makes no prediction and chooses the same plan (asserted); "
+        "on a budget 5 % smaller it predicts only the micro-batches its search needs beyond "
+        "the fleet's. 'made' counts the predictions a choice recorded for the fleet: on a "
+        "fresh shape the predictor's own solver also traces micro-batches it does not return "
+        "(inside the scratch time, not shared).",
     ]
     (RESULTS / "shared_predictions.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
