@@ -25,6 +25,7 @@ from service.auth import (
     LOCAL_ADMIN,
     Principal,
     Rule,
+    dead_because,
     find_token,
     missing_scope,
     plausible_token,
@@ -85,8 +86,8 @@ class AuthGuard:
         sessions: sessionmaker[Session] = scope["app"].state.vt.sessions
         try:
             principal = await run_in_threadpool(authenticate, sessions, token)
-            if principal is None:
-                return _refuse(401, "unknown or revoked token", f'{REALM}, error="invalid_token"')
+            if isinstance(principal, str):
+                return _refuse(401, principal, f'{REALM}, error="invalid_token"')
             denial = missing_scope(principal, rule) or await run_in_threadpool(
                 study_denial, sessions, principal, rule, matched[1]
             )
@@ -158,13 +159,20 @@ def bearer_token(scope: Scope) -> str | None:
     return token
 
 
-def authenticate(sessions: sessionmaker[Session], token: str) -> Principal | None:
-    """The principal of a live token, refreshing its last use; None for an unknown token."""
+def authenticate(sessions: sessionmaker[Session], token: str) -> Principal | str:
+    """The principal of a live token, refreshing its last use; else why it is refused.
+
+    Read on every request, never cached: a revocation or an expiry holds from the next call.
+    """
     with sessions.begin() as session:
         row = find_token(session, token)
         if row is None:
-            return None
-        touch(row, utcnow())
+            return "unknown token"
+        now = utcnow()
+        dead = dead_because(row, now)
+        if dead is not None:
+            return dead
+        touch(row, now)
         return principal_of(row)
 
 

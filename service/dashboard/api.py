@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Path, Query
 from optuna.trial import TrialState
 
+from service.auth import PrincipalDep
 from service.dashboard import fleet as fleet_view, importance, plots, studies_view, trial_table
 from service.dashboard.models import (
     Calibration,
@@ -164,9 +165,10 @@ def trial(
 
 
 @router.get("/fleet")
-def fleet(session: SessionDep, settings: SettingsDep) -> Fleet:
-    """Every worker: card, memory, current trials, last heartbeat, stale or lost."""
-    return fleet_view.fleet(session, settings)
+def fleet(session: SessionDep, settings: SettingsDep, principal: PrincipalDep) -> Fleet:
+    """Every worker: card, memory, current trials, last heartbeat, stale or lost (a token
+    limited to some studies: the workers running their trials only)."""
+    return fleet_view.fleet(session, settings, principal.studies)
 
 
 # Last: {name:path} also matches the suffixed paths above, which must win.

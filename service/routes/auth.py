@@ -11,7 +11,7 @@ from service.auth import PrincipalDep
 from service.deps import SessionDep
 from service.errors import NotFound
 from service.tables import TokenRow
-from service.wire import TokenCreate, TokenCreated, TokenList, TokenOut, WhoAmI
+from service.wire import TokenCreate, TokenCreated, TokenList, TokenOut, WhoAmI, duration_of
 
 router = APIRouter(tags=["auth"])
 TokenId = Annotated[int, Path(ge=1, le=2**63 - 1, description="The token's id.")]
@@ -37,16 +37,20 @@ def list_tokens(session: SessionDep) -> TokenList:
 
 
 @router.post("/tokens", status_code=201)
-def create_token(body: TokenCreate, session: SessionDep) -> TokenCreated:
+def create_token(body: TokenCreate, session: SessionDep, principal: PrincipalDep) -> TokenCreated:
     """A new token, shown in clear in this answer only."""
-    row, clear = auth.create_token(session, body.name, body.scopes, body.studies)
+    lifetime = None if body.expires_in is None else duration_of(body.expires_in)
+    row, clear = auth.create_token(
+        session, body.name, body.scopes, body.studies, expires_in=lifetime, by=principal
+    )
     return TokenCreated(**token_out(row).model_dump(), token=clear)
 
 
 @router.delete("/tokens/{token_id}")
-def revoke_token(token_id: TokenId, session: SessionDep) -> TokenOut:
-    """Revoke a token: it stops working at once; revoking twice is harmless."""
-    row = auth.revoke_token(session, token_id)
+def revoke_token(token_id: TokenId, session: SessionDep, principal: PrincipalDep) -> TokenOut:
+    """Revoke a token: it stops working at once, as do the workers it registered (their
+    trials are offered again); revoking twice is harmless."""
+    row = auth.revoke_token(session, token_id, by=principal)
     if row is None:
         raise NotFound(f"token {token_id} not found")
     return token_out(row)
