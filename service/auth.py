@@ -132,6 +132,7 @@ POLICY: dict[tuple[str, str], Rule] = {
     ("GET", f"{V}/tokens"): needs("admin", studies="many"),
     ("POST", f"{V}/tokens"): needs("admin", studies="many"),
     ("DELETE", f"{V}/tokens/{{token_id}}"): needs("admin", studies="many"),
+    ("GET", f"{V}/audit"): needs("admin", studies="many"),
     # studies: submitters create and steer them, readers watch them, only admins delete
     ("POST", f"{V}/studies"): needs("submit", studies="many"),
     ("GET", f"{V}/studies"): needs("read", studies="many"),

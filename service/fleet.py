@@ -29,7 +29,7 @@ from service.optuna_glue import asked_trial, spec_of, strategy
 from service.routing import plans_on, reoffer
 from service.settings import Settings
 from service.state import AppState
-from service.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
+from service.tables import LeaseRow, StudyRow, TokenRow, TrialRow, WorkerRow
 from service.wire import (
     Assignment,
     CardInfo,
@@ -82,6 +82,8 @@ def register(
     A token may hold ``settings.max_workers_per_token`` live workers: one leaked or looping
     token cannot fill the fleet tables. The count reads one index (token_id, stopped).
     """
+    if token_id is not None:  # one token's registrations in turn (PostgreSQL): an exact count
+        session.execute(select(TokenRow.id).where(TokenRow.id == token_id).with_for_update())
     live = _live_workers_of(session, token_id, now - timedelta(seconds=settings.worker_stale_s))
     if live >= settings.max_workers_per_token:
         raise TooMany(

@@ -589,6 +589,24 @@ class TokenList(Wire):
     tokens: list[TokenOut]
 
 
+class AuditOut(Wire):
+    """One audit event: what was done, by which token (its name), to what."""
+
+    id: int
+    at: UtcDatetime
+    event: str
+    actor: str = Field(description="The acting token's name; cli:USER for the command line.")
+    token_id: int | None
+    target: str
+    detail: dict[str, Any]
+
+
+class AuditPage(Wire):
+    """Audit events, newest first; ask again with before=<last id> for older ones."""
+
+    events: list[AuditOut]
+
+
 class WhoAmI(Wire):
     """The caller as the server sees it."""
 

@@ -1,17 +1,26 @@
-"""Who am I, and the admin's token endpoints (create, list, revoke)."""
+"""Who am I, and the admin's endpoints: tokens (create, list, revoke) and the audit log."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path
+from fastapi import APIRouter, Path, Query
 
-from service import auth
+from service import audit, auth
 from service.auth import PrincipalDep
 from service.deps import SessionDep
 from service.errors import NotFound
 from service.tables import TokenRow
-from service.wire import TokenCreate, TokenCreated, TokenList, TokenOut, WhoAmI, duration_of
+from service.wire import (
+    AuditOut,
+    AuditPage,
+    TokenCreate,
+    TokenCreated,
+    TokenList,
+    TokenOut,
+    WhoAmI,
+    duration_of,
+)
 
 router = APIRouter(tags=["auth"])
 TokenId = Annotated[int, Path(ge=1, le=2**63 - 1, description="The token's id.")]
@@ -54,3 +63,14 @@ def revoke_token(token_id: TokenId, session: SessionDep, principal: PrincipalDep
     if row is None:
         raise NotFound(f"token {token_id} not found")
     return token_out(row)
+
+
+@router.get("/audit")
+def audit_log(
+    session: SessionDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    before: Annotated[int | None, Query(ge=1, le=2**63 - 1)] = None,
+) -> AuditPage:
+    """Token creations and revocations, study deletions, pauses and resumes, newest first."""
+    rows = audit.recent(session, limit, before)
+    return AuditPage(events=[AuditOut.model_validate(row, from_attributes=True) for row in rows])
