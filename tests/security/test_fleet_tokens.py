@@ -7,6 +7,9 @@ that `vramtune db upgrade` created, with the admin token it printed.
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -349,3 +352,62 @@ def test_audit_log_names_the_token_of_every_change(server: Server) -> None:
     assert submitter["token"] not in logs
     with server.http(server.token("read")["token"]) as reader:
         assert reader.get("/audit").status_code == 403
+
+
+def test_a_real_worker_whose_token_is_revoked_mid_trial_stops_cleanly(
+    server: Server, tmp_path: Path
+) -> None:
+    """`vramtune worker` running a long trial: revoked, it drops the trial and exits 2 with one
+    line saying the server refused its token (no traceback); the trial is re-offered at once
+    and completes once under another token."""
+    name = f"slow{next(_names)}"  # quadratic, slowed to about 20 s a trial
+    slow = {
+        "name": name,
+        "task": "quadratic",
+        "search_space": {"x": {"type": "float", "low": -1.0, "high": 1.0}},
+        "task_config": {"step_seconds": 0.1},
+        "budget": {"max_steps": 200, "eval_every": 5},
+        "pruner": {"name": "none"},
+        "n_trials": 1,
+    }
+    with server.http() as admin:
+        assert admin.post("/studies", json=slow).status_code == 201
+    doomed = server.token("worker", studies=[name])
+    log_path = tmp_path / "worker.log"
+    command = [sys.executable, "-m", "service", "worker", "--server", server.url]
+    command += ["--token", doomed["token"], "--device", "cpu", "--memory-limit", "64MiB"]
+    command += ["--tasks", "worker.tasks.quadratic", "--no-entry-points", "--poll", "0.1"]
+    with log_path.open("ab") as log:
+        process = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    try:
+        _wait_for(lambda: server.trial_states(name) == Counter({"RUNNING": 1}), "a leased trial")
+        _wait_for(lambda: '"started"' in log_path.read_text(), "the trial to start")
+        with server.http() as admin:
+            assert admin.delete(f"/tokens/{doomed['id']}").status_code == 200
+        code = process.wait(timeout=90)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    output = log_path.read_text()
+    assert code == 2, output
+    assert "Traceback" not in output, output
+    assert "token_refused" in output and "the server refused" in output and "revoked" in output
+    successor = Worker(server, server.token("worker")["token"], "quadratic")
+    again = successor.lease()
+    assert again["study"] == name
+    assert successor.trial_call(again, "complete").status_code == 200
+    assert server.trial_states(name) == Counter({"COMPLETE": 1})
+
+
+def _wait_for(condition: Any, what: str, patience_s: float = 60) -> None:
+    """Until condition() holds; a failure bound, not a measurement."""
+    deadline = time.monotonic() + patience_s
+    while not condition():
+        assert time.monotonic() < deadline, f"never saw {what}"
+        time.sleep(0.1)
