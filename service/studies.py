@@ -15,11 +15,12 @@ from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from service.audit import AuditEvent
-from service.auth import Principal, audited
-from service.errors import Conflict, NotFound
-from service.leases import end_study_leases
-from service.optuna_glue import (
+from service.api.errors import Conflict, NotFound
+from service.auth.audit import AuditEvent
+from service.auth.tokens import Principal, audited
+from service.db.tables import StudyRow, TrialRow, WorkerRow
+from service.fleet.leases import end_study_leases
+from service.optuna.glue import (
     SEARCH_SPACE_ATTR,
     TASK_ATTR,
     check_space_size,
@@ -31,7 +32,6 @@ from service.optuna_glue import (
     spec_of,
 )
 from service.settings import Settings
-from service.tables import StudyRow, TrialRow, WorkerRow
 from service.wire import (
     ParetoFront,
     PlanOut,
@@ -69,7 +69,7 @@ def create_study(
 ) -> StudyRow:
     """Validate the spec, create the Optuna study and the vramtune row, or neither.
 
-    ``max_points``: Settings.max_search_space_points (service.optuna_glue.check_space_size).
+    ``max_points``: Settings.max_search_space_points (service.optuna.glue.check_space_size).
     """
     check_space_size(spec, max_points)
     space = search_space(spec)

@@ -16,17 +16,17 @@ from alembic.command import downgrade
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine
 
-from service import auth
-from service.db import make_engine, make_sessions
-from service.migrate import (
+from service.auth import tokens as auth
+from service.db.engine import make_engine, make_sessions
+from service.db.migrate import (
     VERSION_TABLE,
     alembic_config,
     current_revision,
     head_revision,
     upgrade,
 )
+from service.db.tables import Base
 from service.settings import Settings
-from service.tables import Base
 from service.testing import free_port, run_vramtune, upgrade_database
 
 SERVE_ENV = {"VRAMTUNE_AUTH": "", "VRAMTUNE_HOST": "", "VRAMTUNE_LOG_FORMAT": ""}

@@ -8,8 +8,8 @@ from fastapi import APIRouter, Query, Response
 from optuna.trial import TrialState
 
 from service import studies
-from service.auth import PrincipalDep
-from service.deps import SessionDep, SettingsDep, StorageDep
+from service.api.deps import SessionDep, SettingsDep, StorageDep
+from service.auth.tokens import PrincipalDep
 from service.wire import ParetoFront, StudyCreate, StudyList, StudySummary, TrialPage
 
 router = APIRouter(prefix="/studies", tags=["studies"])

@@ -6,11 +6,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query
 
-from service import audit, auth
-from service.auth import PrincipalDep
-from service.deps import SessionDep
-from service.errors import NotFound
-from service.tables import TokenRow
+from service.api.deps import SessionDep
+from service.api.errors import NotFound
+from service.auth import audit, tokens as auth
+from service.auth.tokens import PrincipalDep
+from service.db.tables import TokenRow
 from service.wire import (
     AuditOut,
     AuditPage,

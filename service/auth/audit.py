@@ -18,8 +18,8 @@ from typing import Any, Literal
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from service.db.tables import AuditRow
 from service.logs import log_event
-from service.tables import AuditRow
 
 log = logging.getLogger("vramtune.audit")
 
