@@ -323,7 +323,7 @@ def list_tokens(session: Session) -> list[TokenRow]:
 def revoke_token(session: Session, token_id: int, by: Principal | None = None) -> TokenRow | None:
     """Mark a token revoked (idempotent); None when there is no such token.
 
-    The workers it registered are stopped with it (service.fleet.stop_token_workers): their
+    The workers it registered are stopped with it (service.fleet.workers.stop_token_workers): their
     trials are offered to other workers at once rather than when their leases expire, and
     the workers' next calls get a 401 that makes them exit.
     """

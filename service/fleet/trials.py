@@ -70,7 +70,7 @@ class TrialCall:
     token_id: int | None = None
 
     def fence(self, trial_id: int, lease: str, call: str, kind: str | None = None) -> Fenced:
-        """The call admitted under its lease (service.leases.fence), by the worker's token.
+        """The call admitted under its lease (service.fleet.leases.fence), by the worker's token.
 
         Checked before a replay too: a lease token is no use to another token's worker.
         """
