@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from contextlib import suppress
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import optuna
@@ -45,11 +45,6 @@ from service.wire import (
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
 
-def utcnow() -> datetime:
-    """Now in UTC without tz, as Optuna stores datetimes."""
-    return datetime.now(UTC).replace(tzinfo=None)
-
-
 def get_row(session: Session, name: str) -> StudyRow:
     """The study row by name; NotFound if there is none."""
     row = session.scalar(select(StudyRow).where(StudyRow.name == name))
@@ -65,6 +60,7 @@ def create_study(
     session: Session,
     storage: BaseStorage,
     spec: StudyCreate,
+    now: datetime,
     max_points: int = Settings.model_fields["max_search_space_points"].default,
 ) -> StudyRow:
     """Validate the spec, create the Optuna study and the vramtune row, or neither.
@@ -91,7 +87,7 @@ def create_study(
             task=spec.task,
             spec=spec.model_dump(mode="json"),
             paused=False,
-            created_at=utcnow(),
+            created_at=now,
         )
         session.add(row)
         session.flush()
@@ -262,19 +258,21 @@ def best(session: Session, storage: BaseStorage, name: str) -> ParetoFront:
 # ---------------------------------------------------------------- pause, resume, delete
 
 
-def set_paused(session: Session, name: str, paused: bool, by: Principal | None = None) -> StudyRow:
+def set_paused(
+    session: Session, name: str, paused: bool, now: datetime, by: Principal | None = None
+) -> StudyRow:
     """Pause (no new trials are handed out) or resume a study; audited as done ``by``."""
     row = get_row(session, name)
     was = row.paused
     row.paused = paused
     session.flush()
     event: AuditEvent = "study_paused" if paused else "study_resumed"
-    audited(session, event, by, f"study {name}", study_id=row.study_id, changed=was != paused)
+    audited(session, event, by, f"study {name}", now, study_id=row.study_id, changed=was != paused)
     return row
 
 
 def delete_study(
-    session: Session, storage: BaseStorage, name: str, by: Principal | None = None
+    session: Session, storage: BaseStorage, name: str, now: datetime, by: Principal | None = None
 ) -> None:
     """Delete the Optuna study, then vramtune's rows of it (memory observations are kept)."""
     row = get_row(session, name)
@@ -283,9 +281,11 @@ def delete_study(
     with suppress(KeyError):
         storage.delete_study(row.study_id)
     forget_study(storage, row.study_id)
-    audited(session, "study_deleted", by, f"study {name}", study_id=row.study_id, task=row.task)
+    audited(
+        session, "study_deleted", by, f"study {name}", now, study_id=row.study_id, task=row.task
+    )
     # Leases are ended, not deleted: the next heartbeat orders their workers to stop.
-    end_study_leases(session, row.study_id, utcnow())
+    end_study_leases(session, row.study_id, now)
     session.execute(delete(TrialRow).where(TrialRow.study_id == row.study_id))
     session.delete(row)
     session.flush()

@@ -3,23 +3,23 @@
 Each event is written twice, on purpose: as a row of ``vramtune_audit`` in the transaction that
 makes the change (so the record exists exactly when the change does, and ``GET /api/v1/audit``
 or SQL can answer "who deleted this study?" long after logs have rotated), and as a structured
-log line on the ``vramtune.audit`` logger (``log_event``), for log shippers and alerting. The
-line is written after the row is flushed; a transaction that then fails to commit leaves a log
-line without its row, never a change without its row.
+log line on the ``vramtune.audit`` logger (``common.logs.log_event``), for log shippers and
+alerting. The line is written after the row is flushed; a transaction that then fails to
+commit leaves a log line without its row, never a change without its row.
 """
 
 from __future__ import annotations
 
 import getpass
 import logging
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any, Literal
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from common.logs import log_event
 from service.db.tables import AuditRow
-from service.logs import log_event
 
 log = logging.getLogger("vramtune.audit")
 
@@ -42,11 +42,12 @@ def record(
     actor: str,
     token_id: int | None,
     target: str,
+    now: datetime,
     **detail: Any,
 ) -> AuditRow:
-    """Add one audit event to the session's transaction and log it."""
+    """Add one audit event, at ``now``, to the session's transaction and log it."""
     row = AuditRow(
-        at=datetime.now(UTC).replace(tzinfo=None),
+        at=now,
         event=event,
         token_id=token_id,
         actor=actor[:128],

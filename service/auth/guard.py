@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 from collections.abc import Mapping
+from datetime import datetime
 from typing import Any
 
 from fastapi import FastAPI
@@ -32,10 +33,10 @@ from service.auth.tokens import (
     principal_of,
     rule_for,
     touch,
-    utcnow,
 )
 from service.db.tables import StudyRow, TrialRow
 from service.settings import Settings
+from service.state import AppState
 from service.wire import API_PREFIX
 
 log = logging.getLogger("vramtune.auth")
@@ -83,9 +84,10 @@ class AuthGuard:
         token = bearer_token(scope)
         if token is None:
             return _refuse(401, "missing bearer token (Authorization: Bearer vt_...)", REALM)
-        sessions: sessionmaker[Session] = scope["app"].state.vt.sessions
+        state: AppState = scope["app"].state.vt
+        sessions = state.sessions
         try:
-            principal = await run_in_threadpool(authenticate, sessions, token)
+            principal = await run_in_threadpool(authenticate, sessions, token, state.clock())
             if isinstance(principal, str):
                 return _refuse(401, principal, f'{REALM}, error="invalid_token"')
             denial = missing_scope(principal, rule) or await run_in_threadpool(
@@ -159,7 +161,7 @@ def bearer_token(scope: Scope) -> str | None:
     return token
 
 
-def authenticate(sessions: sessionmaker[Session], token: str) -> Principal | str:
+def authenticate(sessions: sessionmaker[Session], token: str, now: datetime) -> Principal | str:
     """The principal of a live token, refreshing its last use; else why it is refused.
 
     Read on every request, never cached: a revocation or an expiry holds from the next call.
@@ -168,7 +170,6 @@ def authenticate(sessions: sessionmaker[Session], token: str) -> Principal | str
         row = find_token(session, token)
         if row is None:
             return "unknown token"
-        now = utcnow()
         dead = dead_because(row, now)
         if dead is not None:
             return dead

@@ -14,7 +14,7 @@ import re
 import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Annotated, Any, Literal
 
 from fastapi import Depends, Request
@@ -238,11 +238,11 @@ def dead_because(row: TokenRow, now: datetime) -> str | None:
     return None
 
 
-def has_live_token(session: Session) -> bool:
+def has_live_token(session: Session, now: datetime) -> bool:
     """Whether some token can still be used (neither revoked nor expired)."""
     query = select(TokenRow.id).where(
         TokenRow.revoked_at.is_(None),
-        or_(TokenRow.expires_at.is_(None), TokenRow.expires_at > utcnow()),
+        or_(TokenRow.expires_at.is_(None), TokenRow.expires_at > now),
     )
     return session.scalar(query.limit(1)) is not None
 
@@ -261,11 +261,6 @@ def touch(row: TokenRow, now: datetime) -> bool:
     return True
 
 
-def utcnow() -> datetime:
-    """Now in UTC without tz, as every datetime of the database."""
-    return datetime.now(UTC).replace(tzinfo=None)
-
-
 def check_scopes(scopes: Sequence[str]) -> list[str]:
     """The scopes deduplicated in canonical order; ValueError naming an unknown one."""
     unknown = sorted(set(scopes) - set(SCOPES))
@@ -280,6 +275,7 @@ def create_token(
     session: Session,
     name: str,
     scopes: Sequence[str],
+    now: datetime,
     studies: Sequence[str] | None = None,
     token: str | None = None,
     expires_in: timedelta | None = None,
@@ -291,7 +287,6 @@ def create_token(
     creates it, for the audit log (None: the command line).
     """
     clear = token if token is not None else new_token()
-    now = utcnow()
     row = TokenRow(
         name=name,
         token_hash=hash_token(clear),
@@ -307,6 +302,7 @@ def create_token(
         "token_created",
         by,
         f"token {row.id}",
+        now,
         name=name,
         scopes=row.scopes,
         studies=row.studies,
@@ -320,7 +316,9 @@ def list_tokens(session: Session) -> list[TokenRow]:
     return list(session.scalars(select(TokenRow).order_by(TokenRow.id)))
 
 
-def revoke_token(session: Session, token_id: int, by: Principal | None = None) -> TokenRow | None:
+def revoke_token(
+    session: Session, token_id: int, now: datetime, by: Principal | None = None
+) -> TokenRow | None:
     """Mark a token revoked (idempotent); None when there is no such token.
 
     The workers it registered are stopped with it (service.fleet.workers.stop_token_workers): their
@@ -331,23 +329,35 @@ def revoke_token(session: Session, token_id: int, by: Principal | None = None) -
 
     row = session.get(TokenRow, token_id)
     if row is not None and row.revoked_at is None:
-        row.revoked_at = utcnow()
+        row.revoked_at = now
         stopped = stop_token_workers(session, token_id, row.revoked_at)
         audited(
-            session, "token_revoked", by, f"token {row.id}", name=row.name, workers_stopped=stopped
+            session,
+            "token_revoked",
+            by,
+            f"token {row.id}",
+            now,
+            name=row.name,
+            workers_stopped=stopped,
         )
     return row
 
 
 def audited(
-    session: Session, event: audit.AuditEvent, by: Principal | None, target: str, **detail: Any
+    session: Session,
+    event: audit.AuditEvent,
+    by: Principal | None,
+    target: str,
+    now: datetime,
+    **detail: Any,
 ) -> None:
-    """Record an audit event done by a principal (None: the command line)."""
+    """Record an audit event done by a principal (None: the command line) at ``now``."""
     actor = by.name if by is not None else audit.command_line_actor()
-    audit.record(session, event, actor, None if by is None else by.token_id, target, **detail)
+    token_id = None if by is None else by.token_id
+    audit.record(session, event, actor, token_id, target, now, **detail)
 
 
-def first_admin_token(session: Session, preset: str | None) -> str | None:
+def first_admin_token(session: Session, preset: str | None, now: datetime) -> str | None:
     """On a database without tokens, store an admin token and return it; else None.
 
     ``preset`` (VRAMTUNE_ADMIN_TOKEN) is stored (hashed) instead of a generated token.
@@ -359,7 +369,7 @@ def first_admin_token(session: Session, preset: str | None) -> str | None:
             f"VRAMTUNE_ADMIN_TOKEN must be {MIN_TOKEN_CHARS} to {MAX_TOKEN_CHARS} ASCII "
             f"characters (use `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)"
         )
-    _row, clear = create_token(session, "first-admin", ["admin"], token=preset)
+    _row, clear = create_token(session, "first-admin", ["admin"], now, token=preset)
     return clear
 
 

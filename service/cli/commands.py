@@ -15,10 +15,10 @@ from typing import Any
 
 import yaml
 
+from common.logs import configure_logging, json_logging_config
 from service.cli import parser
 from service.cli.console import emit_json, show_study, study_rows, trial_rows
 from service.client import Client
-from service.logs import configure_logging, json_logging_config
 from service.wire import ParetoFront
 
 # ---------------------------------------------------------------- serve and db
@@ -53,6 +53,7 @@ def refusal_to_serve(settings: Any, insecure: bool) -> str | None:
     from service.auth.tokens import has_live_token
     from service.db.engine import make_engine, make_sessions
     from service.db.migrate import NotMigrated, require_migrated
+    from service.state import utcnow
 
     if settings.auth == "off" and not is_loopback(settings.host) and not insecure:
         return (
@@ -64,7 +65,7 @@ def refusal_to_serve(settings: Any, insecure: bool) -> str | None:
         require_migrated(engine)
         if settings.auth == "on":
             with make_sessions(engine)() as session:
-                return None if has_live_token(session) else NO_TOKENS
+                return None if has_live_token(session, utcnow()) else NO_TOKENS
     except NotMigrated as exc:
         return f"{exc}{' (it prints the first admin token)' if settings.auth == 'on' else ''}"
     finally:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from datetime import datetime
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from service.dashboard import schema
@@ -35,20 +35,24 @@ def worker_state(stopped: bool, age_s: float, stale_s: float, lost_s: float) -> 
     return "live"
 
 
-def fleet(session: Session, settings: Settings, allowed: frozenset[str] | None = None) -> Fleet:
+def fleet(
+    session: Session, settings: Settings, now: datetime, allowed: frozenset[str] | None = None
+) -> Fleet:
     """Every worker, newest heartbeat first, with the trials it holds leases on.
 
     ``allowed``: the studies of a study-limited token, which sees only the workers running
     their trials, and only those trials (as GET /api/v1/workers).
     """
-    now = schema.utcnow()
     stale_s, lost_s = thresholds(settings)
     current = _current_trials(session, allowed)
     query = select(WorkerRow).order_by(WorkerRow.last_heartbeat.desc()).limit(MAX_WORKERS)
     if allowed is not None:
         query = query.where(WorkerRow.id.in_(current))
     rows = list(session.scalars(query))
-    workers = [_worker(w, current.get(w.id, []), now, stale_s, lost_s) for w in rows]
+    runs = _runs(session, [w.id for w in rows])
+    workers = [
+        _worker(w, current.get(w.id, []), runs.get(w.id, 0), now, stale_s, lost_s) for w in rows
+    ]
     return Fleet(
         workers=workers,
         totals=_totals(workers),
@@ -59,7 +63,12 @@ def fleet(session: Session, settings: Settings, allowed: frozenset[str] | None =
 
 
 def _worker(
-    row: WorkerRow, current: list[CurrentTrial], now: datetime, stale_s: float, lost_s: float
+    row: WorkerRow,
+    current: list[CurrentTrial],
+    runs: int,
+    now: datetime,
+    stale_s: float,
+    lost_s: float,
 ) -> FleetWorker:
     age = max(0.0, (now - row.last_heartbeat).total_seconds())
     return FleetWorker(
@@ -76,8 +85,20 @@ def _worker(
         heartbeat_age_s=age,
         registered_at=schema.utc(row.registered_at),
         current=current,
+        trials_run=runs,
         trials_done=row.trials_done,
     )
+
+
+def _runs(session: Session, worker_ids: list[int]) -> dict[int, int]:
+    """Per worker, its leases that did not end in a hand-back (the trial did not fit its card)."""
+    ended_by = func.coalesce(LeaseRow.resolution["call"].as_string(), "")  # "" while active
+    query = (
+        select(LeaseRow.worker_id, func.count())
+        .where(LeaseRow.worker_id.in_(worker_ids), ended_by != "handback")
+        .group_by(LeaseRow.worker_id)
+    )
+    return {worker_id: count for worker_id, count in session.execute(query)}
 
 
 def _current_trials(

@@ -27,6 +27,7 @@ from service.db.migrate import (
 )
 from service.db.tables import Base
 from service.settings import Settings
+from service.state import utcnow
 from service.testing import free_port, run_vramtune, upgrade_database
 
 SERVE_ENV = {"VRAMTUNE_AUTH": "", "VRAMTUNE_HOST": "", "VRAMTUNE_LOG_FORMAT": ""}
@@ -84,8 +85,8 @@ def test_serve_without_a_live_token_refuses_naming_the_way_out(database_url: str
     engine = make_engine(url)
     try:
         with make_sessions(engine).begin() as session:
-            row, _clear = auth.create_token(session, "gone", ["admin"])
-            auth.revoke_token(session, row.id)
+            row, _clear = auth.create_token(session, "gone", ["admin"], utcnow())
+            auth.revoke_token(session, row.id, utcnow())
     finally:
         engine.dispose()
     again = serve(url)

@@ -18,6 +18,7 @@ from service.auth.cli import ADMIN_TOKEN_ENV, print_first_admin_token
 from service.cli.parser import main
 from service.db.engine import make_engine
 from service.settings import Settings
+from service.state import utcnow
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -207,7 +208,7 @@ def test_cli_tokens_expire_and_list_shows_expiry_and_last_use(
     expired = cli(capsys, *old)[1].strip()
     engine = make_engine(url)
     with engine.begin() as connection:  # as if created long ago with a short lifetime
-        past = {"t": auth.utcnow() - timedelta(seconds=1)}
+        past = {"t": utcnow() - timedelta(seconds=1)}
         connection.execute(
             text("UPDATE vramtune_tokens SET expires_at = :t WHERE name = 'old'"), past
         )

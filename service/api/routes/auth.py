@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query
 
-from service.api.deps import SessionDep
+from service.api.deps import NowDep, SessionDep
 from service.api.errors import NotFound
 from service.auth import audit, tokens as auth
 from service.auth.tokens import PrincipalDep
@@ -46,20 +46,24 @@ def list_tokens(session: SessionDep) -> TokenList:
 
 
 @router.post("/tokens", status_code=201)
-def create_token(body: TokenCreate, session: SessionDep, principal: PrincipalDep) -> TokenCreated:
+def create_token(
+    body: TokenCreate, session: SessionDep, principal: PrincipalDep, now: NowDep
+) -> TokenCreated:
     """A new token, shown in clear in this answer only."""
     lifetime = None if body.expires_in is None else duration_of(body.expires_in)
     row, clear = auth.create_token(
-        session, body.name, body.scopes, body.studies, expires_in=lifetime, by=principal
+        session, body.name, body.scopes, now, body.studies, expires_in=lifetime, by=principal
     )
     return TokenCreated(**token_out(row).model_dump(), token=clear)
 
 
 @router.delete("/tokens/{token_id}")
-def revoke_token(token_id: TokenId, session: SessionDep, principal: PrincipalDep) -> TokenOut:
+def revoke_token(
+    token_id: TokenId, session: SessionDep, principal: PrincipalDep, now: NowDep
+) -> TokenOut:
     """Revoke a token: it stops working at once, as do the workers it registered (their
     trials are offered again); revoking twice is harmless."""
-    row = auth.revoke_token(session, token_id, by=principal)
+    row = auth.revoke_token(session, token_id, now, by=principal)
     if row is None:
         raise NotFound(f"token {token_id} not found")
     return token_out(row)

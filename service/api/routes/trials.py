@@ -14,7 +14,6 @@ from service.fleet import trials as fleet_trials
 from service.fleet.trials import TrialCall
 from service.fleet.workers import fleet_transaction
 from service.state import AppState
-from service.studies import utcnow
 from service.wire import (
     CompleteRequest,
     FailRequest,
@@ -41,7 +40,7 @@ def _run(
 ) -> Reply:
     """One trial call in one fleet transaction, by the token of the lease's worker."""
     with fleet_transaction(state) as session:
-        call = TrialCall(session, state.storage, state.settings, utcnow(), principal.token_id)
+        call = TrialCall(session, state.storage, state.settings, state.clock(), principal.token_id)
         return use_case(call, trial_id, body)
 
 

@@ -8,9 +8,8 @@ from fastapi import APIRouter, Path, Query, Response
 
 from service.api.deps import StateDep
 from service.auth.tokens import PrincipalDep
-from service.fleet import workers as fleet
+from service.fleet import dispatch, workers as fleet
 from service.fleet.calibration import calibration_for
-from service.studies import utcnow
 from service.wire import (
     Assignment,
     Calibration,
@@ -35,7 +34,7 @@ def register(body: WorkerRegister, state: StateDep, principal: PrincipalDep) -> 
     The worker is bound to the calling token: its calls must come with that token (403).
     """
     with fleet.fleet_transaction(state) as session:
-        return fleet.register(session, state.settings, body, utcnow(), principal.token_id)
+        return fleet.register(session, state.settings, body, state.clock(), principal.token_id)
 
 
 @router.post("/workers/{worker_id}/heartbeat")
@@ -45,7 +44,7 @@ def heartbeat(
     """Renew every lease of the worker; the answer lists trials it must stop, and why."""
     with fleet.fleet_transaction(state) as session:
         return fleet.heartbeat(
-            session, state.settings, worker_id, body, utcnow(), principal.token_id
+            session, state.settings, worker_id, body, state.clock(), principal.token_id
         )
 
 
@@ -58,8 +57,8 @@ def next_trial(
     worker_id: WorkerId, body: NextRequest, state: StateDep, principal: PrincipalDep
 ) -> Assignment | Response:
     """Lease a trial to the worker (200), or 204 when no study of its tasks has work."""
-    assignment = fleet.next_assignment(
-        state, worker_id, body, utcnow(), principal.studies, principal.token_id
+    assignment = dispatch.next_assignment(
+        state, worker_id, body, state.clock(), principal.studies, principal.token_id
     )
     return Response(status_code=204) if assignment is None else assignment
 
@@ -68,7 +67,7 @@ def next_trial(
 def stop(worker_id: WorkerId, state: StateDep, principal: PrincipalDep) -> Response:
     """The worker leaves: its leases end now and their trials are offered again."""
     with fleet.fleet_transaction(state) as session:
-        fleet.stop_worker(session, worker_id, utcnow(), principal.token_id)
+        fleet.stop_worker(session, worker_id, state.clock(), principal.token_id)
     return Response(status_code=204)
 
 
@@ -86,7 +85,7 @@ def list_workers(
     A token limited to some studies sees only the workers running their trials.
     """
     with state.sessions() as session:
-        listed = fleet.list_workers(session, state.settings, utcnow(), principal.studies)
+        listed = fleet.list_workers(session, state.settings, state.clock(), principal.studies)
     if only:
         listed.workers = [w for w in listed.workers if w.state in only]
     return listed
