@@ -126,7 +126,8 @@ class Agent:
         self.registered: WorkerRegistered | None = None
         self.trials_run = 0
         self.log = AgentLog(options.name)
-        self.heartbeats = Heartbeats(client, self.free_bytes, self.log)
+        self.heartbeats = Heartbeats(client, self.free_bytes, self.log, self._token_refused)
+        self.refused: Rejected | None = None  # set when the server refused our token
         self.spool = None if options.spool_dir is None else Spool(options.spool_dir)
         self.delivery = Delivery(
             client, self.spool, self.log, lambda: self.stop, options.shutdown_grace_s
@@ -186,6 +187,8 @@ class Agent:
             self.event("shutdown_unreachable", error=str(error))
         finally:
             self.close()
+        if self.refused is not None:
+            raise self.refused
 
     def run_once(self) -> bool:
         """One cycle: ask for a trial and see it to its end; False when there was no work."""
@@ -361,6 +364,12 @@ class Agent:
     def event(self, name: str, assignment: Assignment | None = None, **fields: Any) -> None:
         """One structured log line (common.logs) with the worker's and the trial's ids."""
         self.log.event(name, assignment, **fields)
+
+    def _token_refused(self, error: Rejected) -> None:
+        """Stop at once: the running trial is dropped (the server re-offers it), no new one."""
+        self.refused = error
+        self.event("token_refused", status=error.status_code, detail=str(error.detail))
+        self.stop.set()
 
     def _registration(self) -> WorkerRegister:
         return WorkerRegister(

@@ -16,6 +16,10 @@ from service.wire import Assignment, Heartbeat, WorkerRegistered
 from worker.api import LeaseLost, Rejected, ServerClient, ServerUnavailable
 from worker.events import AgentLog
 
+# Answers to a heartbeat that no retry will change: the token is not (or no longer) valid, or
+# this worker is not the token's.
+_CREDENTIALS_REFUSED = (401, 403)
+
 
 @dataclass
 class RunningTrial:
@@ -28,10 +32,18 @@ class RunningTrial:
 class Heartbeats:
     """Beats every `heartbeat_interval_s` (at once after `hold`) on a daemon thread."""
 
-    def __init__(self, client: ServerClient, free_bytes: Callable[[], int], log: AgentLog) -> None:
+    def __init__(
+        self,
+        client: ServerClient,
+        free_bytes: Callable[[], int],
+        log: AgentLog,
+        on_refused: Callable[[Rejected], None],
+    ) -> None:
         self.client = client
         self.free_bytes = free_bytes
         self.log = log
+        # Called once when the server refuses the worker's token; the thread then ends.
+        self.on_refused = on_refused
         self._held: set[int] = set()
         self._running: dict[int, RunningTrial] = {}
         self._lock = threading.Lock()
@@ -77,6 +89,12 @@ class Heartbeats:
         with self._lock:
             self._running.pop(running.assignment.trial_id, None)
 
+    def stop_all(self, reason: str) -> None:
+        """Order every running trial to stop, for `reason`."""
+        with self._lock:
+            for running in self._running.values():
+                running.stop_reason = reason
+
     def _loop(self, registered: WorkerRegistered) -> None:
         interval = registered.heartbeat_interval_s
         while True:
@@ -92,7 +110,14 @@ class Heartbeats:
                     Heartbeat(free_bytes=self.free_bytes(), trials=held),
                     retry_for_s=interval,
                 )
-            except (ServerUnavailable, LeaseLost, Rejected) as error:
+            except Rejected as error:
+                if error.status_code in _CREDENTIALS_REFUSED:
+                    self.stop_all("token_refused")
+                    self.on_refused(error)
+                    return
+                self.log.event("heartbeat_missed", error=str(error))
+                continue
+            except (ServerUnavailable, LeaseLost) as error:
                 self.log.event("heartbeat_missed", error=str(error))
                 continue
             for order in reply.stop:

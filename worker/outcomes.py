@@ -33,6 +33,9 @@ STOP_KINDS: dict[str, FailKind | None] = {
     "interrupted": "interrupted",
     "deleted": None,
     "lease_lost": None,
+    # The server refused this worker's token (revoked, expired): no call can be made any
+    # more, and the server offers the trial again itself.
+    "token_refused": None,
 }
 
 

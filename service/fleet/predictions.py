@@ -58,7 +58,7 @@ def shared_for(
     session: Session, worker: WorkerRow, task: str, config: Mapping[str, Any]
 ) -> list[SharedPrediction]:
     """The fleet's predictions for a trial of `task` with `config` on this worker's card."""
-    if worker.shape_params is None:  # registered before migration 0003, or an older worker
+    if worker.shape_params is None:  # registered before migration 0004, or an older worker
         return []
     shape = shape_of(config, shape_keys(worker, task))
     rows = session.scalars(
