@@ -3,6 +3,12 @@
 The trace runs `worker.steps.train_step`, the trainer's own step, on a model and optimizer
 built inside the fake mode (building outside and converting breaks weight tying), so what it
 counts is what the trainer allocates. Step 2 is the steady state: optimizer state exists.
+Bytes are counted by `worker.memory.MemoryTracker`, the same mode that measures real CPU runs;
+the only prediction-side difference is a named correction of fake kernels (`correct_fake`).
+
+A step of many micro-batches is traced as its first two and its tail
+(`worker.steps.traced_micro_batch_sizes`): the third and later start from the second's live
+set, so they allocate what it allocates, and a trace no longer grows with the accumulation.
 """
 
 from __future__ import annotations
@@ -22,14 +28,13 @@ from torch._subclasses.fake_tensor import (
     unset_fake_temporarily,
 )
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 from service.wire import Plan
 from worker.memory import MemoryLimitExceeded, MemoryTracker
 from worker.predictor.emulation import cuda_emulation, prefer_foreach
 from worker.runner import CardSpec
-from worker.steps import build_for_plan, train_step
+from worker.steps import build_for_plan, traced_micro_batch_sizes, train_step
 from worker.task import Batch, Config, Task, TaskConfigError
 
 TRACED_STEPS = 2
@@ -86,15 +91,19 @@ class Trace:
     breakdown: dict[str, int]
     events: list[tuple[int, int]]
     seconds: float
+    phase_peaks: dict[str, int]
+    """The highest live bytes while each phase (forward, backward, optimizer...) allocated."""
 
 
 def trace_training(task: Task, config: Config, plan: Plan, target: Target) -> Trace:
     """Trace `TRACED_STEPS` steps of `task` under `plan`; raises CannotTrace with a reason."""
     started = time.perf_counter()
-    tracker = MemoryTracker(device_type=target.device.type, record_events=target.cuda)
+    tracker = MemoryTracker(
+        device_type=target.device.type, record_events=target.cuda, correct=correct_fake
+    )
     fake = FakeTensorMode()
     try:
-        with fake, _FakeDeepcopy(), _emulation(target), _onednn_workspaces(), tracker:
+        with fake, _FakeDeepcopy(), _emulation(target), tracker:
             _run_steps(task, config, plan, target, tracker)
     except (TaskConfigError, MemoryLimitExceeded):
         raise
@@ -107,6 +116,7 @@ def trace_training(task: Task, config: Config, plan: Plan, target: Target) -> Tr
         breakdown=tracker.breakdown(),
         events=tracker.events or [],
         seconds=time.perf_counter() - started,
+        phase_peaks=dict(tracker.phase_peaks),
     )
 
 
@@ -131,10 +141,11 @@ def _run_steps(
     def next_batch(size: int) -> Batch:
         return task.example_batch(config, size, device)
 
+    sizes = traced_micro_batch_sizes(batch_size, plan)
     loss = None
     for _ in range(TRACED_STEPS):
         # Kept across the next step, as the trainer's loop keeps its last loss.
-        loss = train_step(task, model, optimizer, next_batch, batch_size, plan, device)
+        loss = train_step(task, model, optimizer, next_batch, batch_size, plan, device, sizes)
         tracker.label_training_state(model, optimizer)
     del loss
 
@@ -167,29 +178,16 @@ class _FakeDeepcopy(TorchFunctionMode):
         return memo[id(tensor)]
 
 
-class _OneDnnWorkspaces(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Gives fake `mkldnn_rnn_layer` (the CPU LSTM/GRU) the workspace oneDNN really allocates.
+def correct_fake(func: Any, args: tuple[Any, ...], out: Any) -> Any:
+    """Give fake `mkldnn_rnn_layer` (the CPU LSTM/GRU) the workspace oneDNN really allocates.
 
     Its fake kernel returns an empty workspace; oneDNN sizes it from the shapes alone, so one
-    real call on zeros of the same shapes (cached) tells the size.
+    real call on zeros of the same shapes (cached) tells the size. Every other output is kept.
     """
-
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten.mkldnn_rnn_layer.default:
-            size = _onednn_workspace_bytes(args)
-            out = (*out[:3], torch.empty(size, dtype=torch.uint8, device=out[3].device))
+    if func is not torch.ops.aten.mkldnn_rnn_layer.default:
         return out
-
-
-def _onednn_workspaces() -> TorchDispatchMode:
-    return _OneDnnWorkspaces()  # type: ignore[no-untyped-call]
+    size = _onednn_workspace_bytes(args)
+    return (*out[:3], torch.empty(size, dtype=torch.uint8, device=out[3].device))
 
 
 _WORKSPACES: dict[tuple[Any, ...], int] = {}
