@@ -26,6 +26,7 @@ from service.wire import Calibration, CardConstants, Plan, Prediction
 from worker.predictor.allocator import replay
 from worker.predictor.probe import PhasePeaks, measure_point, probe_micro_batches, probe_prediction
 from worker.predictor.trace import CannotTrace, Target, Trace, target_for, trace_training
+from worker.predictor.warmup import warm_up
 from worker.runner import CardSpec, plan_for_micro_batch
 from worker.steps import micro_batch_sizes
 from worker.task import Config, Task
@@ -125,6 +126,7 @@ def predict(
     (method "probe", with the reason). `target` forces a trace mode (the benchmark).
     """
     started = time.perf_counter()
+    warm_up()  # waits for a warm-up in progress instead of paying it twice
     target = target or target_for(card)
     constants = card_constants(card) if target.cuda else CardConstants()
     key = _prediction_key(task, config, plan, target, constants)
