@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from task_contract import RecordingReporter, run_trial, simulated_card
-from test_predictor import CNNTask, GPTTask, LSTMTask, measured_cpu_peak
+from test_predictor import CNNTask, EncoderTask, GPTTask, LSTMTask, measured_cpu_peak
 from torch import nn
 
 from service.wire import Plan, TrainBudget
@@ -62,6 +62,25 @@ def test_the_shortened_step_traces_the_same_peaks_as_every_micro_batch(
         from worker.predictor.allocator import replay
 
         assert replay(short.events) == replay(every.events)
+
+
+@pytest.mark.parametrize(
+    "plan", [Plan(), plan_for_micro_batch(8, 3), Plan(checkpointing=True), Plan(bf16=True)]
+)
+@pytest.mark.parametrize(
+    "task", [CNNTask(), GPTTask(), LSTMTask(), EncoderTask()], ids=lambda t: t.name
+)
+def test_replaying_step_one_as_its_state_traces_the_peak_of_two_real_steps(
+    task: object, plan: Plan
+) -> None:
+    if plan.checkpointing and not isinstance(task, GPTTask):
+        pytest.skip("the task has nothing to checkpoint")
+    config = {"width": 32, "batch_size": 8}
+    replayed = trace_training(task, config, plan, CPU_TARGET)  # type: ignore[arg-type]
+    real = trace_training(task, config, plan, CPU_TARGET, real_first_step=True)  # type: ignore[arg-type]
+    assert replayed.peak_bytes == real.peak_bytes
+    assert replayed.breakdown == real.breakdown
+    assert {k: v for k, v in replayed.phase_peaks.items() if k != "setup"} == real.phase_peaks
 
 
 class WideMLPTask(GPTTask):

@@ -285,8 +285,11 @@ def _search(
                 fails = (guess, point)
             else:
                 fits = (guess, point)
-                if _on_line(footprint(point.prediction), lines.calibrated(lines.raw(guess))):
-                    return guess, point.prediction  # the lines hold here: guess + 1 does not fit
+                # The lines miss the trace here by `error`: if guess + 1 is over the budget by
+                # more than that (or known to fail), it does not fit and guess is the answer.
+                error = abs(footprint(point.prediction) - lines.footprint(guess))
+                if guess + 1 >= fails[0] or lines.footprint(guess + 1) - error > budget:
+                    return guess, point.prediction
     for _ in range(MAX_SEARCH_TRACES):
         if fails[0] - fits[0] <= 1:
             break
@@ -326,13 +329,17 @@ class _PiecewiseLines:
             _line(m0, p0.phases[phase], m1, p1.phases[phase], micro) for phase in phases
         )
 
+    def footprint(self, micro: int) -> float:
+        """The footprint the lines give, calibrated as the predictions are compared."""
+        return self.calibrated(self.raw(micro))
+
     def largest_within(self, low: int, high: int, budget: int) -> int | None:
         """The largest micro-batch in [low, high] the lines say fits (lines rise: bisect)."""
-        if low > high or self.calibrated(self.raw(low)) > budget:
+        if low > high or self.footprint(low) > budget:
             return None
         while low < high:
             middle = (low + high + 1) // 2
-            if self.calibrated(self.raw(middle)) <= budget:
+            if self.footprint(middle) <= budget:
                 low = middle
             else:
                 high = middle - 1

@@ -3,6 +3,13 @@
 The trace runs `worker.steps.train_step`, the trainer's own step, on a model and optimizer
 built inside the fake mode (building outside and converting breaks weight tying), so what it
 counts is what the trainer allocates. Step 2 is the steady state: optimizer state exists.
+
+On the CPU card step 1's forward and backward are not traced: they allocate what step 2's do
+less the optimizer state, so they never set the peak. Step 1 is replayed as what it leaves and
+what its optimizer step sees — zero gradients for every trainable parameter, the loss
+accumulator, then `optimizer.step()` creating the state — which halves a trace (tested equal to
+two traced steps). A CUDA trace keeps both steps: the caching allocator's reserve depends on
+the order step 1 allocated in.
 Bytes are counted by `worker.memory.MemoryTracker`, the same mode that measures real CPU runs;
 the only prediction-side difference is a named correction of fake kernels (`correct_fake`).
 
@@ -95,8 +102,15 @@ class Trace:
     """The highest live bytes while each phase (forward, backward, optimizer...) allocated."""
 
 
-def trace_training(task: Task, config: Config, plan: Plan, target: Target) -> Trace:
-    """Trace `TRACED_STEPS` steps of `task` under `plan`; raises CannotTrace with a reason."""
+def trace_training(
+    task: Task, config: Config, plan: Plan, target: Target, *, real_first_step: bool | None = None
+) -> Trace:
+    """Trace `TRACED_STEPS` steps of `task` under `plan`; raises CannotTrace with a reason.
+
+    `real_first_step` traces step 1's forward and backward too (default: on CUDA targets only).
+    """
+    if real_first_step is None:
+        real_first_step = target.cuda
     started = time.perf_counter()
     tracker = MemoryTracker(
         device_type=target.device.type, record_events=target.cuda, correct=correct_fake
@@ -104,7 +118,7 @@ def trace_training(task: Task, config: Config, plan: Plan, target: Target) -> Tr
     fake = FakeTensorMode()
     try:
         with fake, _FakeDeepcopy(), _emulation(target), tracker:
-            _run_steps(task, config, plan, target, tracker)
+            _run_steps(task, config, plan, target, tracker, real_first_step)
     except (TaskConfigError, MemoryLimitExceeded):
         raise
     except CannotTrace:
@@ -125,7 +139,12 @@ def _emulation(target: Target) -> AbstractContextManager[None]:
 
 
 def _run_steps(
-    task: Task, config: Config, plan: Plan, target: Target, tracker: MemoryTracker
+    task: Task,
+    config: Config,
+    plan: Plan,
+    target: Target,
+    tracker: MemoryTracker,
+    real_first_step: bool,
 ) -> None:
     device = target.device
     batch_size = int(config[task.batch_size_param])
@@ -143,11 +162,33 @@ def _run_steps(
 
     sizes = traced_micro_batch_sizes(batch_size, plan)
     loss = None
-    for _ in range(TRACED_STEPS):
-        # Kept across the next step, as the trainer's loop keeps its last loss.
-        loss = train_step(task, model, optimizer, next_batch, batch_size, plan, device, sizes)
+    for step in range(TRACED_STEPS):
+        if step == 0 and not real_first_step:
+            loss = _first_step_state(model, optimizer, device, tracker)
+        else:
+            # Kept across the next step, as the trainer's loop keeps its last loss.
+            loss = train_step(task, model, optimizer, next_batch, batch_size, plan, device, sizes)
         tracker.label_training_state(model, optimizer)
     del loss
+
+
+def _first_step_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, tracker: MemoryTracker
+) -> torch.Tensor:
+    """What step 1 leaves and its optimizer step sees, without its forward and backward.
+
+    At step 1's `optimizer.step()` the live tensors are the parameters, one gradient per
+    trainable parameter and the loss accumulator; the step then creates the optimizer state.
+    Returns the accumulator, which the trainer keeps through step 2 as its last loss.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    total = torch.zeros((), device=device)  # made in the forward phase, as train_step makes it
+    with tracker.phase("setup"), torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.requires_grad:
+                parameter.grad = torch.zeros_like(parameter)
+    optimizer.step()
+    return total
 
 
 class _FakeDeepcopy(TorchFunctionMode):
@@ -179,15 +220,26 @@ class _FakeDeepcopy(TorchFunctionMode):
 
 
 def correct_fake(func: Any, args: tuple[Any, ...], out: Any) -> Any:
-    """Give fake `mkldnn_rnn_layer` (the CPU LSTM/GRU) the workspace oneDNN really allocates.
+    """Fix the fake CPU LSTM/GRU kernels' outputs where they hold less than the real ones.
 
-    Its fake kernel returns an empty workspace; oneDNN sizes it from the shapes alone, so one
-    real call on zeros of the same shapes (cached) tells the size. Every other output is kept.
+    - `mkldnn_rnn_layer` returns an empty workspace; oneDNN sizes it from the shapes alone, so
+      one real call on zeros of the same shapes (cached) tells the size.
+    - `mkldnn_rnn_layer_backward`'s fake kernel returns one tensor as both bias gradients (the
+      real kernel returns two; FakeTensorMode's cache replays them as two, so the first call at a
+      shape counted one bias gradient less than every later one).
+
+    Every other output is kept.
     """
-    if func is not torch.ops.aten.mkldnn_rnn_layer.default:
-        return out
-    size = _onednn_workspace_bytes(args)
-    return (*out[:3], torch.empty(size, dtype=torch.uint8, device=out[3].device))
+    if func is torch.ops.aten.mkldnn_rnn_layer.default:
+        size = _onednn_workspace_bytes(args)
+        return (*out[:3], torch.empty(size, dtype=torch.uint8, device=out[3].device))
+    if func is torch.ops.aten.mkldnn_rnn_layer_backward.default and _same_storage(out[3], out[4]):
+        return (*out[:4], out[4].clone(), *out[5:])
+    return out
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage() is b.untyped_storage()  # one Python object per storage
 
 
 _WORKSPACES: dict[tuple[Any, ...], int] = {}
