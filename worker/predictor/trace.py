@@ -179,7 +179,9 @@ def _first_step_state(
 
     At step 1's `optimizer.step()` the live tensors are the parameters, one gradient per
     trainable parameter and the loss accumulator; the step then creates the optimizer state.
-    Returns the accumulator, which the trainer keeps through step 2 as its last loss.
+    Returns the accumulator, which the trainer keeps through step 2 as its last loss. A
+    parameter the loss never reaches gets a gradient and optimizer state here but none in a real
+    step: the prediction is then higher than the run, never lower.
     """
     optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)  # made in the forward phase, as train_step makes it
