@@ -161,3 +161,17 @@ def test_the_quadratic_tasks_run_peaks_at_its_prediction() -> None:
     result = task.run(config, Plan(), TrainBudget(max_steps=2), card, RecordingReporter())
     predicted = task.predict(config, Plan(), card)
     assert result.measured.peak_allocated_bytes == predicted.peak_allocated_bytes
+
+
+def test_the_warm_up_runs_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.predictor import warm_up, warm_up_in_background, warmup as warmup_module
+
+    monkeypatch.setattr(warmup_module, "_warmed", False)
+    warm_up_in_background().join()
+    assert warmup_module._warmed
+
+    traced: list[object] = []
+    monkeypatch.setattr(trace_module, "trace_training", lambda *args, **kw: traced.append(args))
+    warm_up()
+    warm_up_in_background().join()
+    assert traced == []
