@@ -297,10 +297,6 @@ class TorchTaskRunner:
         # A task may say it has nothing to checkpoint or must stay in fp32.
         self.can_checkpoint = bool(getattr(task, "can_checkpoint", True))
         self.can_bf16 = bool(getattr(task, "can_bf16", True))
-        from worker.predictor import warm_up_in_background
-
-        # The first trace in a process costs ~2 s more: pay it now, not in a trial's plan choice.
-        warm_up_in_background()
 
     def batch_size(self, config: Config) -> int:
         """The configuration's effective batch size."""
