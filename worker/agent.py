@@ -240,7 +240,6 @@ class Agent:
     ) -> tuple[Decision, PlanChoice, dict[str, Any]] | None:
         """The plan (or hand-back), how it was chosen, and that in log fields; None when the
         configuration is refused (the trial is failed with the task's message)."""
-        began = time.monotonic()
         predictions = shared(runner, config, assignment.predictions)
         try:
             decision = choose_plan(
@@ -257,7 +256,7 @@ class Agent:
             self._finish(assignment, outcomes.failed(assignment, "error", message))
             return None
         choice = PlanChoice(
-            planning_s=round(time.monotonic() - began, 4),
+            planning_s=round(decision.seconds, 4),
             prediction_source=predictions.source,
             predictions=predictions.made[:MAX_SHARED_PREDICTIONS],
         )
