@@ -16,12 +16,17 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from common.logs import LogFormat, add_log_format_option, configure_logging
 from worker import gpu
+
+if TYPE_CHECKING:
+    from service.wire import CardInfo
+    from worker.runner import TrialRunner
 
 log = logging.getLogger("vramtune.worker")
 
@@ -115,10 +120,7 @@ def tasks_command(args: argparse.Namespace) -> int:
 def _run_one(args: argparse.Namespace) -> int:
     # First: a SIGTERM while the tasks import (torch takes seconds) must still end cleanly.
     stop = _stop_on_signals()
-    from worker.agent import Agent, AgentOptions
-    from worker.api import Rejected, ServerClient, ServerUnavailable
     from worker.registry import discover
-    from worker.runner import CardSpec
 
     try:
         info = gpu.card_for_device(args.device, args.memory_limit)
@@ -131,11 +133,31 @@ def _run_one(args: argparse.Namespace) -> int:
     if not found.runners:
         print("vramtune worker: no task to advertise", file=sys.stderr)
         return 2
+    warming = None
     if "worker.training" in sys.modules:  # a torch task turned up (the registry imported it)
         from worker.predictor import warm_up_in_background
 
         # The first trace in a process costs ~2 s more: pay it now, not in a trial's plan choice.
-        warm_up_in_background()
+        warming = warm_up_in_background()
+    try:
+        return _run_agent(args, found.runners, info, stop)
+    finally:
+        if warming is not None:
+            # A worker that needed no trace (its predictions came from the fleet) may finish
+            # first: torch aborts the process (std::terminate) if the thread still traces then.
+            warming.join()
+
+
+def _run_agent(
+    args: argparse.Namespace,
+    runners: Mapping[str, TrialRunner],
+    info: CardInfo,
+    stop: threading.Event,
+) -> int:
+    from worker.agent import Agent, AgentOptions
+    from worker.api import Rejected, ServerClient, ServerUnavailable
+    from worker.runner import CardSpec
+
     card = CardSpec(info=info, constants=_card_constants(args.device), device=args.device)
     options = AgentOptions(
         name=args.name or default_name(args.device),
@@ -148,7 +170,7 @@ def _run_one(args: argparse.Namespace) -> int:
     )
     if stop.is_set():
         return 0
-    agent = Agent(ServerClient(args.server, args.token), found.runners, card, options, stop)
+    agent = Agent(ServerClient(args.server, args.token), runners, card, options, stop)
     try:
         agent.run_forever(stop)
     except Rejected as error:
