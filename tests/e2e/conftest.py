@@ -18,6 +18,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from service.client import Client
@@ -238,3 +239,12 @@ def finished(count: int) -> Callable[[list[TrialOut]], bool]:
 def running_on(worker: WorkerProcess) -> Callable[[list[TrialOut]], bool]:
     """Some trial is running on this worker."""
     return lambda trials: any(t.state == "RUNNING" and t.worker == worker.name for t in trials)
+
+
+def dashboard_trial(server: ServerProcess, study: str, number: int) -> dict[str, Any]:
+    """The dashboard's view of one trial, with its runs (memory observations)."""
+    url = f"{server.url}/api/v1/dashboard/studies/{study}/trials/{number}"
+    response = httpx.get(url, timeout=30)
+    assert response.status_code == 200, response.text
+    found: dict[str, Any] = response.json()
+    return found

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from typing import Any
 
-import httpx
 import pytest
 
 from service.client import Client
 from service.testing import ServerProcess
-from tests.e2e.conftest import Studies, finished
+from tests.e2e.conftest import Studies, dashboard_trial, finished
 from worker.agent import Agent, AgentOptions
 from worker.api import ServerClient
 from worker.gpu import parse_size, simulated_card
@@ -131,12 +129,3 @@ def test_pausing_the_study_stops_the_trial_and_gives_it_back(
     assert trial.attempt == paused.attempt, "an interrupted run is not a failed attempt"
     runs = dashboard_trial(fleet_server, name, trial.number)["observations"]
     assert sorted(o["outcome"] for o in runs) == ["complete", "interrupted"]
-
-
-def dashboard_trial(server: ServerProcess, study: str, number: int) -> dict[str, Any]:
-    """The dashboard's view of one trial, with its runs (memory observations)."""
-    url = f"{server.url}/api/v1/dashboard/studies/{study}/trials/{number}"
-    response = httpx.get(url, timeout=30)
-    assert response.status_code == 200, response.text
-    found: dict[str, Any] = response.json()
-    return found

@@ -14,10 +14,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import httpx
-
 from service.testing import ServerProcess
-from tests.e2e.conftest import Studies, WorkerFactory, WorkerProcess, finished
+from tests.e2e.conftest import Studies, WorkerFactory, WorkerProcess, dashboard_trial, finished
 
 # 19.4 MiB as asked on the CPU card: it runs as asked on a 64 MiB card.
 SHAPE = {"width": 16, "depth": 2, "resolution": 32, "batch_size": 64, "seed": 0}
@@ -60,12 +58,3 @@ def started(worker: WorkerProcess) -> dict[str, Any]:
     events = [json.loads(line) for line in worker.logs().splitlines() if line.startswith("{")]
     [event] = [e for e in events if e.get("event") == "started"]
     return event
-
-
-def dashboard_trial(server: ServerProcess, study: str, number: int) -> dict[str, Any]:
-    """The dashboard's view of one trial."""
-    url = f"{server.url}/api/v1/dashboard/studies/{study}/trials/{number}"
-    response = httpx.get(url, timeout=30)
-    assert response.status_code == 200, response.text
-    found: dict[str, Any] = response.json()
-    return found
