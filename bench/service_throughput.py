@@ -868,7 +868,10 @@ def measure_cell(cell: Cell, duration_s: float, tag: str) -> CellResult:
             backends = database_backends(url)
             before = cpu_seconds([*servers, *backends])
             reports, begin, end = run_clients(cell, client, target, duration_s)
-            after = cpu_seconds([*servers, *backends])
+            # Backends the pools opened during the window: all their CPU is the window's.
+            opened = [p for p in database_backends(url) if p.pid not in before]
+            before |= {p.pid: 0.0 for p in opened}
+            after = cpu_seconds([*servers, *backends, *opened])
             system_cpu = cpu_spent(before, after)
             server_cpu = cpu_spent({p.pid: before.get(p.pid, 0.0) for p in servers}, after)
             server_rss = server.memory_info().rss / 2**20 if server else None

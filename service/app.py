@@ -13,6 +13,7 @@ from service import dashboard, reaper
 from service.auth_guard import install_auth
 from service.db import make_engine, make_sessions, require_migrated
 from service.errors import install_error_handlers
+from service.heartbeats import HeartbeatBatcher
 from service.limits import BodySizeLimit
 from service.metrics import install_metrics
 from service.optuna_glue import dispose_storage, make_storage
@@ -35,7 +36,9 @@ def build_state(settings: Settings) -> AppState:
     except BaseException:
         engine.dispose()
         raise
-    return AppState(settings, engine, make_sessions(engine), storage)
+    state = AppState(settings, engine, make_sessions(engine), storage)
+    state.heartbeats = HeartbeatBatcher(state)
+    return state
 
 
 @asynccontextmanager

@@ -1,4 +1,4 @@
-"""Fleet use cases: workers register, heartbeat, pull trials and leave; helpers never commit.
+"""Fleet use cases: workers register, pull trials and leave (heartbeats: service.heartbeats).
 
 Each use case runs in one ``fleet_transaction``, which writes Optuna's rows of a trial and
 vramtune's together (service.optuna_rows): a call either happened whole or not at all. On
@@ -24,7 +24,7 @@ from service import optuna_rows
 from service.db import is_sqlite
 from service.drafts import draft_trial
 from service.errors import Conflict, NotFound
-from service.leases import active_leases, end, ended_since, grant, renew, resolution
+from service.leases import active_leases, end, grant, resolution
 from service.optuna_glue import asked_trial, spec_of, strategy
 from service.routing import plans_on, reoffer
 from service.settings import Settings
@@ -33,11 +33,8 @@ from service.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
 from service.wire import (
     Assignment,
     CardInfo,
-    Heartbeat,
-    HeartbeatReply,
     NextRequest,
     PlanOut,
-    StopOrder,
     WorkerList,
     WorkerOut,
     WorkerRegister,
@@ -97,11 +94,21 @@ def register(
     )
 
 
+def unknown_error(worker_id: int) -> NotFound:
+    """What a call of a worker that never registered gets."""
+    return NotFound(f"worker {worker_id} not found: register first (POST /workers)")
+
+
+def stopped_error(worker_id: int) -> Conflict:
+    """What a call of a worker that has stopped gets."""
+    return Conflict(f"worker {worker_id} has stopped: register again to rejoin")
+
+
 def get_worker(session: Session, worker_id: int) -> WorkerRow:
     """The worker row; NotFound if there is none."""
     worker = session.get(WorkerRow, worker_id)
     if worker is None:
-        raise NotFound(f"worker {worker_id} not found: register first (POST /workers)")
+        raise unknown_error(worker_id)
     return worker
 
 
@@ -109,7 +116,7 @@ def running_worker(session: Session, worker_id: int) -> WorkerRow:
     """The worker row of a worker that has not stopped; Conflict if it has."""
     worker = get_worker(session, worker_id)
     if worker.stopped:
-        raise Conflict(f"worker {worker_id} has stopped: register again to rejoin")
+        raise stopped_error(worker_id)
     return worker
 
 
@@ -120,53 +127,9 @@ def worker_state(worker: WorkerRow, now: datetime, stale_s: float) -> WorkerStat
     return "stale" if (now - worker.last_heartbeat).total_seconds() > stale_s else "live"
 
 
-def heartbeat(
-    session: Session, settings: Settings, worker_id: int, body: Heartbeat, now: datetime
-) -> HeartbeatReply:
-    """Renew the leases of the trials the worker runs; order stopped what it must not run on.
-
-    A lease of a trial the worker does not list is left to expire (the reaper then offers the
-    trial again): its assignment was lost on the way. Not ended at once, because a heartbeat
-    sent before a next's answer arrived may be read after that next.
-    """
-    leases = active_leases(session, worker_id)  # leases before the worker: the lock order
-    worker = running_worker(session, worker_id)
-    stops = [
-        StopOrder(trial_id=lease.trial_id, reason=lease.resolution["stop"])
-        for lease in ended_since(session, worker_id, worker.last_heartbeat)
-        if lease.resolution and lease.resolution.get("stop")
-    ]
-    trials = _trials_by_id(session, [lease.trial_id for lease in leases])
-    paused = _paused_studies(session, {trial.study_id for trial in trials.values()})
-    renewing = []
-    for lease in leases:
-        trial = trials.get(lease.trial_id)
-        if lease.expires_at <= now:
-            stops.append(StopOrder(trial_id=lease.trial_id, reason="lease_lost"))
-        elif trial is None:  # its study was deleted underneath
-            end(lease, now, resolution("study", stop="deleted"))
-            stops.append(StopOrder(trial_id=lease.trial_id, reason="deleted"))
-        elif body.trials is None or lease.trial_id in body.trials:
-            renewing.append(lease.id)
-            if trial.study_id in paused:
-                stops.append(StopOrder(trial_id=lease.trial_id, reason="paused"))
-    renew(session, renewing, now, settings.lease_ttl_s)
-    worker.last_heartbeat = now
-    if body.free_bytes is not None:
-        worker.free_bytes = body.free_bytes
-    return HeartbeatReply(stop=stops)
-
-
 def _trials_by_id(session: Session, trial_ids: Sequence[int]) -> dict[int, TrialRow]:
     query = select(TrialRow).where(TrialRow.trial_id.in_(trial_ids))
     return {trial.trial_id: trial for trial in session.scalars(query)}
-
-
-def _paused_studies(session: Session, study_ids: set[int]) -> set[int]:
-    query = select(StudyRow.study_id).where(
-        StudyRow.study_id.in_(study_ids), StudyRow.paused.is_(True)
-    )
-    return set(session.scalars(query))
 
 
 def stop_worker(session: Session, worker_id: int, now: datetime) -> None:

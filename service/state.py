@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from optuna.storages import BaseStorage
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.settings import Settings
+
+if TYPE_CHECKING:
+    from service.heartbeats import HeartbeatBatcher
 
 
 @dataclass
@@ -19,3 +23,4 @@ class AppState:
     engine: Engine
     sessions: sessionmaker[Session]
     storage: BaseStorage
+    heartbeats: HeartbeatBatcher | None = None  # set by service.app.build_state

@@ -36,10 +36,10 @@ def register(body: WorkerRegister, state: StateDep) -> WorkerRegistered:
 
 
 @router.post("/workers/{worker_id}/heartbeat")
-def heartbeat(worker_id: WorkerId, body: Heartbeat, state: StateDep) -> HeartbeatReply:
-    """Renew every lease of the worker; the answer lists trials it must stop, and why."""
-    with fleet.fleet_transaction(state) as session:
-        return fleet.heartbeat(session, state.settings, worker_id, body, utcnow())
+async def heartbeat(worker_id: WorkerId, body: Heartbeat, state: StateDep) -> HeartbeatReply:
+    """Renew the leases of the trials the worker runs; the answer lists those it must stop."""
+    assert state.heartbeats is not None  # built with the state
+    return await state.heartbeats.beat(worker_id, body)
 
 
 @router.post(
