@@ -139,6 +139,21 @@ def active_leases(session: Session, worker_id: int) -> list[LeaseRow]:
     return list(session.scalars(query))
 
 
+def extend_for_outage(session: Session, since: datetime, now: datetime) -> int:
+    """Push back by ``now - since`` the expiry of the leases live at ``since``, when the
+    database was last seen: a lease's time runs only while the service can see the database
+    (workers could not heartbeat meanwhile). How many leases were extended."""
+    query = (
+        select(LeaseRow)
+        .where(LeaseRow.active.is_(True), LeaseRow.expires_at > since)
+        .with_for_update(skip_locked=True)  # a lease a call holds now is being settled anyway
+    )
+    leases = list(session.scalars(query))
+    for lease in leases:
+        lease.expires_at += now - since
+    return len(leases)
+
+
 def expired_lease(session: Session, now: datetime) -> LeaseRow | None:
     """One active, expired lease no other replica is handling (SKIP LOCKED), locked."""
     query = (
