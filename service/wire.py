@@ -16,6 +16,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -35,6 +36,7 @@ Name = Annotated[
     ),
 ]
 ShortText = Annotated[str, Field(max_length=4096)]
+MetricName = Annotated[str, Field(min_length=1, max_length=64)]
 Direction = Literal["minimize", "maximize"]
 ParamValue = str | int | float | bool | None
 
@@ -201,6 +203,12 @@ class StudyCreate(Wire):
     minimize_peak_memory: bool = Field(
         False, description="Add the measured peak memory as an extra objective (minimized)."
     )
+    metric_names: list[MetricName] | None = Field(
+        None,
+        max_length=2,
+        description="The task's metric per direction, e.g. [accuracy]: how the dashboard "
+        "names its axes (default: value).",
+    )
     task_config: dict[Key, ConfigValue] = Field(
         default_factory=dict, max_length=64, description="Fixed task settings, not tuned."
     )
@@ -216,6 +224,16 @@ class StudyCreate(Wire):
         if self.minimize_peak_memory and len(self.directions) > 1:
             raise ValueError("minimize_peak_memory takes a study with one direction")
         return self
+
+    @field_validator("metric_names")
+    @classmethod
+    def _one_name_per_direction(
+        cls, names: list[str] | None, info: ValidationInfo
+    ) -> list[str] | None:
+        directions = info.data.get("directions")
+        if names is not None and directions is not None and len(names) != len(directions):
+            raise ValueError(f"one name per direction: {len(directions)} direction(s)")
+        return names
 
     @property
     def objective_directions(self) -> list[Direction]:
@@ -406,6 +424,14 @@ class Plan(Wire):
     reason: ShortText = ""
 
 
+def ran_as(plan: Plan | PlanOut, routed: bool) -> str:
+    """A run's memory outcome: routed (a larger card after a hand-back), resized, or as_asked."""
+    if routed:
+        return "routed"
+    resized = plan.accumulation > 1 or plan.checkpointing or plan.bf16
+    return "resized" if resized else "as_asked"
+
+
 class Prediction(Wire):
     """A predicted peak and how it was reached."""
 
@@ -527,6 +553,41 @@ class Calibration(Wire):
     offset_bytes: int = 0
     margin_fraction: float = Field(0.05, description="Extra headroom the fit says is needed.")
     n_observations: int = 0
+
+
+# How a worker applies the Calibration it is served; the raw peaks ride in Prediction.constants
+# under these keys, so that the server fits on what the predictor said before any correction.
+RAW_ALLOCATED = "uncalibrated_allocated_bytes"
+RAW_RESERVED = "uncalibrated_reserved_bytes"
+
+
+def calibrated_bytes(predicted: int, calibration: Calibration) -> int:
+    """`predicted` after the correction and the margin (never negative)."""
+    line = calibration.scale * predicted + calibration.offset_bytes
+    return max(math.ceil(line * (1 + calibration.margin_fraction)), 0)
+
+
+def raw_peaks(prediction: Prediction) -> tuple[int, int]:
+    """(allocated, reserved) as predicted before any calibration: what a fit must be fed."""
+    return (
+        prediction.constants.get(RAW_ALLOCATED, prediction.peak_allocated_bytes),
+        prediction.constants.get(RAW_RESERVED, prediction.peak_reserved_bytes),
+    )
+
+
+def apply_calibration(prediction: Prediction, calibration: Calibration) -> Prediction:
+    """The prediction corrected by `calibration`; the raw peaks stay in `constants`.
+
+    Applying it again starts from the raw peaks, so calibration never compounds.
+    """
+    allocated, reserved = raw_peaks(prediction)
+    return prediction.model_copy(
+        update={
+            "peak_allocated_bytes": calibrated_bytes(allocated, calibration),
+            "peak_reserved_bytes": calibrated_bytes(reserved, calibration),
+            "constants": {**prediction.constants, RAW_ALLOCATED: allocated, RAW_RESERVED: reserved},
+        }
+    )
 
 
 class ErrorOut(BaseModel):

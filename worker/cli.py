@@ -1,7 +1,8 @@
 """`vramtune worker` and `vramtune tasks`: the worker's command line.
 
-`add_commands(subparsers)` is called by service/cli.py's `main()`; nothing here imports torch
-(or the tasks) before a command runs, so `vramtune --help` stays fast on a server.
+`add_commands(subparsers)` is registered in the `vramtune.commands` entry-point group
+(pyproject.toml), which service/cli/parser.py loads; nothing here imports torch (or the tasks)
+before a command runs, so `vramtune --help` stays fast on a server.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-from service.logs import LogFormat, add_log_format_option, configure_logging
+from common.logs import LogFormat, add_log_format_option, configure_logging
 from worker import gpu
 
 log = logging.getLogger("vramtune.worker")

@@ -33,7 +33,7 @@ from sqlalchemy import create_engine, func, select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
-from service.tables import LeaseRow, StudyRow, TrialRow
+from service.db.tables import LeaseRow, StudyRow, TrialRow
 from service.wire import API_PREFIX
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,7 +69,7 @@ class WorkerProcess:
         return self.process.poll() is None
 
     def events(self) -> list[dict[str, Any]]:
-        """The events of its JSON log lines (service.logs): registered, leased, completed, ..."""
+        """The events of its JSON log lines (common.logs): registered, leased, completed, ..."""
         return json_events(self.log_path)
 
     def worker_id(self) -> int:

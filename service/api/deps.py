@@ -1,0 +1,51 @@
+"""Request dependencies, declared once as Annotated aliases."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import datetime
+from typing import Annotated, cast
+
+from fastapi import Depends, Request
+from optuna.storages import BaseStorage
+from sqlalchemy.orm import Session
+
+from service.settings import Settings
+from service.state import AppState
+
+
+def get_state(request: Request) -> AppState:
+    """The AppState the lifespan built."""
+    return cast(AppState, request.app.state.vt)
+
+
+StateDep = Annotated[AppState, Depends(get_state)]
+
+
+def get_settings(state: StateDep) -> Settings:
+    """The server's settings."""
+    return state.settings
+
+
+def get_session(state: StateDep) -> Iterator[Session]:
+    """One transaction per request: commit when the handler returns, roll back if it raises."""
+    with state.sessions.begin() as session:
+        yield session
+
+
+def get_storage(state: StateDep) -> BaseStorage:
+    """The Optuna storage on the server's database."""
+    return state.storage
+
+
+def get_now(state: StateDep) -> datetime:
+    """Now, by the server's clock (AppState.clock)."""
+    return state.clock()
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+# scope="function": the commit happens before the response is sent, so a client that got a 2xx
+# reads its own write on the next call.
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
+StorageDep = Annotated[BaseStorage, Depends(get_storage)]
+NowDep = Annotated[datetime, Depends(get_now)]

@@ -1,0 +1,76 @@
+"""Study routes: create, list, get, trials, best, pause, resume, delete."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Query, Response
+from optuna.trial import TrialState
+
+from service import studies
+from service.api.deps import NowDep, SessionDep, StorageDep
+from service.wire import ParetoFront, StudyCreate, StudyList, StudySummary, TrialPage
+
+router = APIRouter(prefix="/studies", tags=["studies"])
+
+StateName = Literal["RUNNING", "COMPLETE", "PRUNED", "FAIL", "WAITING"]
+
+
+@router.post("", status_code=201)
+def create_study(
+    spec: StudyCreate, session: SessionDep, storage: StorageDep, now: NowDep
+) -> StudySummary:
+    """Create a study: an Optuna study plus vramtune's record of its spec."""
+    row = studies.create_study(session, storage, spec, now)
+    return studies.summarize(storage, row)
+
+
+@router.get("")
+def list_studies(session: SessionDep, storage: StorageDep) -> StudyList:
+    """Every study with its counts per trial state."""
+    return StudyList(studies=studies.list_summaries(session, storage))
+
+
+@router.get("/{name}")
+def get_study(name: str, session: SessionDep, storage: StorageDep) -> StudySummary:
+    """One study."""
+    return studies.get_summary(session, storage, name)
+
+
+@router.get("/{name}/trials")
+def list_trials(
+    name: str,
+    session: SessionDep,
+    storage: StorageDep,
+    state: Annotated[list[StateName] | None, Query(description="Keep these states only.")] = None,
+    offset: Annotated[int, Query(ge=0)] = 0,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> TrialPage:
+    """A page of the study's trials in number order."""
+    states = [TrialState[s] for s in state] if state else None
+    return studies.trial_page(session, storage, name, states, offset, limit)
+
+
+@router.get("/{name}/best")
+def best(name: str, session: SessionDep, storage: StorageDep) -> ParetoFront:
+    """The best trial, or the Pareto front of a multi-objective study (empty before any)."""
+    return studies.best(session, storage, name)
+
+
+@router.post("/{name}/pause")
+def pause(name: str, session: SessionDep, storage: StorageDep) -> StudySummary:
+    """Pause: no new trials are handed out, and workers are told to stop running ones."""
+    return studies.summarize(storage, studies.set_paused(session, name, True))
+
+
+@router.post("/{name}/resume")
+def resume(name: str, session: SessionDep, storage: StorageDep) -> StudySummary:
+    """Hand out trials again."""
+    return studies.summarize(storage, studies.set_paused(session, name, False))
+
+
+@router.delete("/{name}", status_code=204)
+def delete_study(name: str, session: SessionDep, storage: StorageDep, now: NowDep) -> Response:
+    """Delete the study, its trials and vramtune's records of them."""
+    studies.delete_study(session, storage, name, now)
+    return Response(status_code=204)

@@ -1,0 +1,85 @@
+"""Worker protocol routes (workers): register, heartbeat, next trial, stop, the fleet."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Query, Response
+
+from service.api.deps import StateDep
+from service.auth.tokens import PrincipalDep
+from service.fleet import dispatch, workers as fleet
+from service.fleet.calibration import calibration_for
+from service.wire import (
+    Assignment,
+    Calibration,
+    Heartbeat,
+    HeartbeatReply,
+    NextRequest,
+    WorkerList,
+    WorkerRegister,
+    WorkerRegistered,
+)
+
+router = APIRouter(tags=["workers"])
+
+WorkerId = Annotated[int, Path(ge=1, le=2**63 - 1, description="The id registration gave.")]
+Text = Annotated[str, Query(min_length=1, max_length=256)]
+
+
+@router.post("/workers", status_code=201)
+def register(body: WorkerRegister, state: StateDep) -> WorkerRegistered:
+    """Register a worker and its card; the answer has its id and the heartbeat period."""
+    with fleet.fleet_transaction(state) as session:
+        return fleet.register(session, state.settings, body, state.clock())
+
+
+@router.post("/workers/{worker_id}/heartbeat")
+async def heartbeat(worker_id: WorkerId, body: Heartbeat, state: StateDep) -> HeartbeatReply:
+    """Renew the leases of the trials the worker runs; the answer lists those it must stop."""
+    assert state.heartbeats is not None  # built with the state
+    return await state.heartbeats.beat(worker_id, body)
+
+
+@router.post(
+    "/workers/{worker_id}/next",
+    responses={200: {"model": Assignment}, 204: {"description": "No work for this worker now."}},
+    response_model=None,
+)
+def next_trial(
+    worker_id: WorkerId, body: NextRequest, state: StateDep, principal: PrincipalDep
+) -> Assignment | Response:
+    """Lease a trial to the worker (200), or 204 when no study of its tasks has work."""
+    assignment = dispatch.next_assignment(state, worker_id, body, state.clock(), principal.studies)
+    return Response(status_code=204) if assignment is None else assignment
+
+
+@router.post("/workers/{worker_id}/stop", status_code=204)
+def stop(worker_id: WorkerId, state: StateDep) -> Response:
+    """The worker leaves: its leases end now and their trials are offered again."""
+    with fleet.fleet_transaction(state) as session:
+        fleet.stop_worker(session, worker_id, state.clock())
+    return Response(status_code=204)
+
+
+@router.get("/workers")
+def list_workers(
+    state: StateDep,
+    only: Annotated[
+        list[fleet.WorkerState] | None,
+        Query(alias="state", description="Keep workers in these states only."),
+    ] = None,
+) -> WorkerList:
+    """Every worker: its card, live / stale / stopped, and the trials it holds."""
+    with state.sessions() as session:
+        listed = fleet.list_workers(session, state.settings, state.clock())
+    if only:
+        listed.workers = [w for w in listed.workers if w.state in only]
+    return listed
+
+
+@router.get("/calibration")
+def calibration(card_model: Text, torch_version: Text, task: Text, state: StateDep) -> Calibration:
+    """The correction of predictions for a card model, torch version and task."""
+    with state.sessions() as session:
+        return calibration_for(session, card_model, torch_version, task)

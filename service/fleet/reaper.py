@@ -1,0 +1,208 @@
+"""The reaper: ends expired leases and re-offers their trials; ends trials no card can hold.
+
+A worker that stops heartbeating loses its leases once they expire, in time the service could
+see the database (reaper_loop). Its trial is offered again
+(same trial, number and parameters, attempt + 1) to the next worker that fits it, up to the
+study's ``max_attempts``; then it is told FAIL with the reason. A trial waiting for a larger
+card is ended as infeasible once no live worker can hold it (service.fleet.routing).
+
+Safe with several replicas on one PostgreSQL: each lease and trial is taken ``FOR UPDATE SKIP
+LOCKED``, one per transaction, so two reapers never handle the same row and a trial call on
+another replica waits for the reaper's decision (and then gets its 409).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import suppress
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from typing import Any
+
+from optuna.trial import TrialState
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from common.logs import log_event
+from service.db.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
+from service.fleet.leases import end, expired_lease, extend_for_outage, resolution
+from service.fleet.routing import (
+    OptunaTell,
+    attempts_left,
+    live_capacity,
+    reoffer,
+    tell_failed,
+    tell_infeasible,
+)
+from service.fleet.workers import fleet_transaction
+from service.metrics import record_reaper_action
+from service.optuna.glue import spec_of
+from service.state import AppState
+
+log = logging.getLogger("vramtune.reaper")
+
+
+@dataclass
+class Reaped:
+    """What one pass did: leases ended, and what became of their trials."""
+
+    leases: int = 0
+    reoffered: int = 0
+    failed: int = 0
+    infeasible: int = 0
+
+
+@dataclass
+class _Pass:
+    """One pass of the reaper: where, as of when, and its tally."""
+
+    state: AppState
+    now: datetime
+    reaped: Reaped
+
+
+def reap_once(state: AppState, now: datetime | None = None) -> Reaped:
+    """One pass over expired leases and stranded waiting trials, each in its own transaction."""
+    run = _Pass(state, now or state.clock(), Reaped())
+    while _reap_one_lease(run):
+        pass
+    for trial_id in _waiting_trial_ids(state):
+        _route_waiting(run, trial_id)
+    _count(run.reaped)
+    return run.reaped
+
+
+def _reap_one_lease(run: _Pass) -> bool:
+    """End one expired lease and re-offer or FAIL its trial; False when none is left."""
+    with fleet_transaction(run.state) as session:
+        lease = expired_lease(session, run.now)
+        if lease is None:
+            return False
+        run.reaped.leases += 1
+        trial = session.scalar(
+            select(TrialRow).where(TrialRow.trial_id == lease.trial_id).with_for_update()
+        )
+        # A trial no longer held under this lease has nothing left to re-offer.
+        held = trial is not None and trial.status == "leased" and trial.worker_id == lease.worker_id
+        then = "not_held"
+        if held and trial is not None:
+            then = "settled"
+            if not _settled_in_optuna(run, trial):
+                _retry_or_fail(session, run, lease, trial)
+                then = "reoffered" if trial.status == "pending" else "failed"
+        end(lease, run.now, resolution("reaper", stop="lease_lost"))
+        facts: dict[str, Any] = {"trial_id": lease.trial_id, "worker_id": lease.worker_id}
+        facts |= {"lease_id": lease.id, "expired_at": lease.expires_at, "then": then}
+        facts["attempt"] = None if trial is None else trial.attempt
+    log_event(log, "lease_reaped", **facts)  # once committed
+    return True
+
+
+def _retry_or_fail(session: Session, run: _Pass, lease: LeaseRow, trial: TrialRow) -> None:
+    """Offer the trial again with attempt + 1, or FAIL it past the study's max_attempts."""
+    study_row = session.get_one(StudyRow, trial.study_id)
+    worker = session.get(WorkerRow, lease.worker_id)
+    who = worker.name if worker else f"worker {lease.worker_id}"
+    if attempts_left(trial, spec_of(study_row)):
+        reoffer(trial, run.now, next_attempt=True)
+        trial.message = f"lease lost: {who} stopped heartbeating; offered again"
+        run.reaped.reoffered += 1
+        return
+    reason = f"lease lost {trial.attempt + 1} times; last: {who} stopped heartbeating"
+    tell_failed(OptunaTell(session, run.state.storage, study_row, run.now), trial, reason)
+    trial.status, trial.outcome, trial.message = "done", "failed", reason
+    trial.attempt += 1
+    trial.updated_at = run.now
+    run.reaped.failed += 1
+
+
+_OUTCOMES = {TrialState.FAIL: "failed", TrialState.PRUNED: "pruned"}
+
+
+def _settled_in_optuna(run: _Pass, trial: TrialRow) -> bool:
+    """Mark done a trial Optuna has finished (or lost) already, e.g. after a failed commit."""
+    try:
+        told = run.state.storage.get_trial(trial.trial_id).state
+    except KeyError:
+        told = None  # gone from Optuna: nothing left to run or tell
+    if told is not None and not told.is_finished():
+        return False
+    trial.status, trial.updated_at = "done", run.now
+    trial.outcome = _OUTCOMES.get(told, trial.outcome) if told else "failed"
+    trial.message = f"already {told.name if told else 'gone'} in Optuna; not offered again"
+    return True
+
+
+def _waiting_trial_ids(state: AppState) -> list[int]:
+    with state.sessions() as session:
+        query = select(TrialRow.trial_id).where(TrialRow.status == "waiting")
+        return list(session.scalars(query.order_by(TrialRow.updated_at)))
+
+
+def _route_waiting(run: _Pass, trial_id: int) -> None:
+    """End a waiting trial as infeasible once no live worker's card can hold it."""
+    with fleet_transaction(run.state) as session:
+        trial = session.scalar(
+            select(TrialRow)
+            .where(TrialRow.trial_id == trial_id, TrialRow.status == "waiting")
+            .with_for_update(skip_locked=True)
+        )
+        if trial is None:
+            return
+        study_row = session.get_one(StudyRow, trial.study_id)
+        stale_s = run.state.settings.worker_stale_s
+        capacity = live_capacity(session, study_row.task, run.now, stale_s)
+        if capacity >= trial.min_bytes or _settled_in_optuna(run, trial):
+            return
+        reason = f"needs {trial.min_bytes} bytes; no live card holds it (largest: {capacity})"
+        telling = OptunaTell(session, run.state.storage, study_row, run.now)
+        tell_infeasible(telling, trial, trial.min_bytes, capacity, reason)
+        trial.status, trial.outcome, trial.message = "done", "infeasible", reason
+        trial.updated_at = run.now
+        run.reaped.infeasible += 1
+        log_event(
+            log, "infeasible", trial_id=trial_id, study=study_row.name, min_bytes=trial.min_bytes
+        )
+
+
+def _count(reaped: Reaped) -> None:
+    """Feed the reaper's counters of /metrics."""
+    for action in ("reoffered", "failed", "infeasible"):
+        record_reaper_action(action, getattr(reaped, action))
+
+
+def extend_after_outage(state: AppState, since: datetime, now: datetime) -> None:
+    """The database is back after a pass failed: leases get the time it was away back."""
+    with fleet_transaction(state) as session:
+        extended = extend_for_outage(session, since, now)
+    outage_s = round((now - since).total_seconds(), 1)
+    log_event(log, "leases_extended", leases=extended, outage_s=outage_s)
+
+
+async def reaper_loop(state: AppState, stop: asyncio.Event) -> None:
+    """Run until ``stop`` is set; every ``state.settings.reaper_interval_s`` reap expired leases.
+
+    Expiry counts only time the database could be seen: after failed passes, the first pass
+    that reaches it extends the leases by the time since the last good pass, before it reaps.
+    With several replicas each extends by the outage it saw: a lease of a dead worker may live
+    that much longer, a result finished during the outage is not refused.
+    """
+    interval = state.settings.reaper_interval_s
+    seen: datetime | None = None  # when a pass last reached the database
+    blind = False  # a pass failed since
+    while not stop.is_set():
+        now = state.clock()
+        try:
+            if blind and seen is not None:
+                await asyncio.to_thread(extend_after_outage, state, seen, now)
+                seen = now  # extended up to now: a failure of the reap below adds only its own
+            reaped = await asyncio.to_thread(reap_once, state, now)
+            seen, blind = now, False
+            if reaped.leases or reaped.infeasible:
+                log_event(log, "reaper_pass", **asdict(reaped))
+        except Exception:  # a database outage must not end the loop; the next pass retries
+            blind = True
+            log.exception("reaper pass failed")
+        with suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=interval)

@@ -1,0 +1,331 @@
+"""Trial calls under a lease: start, report, complete, fail, hand back; helpers never commit.
+
+Each call is fenced (service.fleet.leases.fence): nothing changes under a lost lease. Optuna's rows
+and vramtune's are written in the call's one transaction (service.optuna.rows). A call that
+ends the lease stores its answer there, so that a worker retrying it after a lost reply gets
+the same answer and Optuna is told once.
+
+Values of a complete: ``Assignment.n_objectives`` values, the study's objectives with the
+measured peak memory last when the study minimizes it. A worker may also leave the peak out:
+the server then appends the measured peak itself (reserved bytes when measured, else
+allocated), the same number the worker would have sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from optuna.storages import BaseStorage
+from optuna.trial import TrialState
+from sqlalchemy.orm import Session
+
+from service.api.errors import Invalid
+from service.db.tables import MemoryObservationRow, WorkerRow
+from service.fleet.leases import Fenced, end, fence, resolution
+from service.fleet.routing import (
+    MAX_OOM_RETRIES,
+    OptunaTell,
+    attempts_left,
+    headroom,
+    live_capacity,
+    reoffer,
+    tell_failed,
+    tell_infeasible,
+    write_attrs,
+    write_constraint,
+)
+from service.optuna import rows as optuna_rows
+from service.optuna.glue import load_optuna_study, spec_of, tell
+from service.settings import Settings
+from service.wire import (
+    CompleteRequest,
+    FailRequest,
+    HandBackRequest,
+    Measured,
+    Plan,
+    Prediction,
+    ReportReply,
+    ReportRequest,
+    StartRequest,
+    StopReason,
+    StudyCreate,
+    TrialAck,
+    TrialResolution,
+    ran_as,
+    raw_peaks,
+)
+
+
+@dataclass(frozen=True)
+class TrialCall:
+    """What every trial call needs: the session, Optuna's storage, settings and the time."""
+
+    session: Session
+    storage: BaseStorage
+    settings: Settings
+    now: datetime
+
+    def telling(self, fenced: Fenced) -> OptunaTell:
+        """Where to tell Optuna about the fenced trial."""
+        return OptunaTell(self.session, self.storage, fenced.study, self.now)
+
+
+def peak_of(measured: Measured) -> int:
+    """The peak the card had to hold: reserved bytes when measured, else allocated."""
+    return max(measured.peak_reserved_bytes or 0, measured.peak_allocated_bytes)
+
+
+def _ack(fenced: Fenced, what: TrialResolution, detail: str = "") -> TrialAck:
+    return TrialAck(trial_id=fenced.trial.trial_id, resolution=what, detail=detail)
+
+
+def _finish(
+    call: TrialCall,
+    fenced: Fenced,
+    ack: TrialAck,
+    how: str,
+    kind: str | None = None,
+    stop: StopReason | None = None,
+) -> TrialAck:
+    """End the lease with its answer; the trial row is done unless it was routed elsewhere."""
+    trial = fenced.trial
+    if ack.resolution in ("complete", "failed", "infeasible", "pruned"):
+        trial.status = "done"
+        trial.outcome = _OUTCOMES.get(ack.resolution, trial.outcome)
+    if ack.resolution != "complete":  # a complete's detail echoes its values: not news
+        trial.message = ack.detail or trial.message
+    trial.updated_at = call.now
+    end(fenced.lease, call.now, resolution(how, ack, kind, stop))
+    return ack
+
+
+# An OOM that ends in FAIL keeps its outcome "oom"; a complete has set its own.
+_OUTCOMES = {"infeasible": "infeasible", "pruned": "pruned"}
+
+
+# ---------------------------------------------------------------- start and report
+
+
+def start(call: TrialCall, trial_id: int, body: StartRequest) -> TrialAck:
+    """The worker chose its plan and runs it: store the plan and the prediction."""
+    fenced = fence(call.session, trial_id, body.lease, call.now, "start")  # never a replay
+    predicted = _predicted(body.prediction)
+    write_attrs(
+        call.session,
+        trial_id,
+        {
+            "plan": body.plan.model_dump(mode="json"),
+            "predicted_peak_bytes": predicted,
+            "prediction": None if body.prediction is None else body.prediction.model_dump(),
+            "worker": fenced.worker.name,
+            "card_model": fenced.worker.card_model,
+            "attempt": fenced.trial.attempt,
+        },
+    )
+    fenced.trial.plan = body.plan.model_dump(mode="json")
+    fenced.trial.predicted_peak_bytes = predicted
+    fenced.trial.updated_at = call.now
+    return _ack(fenced, "started", f"running as planned: {body.plan.reason}".strip(": "))
+
+
+def report(call: TrialCall, trial_id: int, body: ReportRequest) -> ReportReply:
+    """An intermediate value; the study's pruner decides on it (single-objective studies)."""
+    fenced = fence(call.session, trial_id, body.lease, call.now, "report")
+    frozen = call.storage.get_trial(trial_id)  # the values reported before, as committed
+    if body.step in frozen.intermediate_values:
+        return ReportReply(prune=False)  # as Optuna's Trial.report: a step is reported once
+    optuna_rows.set_intermediate(call.session, trial_id, body.step, body.value)
+    study = load_optuna_study(call.storage, fenced.study)
+    if len(study.directions) > 1:
+        return ReportReply(prune=False)  # Optuna prunes single-objective studies only
+    frozen.intermediate_values[body.step] = body.value
+    if not study.pruner.prune(study, frozen):
+        return ReportReply(prune=False)
+    # Told now, so a worker that ignores the answer cannot keep the trial; its fail(pruned)
+    # replays this answer and its heartbeat carries the stop order.
+    _tell_pruned(call, fenced)
+    ack = _ack(fenced, "pruned", f"pruned at step {body.step} by the study's pruner")
+    _finish(call, fenced, ack, "fail", "pruned", stop="pruned")
+    return ReportReply(prune=True)
+
+
+def _tell_pruned(call: TrialCall, fenced: Fenced) -> None:
+    write_attrs(call.session, fenced.trial.trial_id, {"outcome": "pruned"})
+    tell(call.session, call.storage, fenced.study, fenced.trial, TrialState.PRUNED, call.now)
+
+
+# ---------------------------------------------------------------- complete
+
+
+def objective_values(spec: StudyCreate, body: CompleteRequest) -> list[float]:
+    """The values to tell, with the measured peak appended if the worker left it out."""
+    wanted = len(spec.objective_directions)
+    values = list(body.values)
+    if spec.minimize_peak_memory and len(values) == wanted - 1:
+        values.append(float(peak_of(body.measured)))
+    if len(values) != wanted:
+        names = [*spec.directions, *(["peak memory"] if spec.minimize_peak_memory else [])]
+        raise Invalid("values", f"expected {wanted} values ({', '.join(names)}), got {len(values)}")
+    return values
+
+
+def complete(call: TrialCall, trial_id: int, body: CompleteRequest) -> TrialAck:
+    """Tell Optuna the value(s), with the plan, the peaks and a feasible memory constraint."""
+    fenced = fence(call.session, trial_id, body.lease, call.now, "complete")
+    if fenced.replay is not None:
+        return fenced.replay
+    spec = spec_of(fenced.study)
+    values = objective_values(spec, body)  # 422 before anything is written
+    worker, peak = fenced.worker, peak_of(body.measured)
+    outcome = _outcome_of(body.plan, routed=fenced.trial.min_bytes > 0)
+    attrs = {
+        "plan": body.plan.model_dump(mode="json"),
+        "predicted_peak_bytes": _predicted(body.prediction),
+        "prediction": None if body.prediction is None else body.prediction.model_dump(),
+        "measured_peak_bytes": peak,
+        "measured": body.measured.model_dump(mode="json"),
+        "worker": worker.name,
+        "card_model": worker.card_model,
+        "outcome": outcome,
+        "duration_s": body.duration_s,
+        "samples_per_s": body.samples_per_s,
+    }
+    write_attrs(call.session, trial_id, attrs)
+    write_constraint(call.session, trial_id, min(headroom(peak, worker.total_bytes), 0.0))
+    told = TrialState.COMPLETE
+    tell(call.session, call.storage, fenced.study, fenced.trial, told, call.now, values)
+    trial = fenced.trial
+    trial.plan = body.plan.model_dump(mode="json")
+    trial.predicted_peak_bytes = _predicted(body.prediction)
+    trial.measured_peak_bytes = peak
+    trial.outcome = outcome
+    observe(call, fenced, body.plan, body.prediction, body.measured, "complete")
+    worker.trials_done = WorkerRow.trials_done + 1  # in SQL: concurrent completes all count
+    ack = _ack(fenced, "complete", f"told Optuna {values}")
+    return _finish(call, fenced, ack, "complete")
+
+
+def _predicted(prediction: Prediction | None) -> int | None:
+    """The peak the trace predicted, before calibration: what the measured peak is held to."""
+    return None if prediction is None else max(raw_peaks(prediction))
+
+
+def _outcome_of(plan: Plan, routed: bool) -> str:
+    """routed (ran on a larger card after a hand-back), resized, or as_asked."""
+    return ran_as(plan, routed)
+
+
+def observe(
+    call: TrialCall,
+    fenced: Fenced,
+    plan: Plan | dict[str, Any] | None,
+    prediction: Prediction | None,
+    measured: Measured | None,
+    outcome: str,
+) -> None:
+    """Store predicted against measured peak: the calibration's raw material."""
+    if measured is None:
+        return
+    worker = fenced.worker
+    plan_json = plan.model_dump(mode="json") if isinstance(plan, Plan) else (plan or {})
+    # The fit is fed the raw predictions: calibrating calibrated ones would compound.
+    raw_allocated, raw_reserved = (None, None) if prediction is None else raw_peaks(prediction)
+    call.session.add(
+        MemoryObservationRow(
+            trial_id=fenced.trial.trial_id,
+            study_id=fenced.trial.study_id,
+            worker_id=worker.id,
+            card_model=worker.card_model,
+            torch_version=str(worker.card.get("torch_version") or "none"),
+            task=fenced.study.task,
+            plan=plan_json,
+            outcome=outcome,
+            predicted_allocated=raw_allocated,
+            predicted_reserved=raw_reserved,
+            measured_allocated=measured.peak_allocated_bytes,
+            measured_reserved=measured.peak_reserved_bytes,
+            nvml_peak=measured.nvml_peak_bytes,
+            created_at=call.now,
+        )
+    )
+
+
+# ---------------------------------------------------------------- fail
+
+
+def fail(call: TrialCall, trial_id: int, body: FailRequest) -> TrialAck:
+    """OOM: retry once with a smaller plan; error: FAIL; interrupted: offer again; pruned."""
+    fenced = fence(call.session, trial_id, body.lease, call.now, "fail", body.kind)
+    if fenced.replay is not None:
+        return fenced.replay
+    if body.kind == "oom":
+        ack = _out_of_memory(call, fenced, body)
+    elif body.kind == "interrupted":
+        reoffer(fenced.trial, call.now, next_attempt=False)
+        ack = _ack(fenced, "retry", f"interrupted ({body.message}); offered again".strip())
+    elif body.kind == "pruned":
+        _tell_pruned(call, fenced)
+        ack = _ack(fenced, "pruned", body.message)
+    else:
+        reason = body.message or "the worker reported an error"
+        tell_failed(call.telling(fenced), fenced.trial, reason)
+        fenced.trial.outcome = "failed"
+        ack = _ack(fenced, "failed", reason)
+    return _finish(call, fenced, ack, "fail", body.kind)
+
+
+def _out_of_memory(call: TrialCall, fenced: Fenced, body: FailRequest) -> TrialAck:
+    """Record the plan as tried on this card model; retry once, then FAIL."""
+    trial, worker = fenced.trial, fenced.worker
+    plan = body.plan.model_dump(mode="json") if body.plan else (trial.plan or {})
+    tried = [*trial.plans_tried, {**plan, "card_model": worker.card_model}]
+    retry = len(tried) <= MAX_OOM_RETRIES and attempts_left(trial, spec_of(fenced.study))
+    if retry:
+        ack = _ack(fenced, "retry", f"out of memory on {worker.card_model}; retried smaller")
+    else:
+        reason = f"out of memory {len(tried)} times; last: {body.message or 'out of memory'}"
+        tell_failed(call.telling(fenced), trial, reason, outcome="oom")
+        ack = _ack(fenced, "failed", reason)
+    # A new list object: SQLAlchemy sees a change of a JSON column on assignment only.
+    trial.plans_tried = tried
+    trial.outcome = "oom"
+    if retry:
+        reoffer(trial, call.now, next_attempt=True)
+    observe(call, fenced, body.plan or plan, body.prediction, body.measured, "oom")
+    return ack
+
+
+# ---------------------------------------------------------------- hand back
+
+
+def hand_back(call: TrialCall, trial_id: int, body: HandBackRequest) -> TrialAck:
+    """Route a trial that does not fit: wait for a larger live card, or end it infeasible."""
+    fenced = fence(call.session, trial_id, body.lease, call.now, "handback")
+    if fenced.replay is not None:
+        return fenced.replay
+    trial, worker = fenced.trial, fenced.worker
+    footprint = max(trial.min_bytes, body.min_footprint_bytes)
+    handback = {
+        "worker": worker.name,
+        "card_model": worker.card_model,
+        "card_bytes": worker.total_bytes,
+        "min_footprint_bytes": body.min_footprint_bytes,
+        "plan": None if body.plan is None else body.plan.model_dump(mode="json"),
+        "reason": body.reason,
+    }
+    capacity = live_capacity(
+        call.session, fenced.study.task, call.now, call.settings.worker_stale_s, worker.id
+    )
+    write_attrs(call.session, trial_id, {"handback": handback})
+    trial.min_bytes = footprint
+    if capacity >= footprint:
+        trial.status = "waiting"
+        trial.updated_at = call.now
+        ack = _ack(fenced, "waiting", f"waits for a card of at least {footprint} bytes")
+        return _finish(call, fenced, ack, "handback")
+    largest = max(capacity, worker.total_bytes)
+    reason = f"needs {footprint} bytes; the largest live card has {largest}"
+    tell_infeasible(call.telling(fenced), trial, footprint, largest, reason)
+    return _finish(call, fenced, _ack(fenced, "infeasible", reason), "handback")

@@ -1,0 +1,165 @@
+"""Asking a study's sampler for a trial without writing it: the trial is drafted in memory.
+
+``Study.ask`` on RDBStorage commits the new trial, then each parameter and attribute the
+sampler sets, one by one, before vramtune has leased anything. Here the ask runs on a
+``DraftStorage``: every read goes to the study's real storage (so samplers see the study's
+history as usual), the one new trial and the writes made to it stay in memory, and
+``service.optuna.rows.insert_trial`` writes the finished draft with vramtune's own rows in one
+transaction. Samplers and ``Study.ask`` are Optuna's, unchanged.
+
+Trials enqueued into WAITING through Optuna directly are not popped by a draft: vramtune asks
+every trial of its studies itself.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Container, Sequence
+from datetime import datetime
+from typing import Any
+
+import optuna
+from optuna.distributions import BaseDistribution
+from optuna.storages import BaseStorage
+from optuna.study import StudyDirection
+from optuna.study._frozen import FrozenStudy
+from optuna.trial import FrozenTrial, TrialState
+
+DRAFT_ID = -1  # the draft's trial id until it is inserted
+
+
+class DraftStorage(BaseStorage):
+    """A study's storage, read-through, holding one new trial's writes in memory."""
+
+    def __init__(self, storage: BaseStorage, study_id: int, study_name: str, number: int) -> None:
+        self._storage = storage
+        self._study_id = study_id
+        self._study_name = study_name
+        self._number = number
+        self.draft: FrozenTrial | None = None
+
+    # ---- the draft trial: created, parameterized and read in memory
+
+    def create_new_trial(self, study_id: int, template_trial: FrozenTrial | None = None) -> int:
+        if self.draft is not None or template_trial is not None:
+            raise RuntimeError("a DraftStorage drafts one new trial per ask")
+        self.draft = FrozenTrial(
+            number=self._number,
+            state=TrialState.RUNNING,
+            value=None,
+            values=None,
+            datetime_start=datetime.now(),
+            datetime_complete=None,
+            params={},
+            distributions={},
+            user_attrs={},
+            system_attrs={},
+            intermediate_values={},
+            trial_id=DRAFT_ID,
+        )
+        return DRAFT_ID
+
+    def _own(self, trial_id: int) -> FrozenTrial:
+        if trial_id != DRAFT_ID or self.draft is None:
+            raise RuntimeError(f"a draft ask may write its own trial only, not {trial_id}")
+        return self.draft
+
+    def set_trial_param(
+        self,
+        trial_id: int,
+        param_name: str,
+        param_value_internal: float,
+        distribution: BaseDistribution,
+    ) -> None:
+        draft = self._own(trial_id)
+        draft.params[param_name] = distribution.to_external_repr(param_value_internal)
+        draft.distributions[param_name] = distribution
+
+    def set_trial_user_attr(self, trial_id: int, key: str, value: Any) -> None:
+        self._own(trial_id).user_attrs[key] = value
+
+    def set_trial_system_attr(self, trial_id: int, key: str, value: Any) -> None:
+        self._own(trial_id).system_attrs[key] = value
+
+    def set_trial_state_values(
+        self, trial_id: int, state: TrialState, values: Sequence[float] | None = None
+    ) -> bool:
+        raise RuntimeError("a draft trial is told through vramtune, not during its ask")
+
+    def set_trial_intermediate_value(self, trial_id: int, step: int, value: float) -> None:
+        raise RuntimeError("a draft trial has no intermediate values")
+
+    def get_trial(self, trial_id: int) -> FrozenTrial:
+        if trial_id == DRAFT_ID:
+            return copy.deepcopy(self._own(trial_id))
+        return self._storage.get_trial(trial_id)
+
+    def get_all_trials(
+        self,
+        study_id: int,
+        deepcopy: bool = True,
+        states: Container[TrialState] | None = None,
+    ) -> list[FrozenTrial]:
+        if states == (TrialState.WAITING,):
+            return []  # Study.ask looking for an enqueued trial: see the module doc
+        trials = self._storage.get_all_trials(study_id, deepcopy=deepcopy, states=states)
+        if self.draft is not None and (states is None or self.draft.state in states):
+            trials = [*trials, copy.deepcopy(self.draft) if deepcopy else self.draft]
+        return trials
+
+    # ---- the study: read through (study attributes a sampler sets are written through)
+
+    def get_study_id_from_name(self, study_name: str) -> int:
+        if study_name == self._study_name:
+            return self._study_id
+        return self._storage.get_study_id_from_name(study_name)
+
+    def get_study_name_from_id(self, study_id: int) -> str:
+        return self._storage.get_study_name_from_id(study_id)
+
+    def get_study_directions(self, study_id: int) -> list[StudyDirection]:
+        return self._storage.get_study_directions(study_id)
+
+    def get_study_user_attrs(self, study_id: int) -> dict[str, Any]:
+        return self._storage.get_study_user_attrs(study_id)
+
+    def get_study_system_attrs(self, study_id: int) -> dict[str, Any]:
+        return self._storage.get_study_system_attrs(study_id)
+
+    def set_study_user_attr(self, study_id: int, key: str, value: Any) -> None:
+        self._storage.set_study_user_attr(study_id, key, value)
+
+    def set_study_system_attr(self, study_id: int, key: str, value: Any) -> None:
+        self._storage.set_study_system_attr(study_id, key, value)
+
+    def get_all_studies(self) -> list[FrozenStudy]:
+        return self._storage.get_all_studies()
+
+    def create_new_study(
+        self, directions: Sequence[StudyDirection], study_name: str | None = None
+    ) -> int:
+        raise RuntimeError("a DraftStorage asks; it does not create studies")
+
+    def delete_study(self, study_id: int) -> None:
+        raise RuntimeError("a DraftStorage asks; it does not delete studies")
+
+
+def draft_trial(
+    storage: BaseStorage,
+    study_id: int,
+    study_name: str,
+    sampler: optuna.samplers.BaseSampler,
+    space: dict[str, BaseDistribution],
+    number: int,
+) -> FrozenTrial:
+    """Ask the sampler for a new trial of the study over ``space``, written nowhere yet.
+
+    ``number``: the number the trial is expected to get (the study's count of trials); the
+    grid sampler picks its point by it. Two concurrent drafts may expect the same number, as
+    two processes asking one RDBStorage may: the inserted trial is numbered exactly.
+    """
+    drafts = DraftStorage(storage, study_id, study_name, number)
+    study = optuna.Study(study_name=study_name, storage=drafts, sampler=sampler)
+    study.ask(fixed_distributions=space)
+    assert drafts.draft is not None
+    return drafts.draft
