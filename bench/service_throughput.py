@@ -1124,7 +1124,7 @@ def heartbeat_table(beats: list[CellResult]) -> list[str]:
         "|---|---|---|---|---|---|---|---|",
     ]
     for (n, _), these in sorted(runs_of(beats).items()):
-        rates = [r.check.get("heartbeats", 0) / r.duration_s for r in these]
+        rates = [r.latency_ms.get("heartbeat", {}).get("n", 0) / r.duration_s for r in these]
         cores = [r.service_core_pct for r in these if r.service_core_pct is not None]
         lines.append(
             f"| {n} | {len(these)} | {spread(rates)} | {spread(cores)} | {calls_summary(these)} | "
