@@ -29,7 +29,13 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from service.api.errors import DomainError
 from service.db.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
-from service.fleet.workers import fleet_transaction, stopped_error, unknown_error
+from service.fleet.workers import (
+    fleet_transaction,
+    foreign_error,
+    owns,
+    stopped_error,
+    unknown_error,
+)
 from service.state import AppState
 from service.wire import Heartbeat, HeartbeatReply, StopOrder, StopReason
 
@@ -44,12 +50,14 @@ MAX_ID = 2**31 - 1  # ids are INTEGER columns: a larger one names no row (and Po
 class _Beat:
     worker_id: int
     body: Heartbeat
+    token_id: int | None  # the calling token (None: auth off); it must have registered the worker
 
 
 @dataclass
 class _Worker:
     stopped: bool
     last_heartbeat: datetime
+    token_id: int | None
 
 
 class HeartbeatBatcher:
@@ -60,10 +68,10 @@ class HeartbeatBatcher:
         self._pending: list[tuple[_Beat, asyncio.Future[HeartbeatReply]]] = []
         self._writer: asyncio.Task[None] | None = None
 
-    async def beat(self, worker_id: int, body: Heartbeat) -> HeartbeatReply:
+    async def beat(self, worker_id: int, body: Heartbeat, token_id: int | None) -> HeartbeatReply:
         """The answer to one heartbeat, once the batch it joined has committed."""
         answer: asyncio.Future[HeartbeatReply] = asyncio.get_running_loop().create_future()
-        self._pending.append((_Beat(worker_id, body), answer))
+        self._pending.append((_Beat(worker_id, body, token_id), answer))
         if self._writer is None:
             self._writer = asyncio.create_task(self._write_pending(), name="vramtune-heartbeats")
         return await answer
@@ -107,26 +115,29 @@ def write_batch(
     """One transaction for a batch of heartbeats; each gets its reply or its 404 / 409."""
     with fleet_transaction(state) as session:
         workers = _workers(session, {b.worker_id for b in beats if b.worker_id <= MAX_ID})
-        running = [b for b in beats if b.worker_id in workers and not workers[b.worker_id].stopped]
+        running = [b for b in beats if _answer_for(b, workers.get(b.worker_id)) is None]
         _renew(session, running, now + timedelta(seconds=state.settings.lease_ttl_s))
         stops = _stop_orders(session, running, workers)
         _stamp(session, running, now)
-    answers: list[HeartbeatReply | DomainError] = []
-    for beat in beats:
-        worker = workers.get(beat.worker_id)
-        if worker is None:
-            answers.append(unknown_error(beat.worker_id))
-        elif worker.stopped:
-            answers.append(stopped_error(beat.worker_id))
-        else:
-            answers.append(HeartbeatReply(stop=stops.get(beat.worker_id, [])))
-    return answers
+    return [
+        _answer_for(b, workers.get(b.worker_id)) or HeartbeatReply(stop=stops.get(b.worker_id, []))
+        for b in beats
+    ]
+
+
+def _answer_for(beat: _Beat, worker: _Worker | None) -> DomainError | None:
+    """The 404, 403 or 409 of a heartbeat that renews nothing; None for one that may."""
+    if worker is None:
+        return unknown_error(beat.worker_id)
+    if not owns(worker.token_id, beat.token_id):
+        return foreign_error(beat.worker_id)
+    return stopped_error(beat.worker_id) if worker.stopped else None
 
 
 def _workers(session: Session, ids: set[int]) -> dict[int, _Worker]:
-    query = select(WorkerRow.id, WorkerRow.stopped, WorkerRow.last_heartbeat)
+    query = select(WorkerRow.id, WorkerRow.stopped, WorkerRow.last_heartbeat, WorkerRow.token_id)
     rows = session.execute(query.where(WorkerRow.id.in_(ids)))
-    return {wid: _Worker(stopped, last) for wid, stopped, last in rows}
+    return {wid: _Worker(stopped, last, token) for wid, stopped, last, token in rows}
 
 
 def _listed(beats: Sequence[_Beat]) -> set[tuple[int, int]]:
