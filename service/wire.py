@@ -452,6 +452,31 @@ class ReportReply(Wire):
     prune: bool
 
 
+class StepTimeObservation(Wire):
+    """What decides a run's time per optimizer step, and what it measured (service.step_time)."""
+
+    batch_size: int = Field(ge=1, le=10**7, description="The effective batch (samples a step).")
+    micro_batch: int = Field(ge=1, le=10**7, description="Samples per micro-batch.")
+    micro_batches: int = Field(ge=1, le=10**7, description="Micro-batches per step.")
+    checkpointing: bool = False
+    bf16: bool = False
+    parameter_bytes: Bytes = Field(0, description="The model's parameters (its size).")
+    as_asked_peak_bytes: Bytes = Field(0, description="Predicted footprint as asked (its work).")
+    predicted_step_s: Finite | None = Field(None, ge=0, description="The model's prediction.")
+    measured_step_s: Finite | None = Field(None, ge=0, description="Training time / steps.")
+
+
+class StepTimeFit(Wire):
+    """The step-time model of one (card model, task), fitted by service.step_time."""
+
+    card_model: str
+    task: str
+    overhead_samples: float = Field(description="A micro-batch's fixed cost, in samples.")
+    coefficients: list[float] = Field(min_length=6, max_length=6)
+    n_observations: int = 0
+    median_error: float | None = Field(None, description="In-sample |pred - meas| / meas.")
+
+
 class CompleteRequest(LeaseCall):
     """The trial finished: its value(s) and what it used."""
 
@@ -461,6 +486,7 @@ class CompleteRequest(LeaseCall):
     measured: Measured
     duration_s: Finite = Field(ge=0)
     samples_per_s: Finite | None = Field(None, ge=0)
+    step_time: StepTimeObservation | None = None
 
 
 FailKind = Literal["oom", "error", "interrupted", "pruned"]

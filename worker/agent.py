@@ -32,13 +32,15 @@ from service.wire import (
     Prediction,
     ReportRequest,
     StartRequest,
+    StepTimeFit,
+    StepTimeObservation,
     TrialAck,
     WorkerRegister,
     WorkerRegistered,
 )
 from worker import gpu
 from worker.api import FinalCall, LeaseLost, Rejected, ServerClient, ServerUnavailable
-from worker.policy import HandBack, choose_plan, footprint
+from worker.policy import HandBack, choose_plan, footprint, measured_step_time
 from worker.runner import CardSpec, OutOfMemory, RunResult, Stopped, TrialRunner
 from worker.spool import Spool, Spooled
 
@@ -241,6 +243,7 @@ class Agent:
                 self.free_bytes(),
                 assignment.plans_tried,
                 self._calibration(assignment.task),
+                self._step_fit(assignment.task),
             )
         except Exception as error:  # the task's check of its configuration (TaskConfigError)
             self._fail(assignment, "error", _message(error))
@@ -263,7 +266,9 @@ class Agent:
             predicted=predicted,
             planning_s=planning_s,
         )
-        self._run_planned(assignment, runner, config, decision.plan, decision.prediction)
+        self._run_planned(
+            assignment, runner, config, decision.plan, decision.prediction, decision.step_time
+        )
 
     def _run_planned(
         self,
@@ -272,6 +277,7 @@ class Agent:
         config: dict[str, Any],
         plan: Plan,
         prediction: Prediction,
+        step_time: StepTimeObservation | None = None,
     ) -> None:
         running = _Running(assignment)
         self._running = running
@@ -289,12 +295,17 @@ class Agent:
             seconds = time.monotonic() - began
             self._fail(assignment, "error", _message(error), plan, prediction, None, seconds)
         else:
-            self._complete(assignment, result, plan, prediction)
+            self._complete(assignment, result, plan, prediction, step_time)
         finally:
             self._running = None
 
     def _complete(
-        self, assignment: Assignment, result: RunResult, plan: Plan, prediction: Prediction
+        self,
+        assignment: Assignment,
+        result: RunResult,
+        plan: Plan,
+        prediction: Prediction,
+        step_time: StepTimeObservation | None = None,
     ) -> None:
         values = list(result.values)
         if assignment.minimize_peak_memory:
@@ -311,6 +322,7 @@ class Agent:
             measured=result.measured,
             duration_s=result.duration_s,
             samples_per_s=result.samples_per_s,
+            step_time=measured_step_time(step_time, result),
         )
         ack = self._deliver("complete", assignment, request)
         self.event(
@@ -413,6 +425,13 @@ class Agent:
                 {k: v for k, v in self.card.constants.items() if k in CardConstants.model_fields}
             ),
         )
+
+    def _step_fit(self, task: str) -> StepTimeFit | None:
+        """The fleet's step-time model for this card model and task, when the server has one."""
+        try:
+            return self.client.step_time(self.card.info.model, task)
+        except (ServerUnavailable, Rejected, LeaseLost):
+            return None
 
     def _calibration(self, task: str) -> Calibration | None:
         """The service's correction for this card and task, when it has one."""

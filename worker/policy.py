@@ -3,9 +3,10 @@
 Plans are tried in the order DESIGN.md section 2 step 4 gives: as asked → a smaller micro-batch
 with gradient accumulation (the effective batch, a hyperparameter, never changes) → + activation
 checkpointing → + bf16 autocast (only when the study allows precision changes). Among the plans
-that keep the numerics (everything but bf16) the one with the least expected slowdown wins; bf16
-is used only when nothing else fits. A plan that already ran out of memory on this card model
-(`plans_tried`) is never chosen again, nor any plan predicted to need as much.
+that keep the numerics (everything but bf16) the one with the least predicted time per step wins
+(service.step_time: the fleet's own fit for this card model and task, the fixed model before any
+measurement); bf16 is used only when nothing else fits. A plan that already ran out of memory on
+this card model (`plans_tried`) is never chosen again, nor any plan predicted to need as much.
 """
 
 from __future__ import annotations
@@ -15,16 +16,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from service.wire import Calibration, MemoryPolicy, Plan, PlanOut, Prediction
-from worker.runner import CardSpec, Config, TrialRunner, plan_for_micro_batch
+from service import step_time
+from service.wire import (
+    Calibration,
+    MemoryPolicy,
+    Plan,
+    PlanOut,
+    Prediction,
+    StepTimeFit,
+    StepTimeObservation,
+)
+from worker.runner import CardSpec, Config, RunResult, TrialRunner, plan_for_micro_batch
 
-# A micro-batch costs about as much as this many extra samples (kernel launches, a GPU that is
-# not saturated by a small batch); it is what makes many tiny micro-batches slow.
-MICRO_BATCH_OVERHEAD_SAMPLES = 8
-# Checkpointing recomputes the forward pass in backward: about a third more compute.
-CHECKPOINT_SLOWDOWN = 4 / 3
-# bf16 is not slower on the cards that support it; it comes last because it changes numerics.
-BF16_SLOWDOWN = 1.0
 GIB = 1024**3
 
 
@@ -49,6 +52,7 @@ class RunAsPlanned:
 
     plan: Plan
     prediction: Prediction
+    step_time: StepTimeObservation | None = None
 
 
 @dataclass(frozen=True)
@@ -74,24 +78,41 @@ class _Stage:
     def flags(self) -> dict[str, bool]:
         return {"checkpointing": self.checkpointing, "bf16": self.bf16}
 
-    def best_slowdown(self) -> float:
+    def best_slowdown(self, batch: int, fit: StepTimeFit | None) -> float:
         """The least slowdown any plan of this stage can have (a micro-batch of the full batch)."""
-        return (CHECKPOINT_SLOWDOWN if self.checkpointing else 1.0) * (
-            BF16_SLOWDOWN if self.bf16 else 1.0
-        )
+        return expected_slowdown(Plan(**self.flags()), batch, fit)
 
 
-def expected_slowdown(plan: Plan, batch_size: int) -> float:
-    """Expected time per optimizer step under `plan`, relative to running it as asked."""
+def step_features(
+    plan: Plan, batch_size: int, prediction: Prediction | None = None, as_asked_bytes: int = 0
+) -> StepTimeObservation:
+    """What the step-time model reads of a run: its plan's shape and the model's size."""
     micro = min(plan.micro_batch or batch_size, batch_size)
-    steps = math.ceil(batch_size / micro)
-    overhead = MICRO_BATCH_OVERHEAD_SAMPLES
-    accumulation = steps * (overhead + micro) / (overhead + batch_size)
-    return (
-        accumulation
-        * (CHECKPOINT_SLOWDOWN if plan.checkpointing else 1.0)
-        * (BF16_SLOWDOWN if plan.bf16 else 1.0)
+    return StepTimeObservation(
+        batch_size=batch_size,
+        micro_batch=micro,
+        micro_batches=math.ceil(batch_size / micro),
+        checkpointing=plan.checkpointing,
+        bf16=plan.bf16,
+        parameter_bytes=0 if prediction is None else prediction.breakdown.get("parameters", 0),
+        as_asked_peak_bytes=as_asked_bytes,
     )
+
+
+def measured_step_time(
+    features: StepTimeObservation | None, result: RunResult
+) -> StepTimeObservation | None:
+    """The features with the run's training seconds per step (evaluation excluded)."""
+    if features is None or not result.samples_per_s:
+        return features
+    return features.model_copy(
+        update={"measured_step_s": features.batch_size / result.samples_per_s}
+    )
+
+
+def expected_slowdown(plan: Plan, batch_size: int, fit: StepTimeFit | None = None) -> float:
+    """Predicted time per optimizer step under `plan`, relative to running it as asked."""
+    return step_time.slowdown(fit or step_time.default_fit(), step_features(plan, batch_size))
 
 
 def choose_plan(
@@ -102,9 +123,11 @@ def choose_plan(
     free_bytes: int,
     plans_tried: Sequence[PlanOut] = (),
     calibration: Calibration | None = None,
+    step_fit: StepTimeFit | None = None,
 ) -> Decision:
-    """The cheapest plan that fits `free_bytes` less the policy's margin, or a hand-back."""
-    chooser = _Chooser(runner, config, card, calibration, runner.batch_size(config))
+    """The fitting plan of least predicted step time within `free_bytes` less the policy's
+    margin, or a hand-back. `step_fit` is the fleet's step-time model for this card and task."""
+    chooser = _Chooser(runner, config, card, calibration, runner.batch_size(config), step_fit)
     first = chooser.predict(Plan())
     if first.method == "none":
         return _blind_plan(chooser.batch, policy, plans_tried, first)
@@ -118,7 +141,8 @@ def choose_plan(
         if found is not None:
             plan, prediction = found
             reason = _reason(chooser, plan, prediction, first, budget, free_bytes, policy)
-            return RunAsPlanned(plan.model_copy(update={"reason": reason}), prediction)
+            features = chooser.step_time(plan, prediction, footprint(first))
+            return RunAsPlanned(plan.model_copy(update={"reason": reason}), prediction, features)
     return chooser.hand_back(stages[-1], budget, free_bytes, policy)
 
 
@@ -132,13 +156,25 @@ class _Chooser:
         card: CardSpec,
         calibration: Calibration | None,
         batch: int,
+        step_fit: StepTimeFit | None = None,
     ) -> None:
         self.runner = runner
         self.config = config
         self.card = card
         self.calibration = calibration
         self.batch = batch
+        self.step_fit = step_fit
         self._predictions: dict[tuple[object, ...], Prediction] = {}
+
+    def step_time(
+        self, plan: Plan, prediction: Prediction, as_asked_bytes: int
+    ) -> StepTimeObservation:
+        """The run's step-time features with the model's prediction (None before a fit)."""
+        features = step_features(plan, self.batch, prediction, as_asked_bytes)
+        fit = self.step_fit or step_time.default_fit()
+        return features.model_copy(
+            update={"predicted_step_s": step_time.predicted_step_s(fit, features)}
+        )
 
     def predict(self, plan: Plan) -> Prediction:
         """The runner's prediction with the service's calibration applied (once per plan)."""
@@ -158,16 +194,16 @@ class _Chooser:
     def cheapest(
         self, stages: Sequence[_Stage], budget: int, tried: set[tuple[object, ...]]
     ) -> tuple[Plan, Prediction] | None:
-        """The fitting plan of least expected slowdown over `stages` (earlier wins ties)."""
+        """The fitting plan of least predicted step time over `stages` (earlier wins ties)."""
         best: tuple[Plan, Prediction] | None = None
         best_slowdown = math.inf
         for stage in stages:
-            if stage.best_slowdown() >= best_slowdown:
+            if stage.best_slowdown(self.batch, self.step_fit) >= best_slowdown:
                 continue
             found = self.fit(stage, budget)
             if found is None or _key(found[0]) in tried:
                 continue
-            slowdown = expected_slowdown(found[0], self.batch)
+            slowdown = expected_slowdown(found[0], self.batch, self.step_fit)
             if slowdown < best_slowdown:
                 best, best_slowdown = found, slowdown
         return best
@@ -315,10 +351,10 @@ def _reason(
     room = f"({_gib(free_bytes)} free, margin {policy.margin:.0%})"
     if plan == Plan():
         return f"as asked: {fit} {room}"
-    slowdown = expected_slowdown(plan, chooser.batch)
+    slowdown = expected_slowdown(plan, chooser.batch, chooser.step_fit)
     return (
         f"resized to {describe(plan)}, effective batch {chooser.batch} unchanged: as asked needs "
-        f"{_gib(footprint(as_asked))}; cheapest plan that fits (expected slowdown {slowdown:.2f}x),"
+        f"{_gib(footprint(as_asked))}; fastest plan that fits (predicted slowdown {slowdown:.2f}x),"
         f" {fit} {room}"
     )
 
