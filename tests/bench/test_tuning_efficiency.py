@@ -23,7 +23,7 @@ def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
 def test_quick_mode_runs_every_arm_on_real_training(quick: tuple[dict, Path]) -> None:
     results, _ = quick
     rows = {row["arm"]: row for row in results["runs"]}
-    assert set(rows) == {"naive", "retry-halving", "vramtune"}
+    assert set(rows) == {"naive", "retry-halving", "vramtune", "vramtune-free-planning"}
     for row in rows.values():
         assert row["completed"] > 0
         assert 0.0 < row["best"] <= 1.0  # digits accuracy
@@ -32,6 +32,8 @@ def test_quick_mode_runs_every_arm_on_real_training(quick: tuple[dict, Path]) ->
     assert rows["naive"]["oom_crashes"] > 0  # the 8 MiB card cannot hold everything asked
     assert rows["naive"]["time_to_naive_best_s"] is not None
     assert results["meta"]["real_runs"]["digits-cnn"]["executed"] > 0
+    assert rows["vramtune"]["planning_s"] > 0  # the predictor's time is on the card's clock
+    assert rows["vramtune-free-planning"]["planning_s"] == 0
 
 
 def test_quick_mode_writes_the_plot_and_the_targets(quick: tuple[dict, Path]) -> None:
