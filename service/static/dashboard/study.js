@@ -422,6 +422,7 @@
         ["peak predicted / measured", `${VT.bytes(t.predicted_bytes)} / ${VT.bytes(t.measured_bytes)}`],
         ["worker", t.worker ? `${t.worker} (${t.card_model})` : "–"],
         ["duration", VT.duration(t.duration_s)],
+        ["step time predicted / measured", stepTimeText((t.user_attrs || {})["vramtune.step_time"])],
         ["attempts", String(t.attempt + 1)],
       ];
       if (t.message) pairs.push(["message", t.message]);
@@ -430,6 +431,13 @@
   }
 
   // ------------------------------------------------------------------ trial table
+
+  // The fleet's step-time model (service/step_time.py): seconds per optimizer step.
+  function stepTimeText(step) {
+    if (!step) return "–";
+    const seconds = (s) => (s === null || s === undefined ? "–" : `${VT.num(s * 1000)} ms`);
+    return `${seconds(step.predicted_step_s)} / ${seconds(step.measured_step_s)}`;
+  }
 
   function planText(plan) {
     if (!plan) return "–";
