@@ -47,8 +47,8 @@ from typing import Any
 import optuna
 import torch
 
-from service.optuna_glue import make_sampler, search_space
-from service.routing import MEMORY_CONSTRAINT, headroom, placeholder_values
+from service.fleet.routing import MEMORY_CONSTRAINT, headroom, placeholder_values
+from service.optuna.glue import make_sampler, search_space
 from service.step_time import fit_step_time
 from service.wire import (
     Plan,

@@ -7,8 +7,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.calibration import Pair, fit_calibration
+from service.db.tables import MemoryObservationRow, StepTimeObservationRow
 from service.step_time import MAX_OBSERVATIONS as MAX_STEP_TIMES, fit_step_time
-from service.tables import MemoryObservationRow, StepTimeObservationRow
 from service.wire import Calibration, StepTimeFit, StepTimeObservation
 
 MAX_OBSERVATIONS = 5000  # the newest ones: a fit follows the current torch and driver
