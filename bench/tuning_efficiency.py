@@ -553,7 +553,7 @@ def run_seed(
     predictor: TimedPredictor,
 ) -> list[dict[str, Any]]:
     """The three arms on one seed; time to reach naive's final best for each."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     for arm in ARMS:
         sim = Sim(bench, seed, fleet)
         if arm == "naive":
@@ -563,7 +563,7 @@ def run_seed(
         else:
             planner = Planner(predictor, sim.spec, charge=arm == "vramtune")
             work = vramtune(sim, runs, planner)
-        row = {"task": name, "seed": seed, "budget_s": bench.budget_s}
+        row: dict[str, Any] = {"task": name, "seed": seed, "budget_s": bench.budget_s}
         rows.append(row | figures(arm, sim.run(work)))
     target = rows[0]["best"]
     for row in rows:
