@@ -1,7 +1,7 @@
 """Step-time model: seconds per optimizer step, fitted from the fleet's own measurements.
 
 Pure Python (no torch, no numpy): the server fits, workers apply, as with the memory
-calibration (service.calibration). Per (card model, task), the time of one optimizer step of a
+calibration (service/calibration.py). Per (card model, task), the time of one optimizer step of a
 configuration under a plan is modelled as
 
     log step_s = b0 + b1 * log(n * (micro + o)) + b2 * checkpointing + b3 * bf16
@@ -15,8 +15,9 @@ measurement (o = 8 samples, time proportional to samples, checkpointing 4/3 slow
 slower, size unused), and `o` is chosen on a grid by least squares. With no observation the
 fit *is* that fixed model: plans compare exactly as they did. Two plans of one configuration
 on one card differ only in n, micro and the flags, so a plan's slowdown needs no intercept;
-an absolute time per step is predicted once the card model and task have MIN_FOR_SECONDS
-measured runs.
+an absolute time per step is predicted once the card model and task have STEP_TIME_MIN_RUNS
+measured runs. How a worker applies a fit (features, predicted seconds, a plan's slowdown) is
+in the wire contract (service/wire.py), which the worker imports; the fit is here.
 """
 
 from __future__ import annotations
@@ -25,43 +26,19 @@ import math
 import statistics
 from collections.abc import Iterable, Sequence
 
-from service.wire import StepTimeFit, StepTimeObservation
+from service.wire import (
+    StepTimeFit,
+    StepTimeObservation,
+    default_step_time_fit,
+    predicted_step_s,
+    step_time_features,
+    step_time_prior,
+)
 
-DEFAULT_OVERHEAD_SAMPLES = 8.0
-DEFAULT_CHECKPOINT_SLOWDOWN = 4 / 3
 OVERHEAD_GRID = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)
 PRIOR_WEIGHT = 2.0
 """How many observations' worth of belief the fixed model carries, per coefficient."""
-MIN_FOR_SECONDS = 3
-"""Runs needed before an absolute step time is predicted (the intercept needs data)."""
 MAX_OBSERVATIONS = 2000
-
-
-def _prior() -> list[float]:
-    return [0.0, 1.0, math.log(DEFAULT_CHECKPOINT_SLOWDOWN), 0.0, 0.0, 0.0]
-
-
-def default_fit(card_model: str = "", task: str = "") -> StepTimeFit:
-    """The fixed model: what plans are compared by before anything was measured."""
-    return StepTimeFit(
-        card_model=card_model,
-        task=task,
-        overhead_samples=DEFAULT_OVERHEAD_SAMPLES,
-        coefficients=_prior(),
-        n_observations=0,
-    )
-
-
-def features(x: StepTimeObservation, overhead: float) -> list[float]:
-    """The regression's inputs for one run (logs of sizes floored at 1)."""
-    return [
-        1.0,
-        math.log(x.micro_batches * (x.micro_batch + overhead)),
-        float(x.checkpointing),
-        float(x.bf16),
-        math.log(max(x.parameter_bytes, 1)),
-        math.log(max(x.as_asked_peak_bytes, 1)),
-    ]
 
 
 def fit_step_time(
@@ -70,12 +47,12 @@ def fit_step_time(
     """The model for one (card model, task) from measured runs (step_s > 0), newest first."""
     runs = [x for x in observations if x.measured_step_s and x.measured_step_s > 0]
     if not runs:
-        return default_fit(card_model, task)
+        return default_step_time_fit(card_model, task)
     best: tuple[float, float, list[float]] | None = None
     for overhead in OVERHEAD_GRID:
-        rows = [features(x, overhead) for x in runs]
+        rows = [step_time_features(x, overhead) for x in runs]
         targets = [math.log(x.measured_step_s or 1.0) for x in runs]
-        beta = _ridge(rows, targets, _prior(), PRIOR_WEIGHT)
+        beta = _ridge(rows, targets, step_time_prior(), PRIOR_WEIGHT)
         beta[1:4] = [max(beta[1], 0.0), max(beta[2], 0.0), beta[3]]  # resizing never speeds up
         sse = sum((_dot(r, beta) - t) ** 2 for r, t in zip(rows, targets, strict=True))
         if best is None or sse < best[0]:
@@ -91,27 +68,6 @@ def fit_step_time(
     )
     errors = [relative_error(fit, x) for x in runs]
     return fit.model_copy(update={"median_error": statistics.median(errors)})
-
-
-def predicted_step_s(fit: StepTimeFit, x: StepTimeObservation) -> float | None:
-    """Seconds per optimizer step for these features; None before MIN_FOR_SECONDS runs."""
-    if fit.n_observations < MIN_FOR_SECONDS:
-        return None
-    return math.exp(_dot(features(x, fit.overhead_samples), fit.coefficients))
-
-
-def slowdown(fit: StepTimeFit, x: StepTimeObservation) -> float:
-    """Time per step of `x`'s plan relative to the same configuration as asked."""
-    asked = x.model_copy(
-        update={
-            "micro_batches": 1,
-            "micro_batch": x.batch_size,
-            "checkpointing": False,
-            "bf16": False,
-        }
-    )
-    ours, theirs = features(x, fit.overhead_samples), features(asked, fit.overhead_samples)
-    return math.exp(_dot([a - b for a, b in zip(ours, theirs, strict=True)], fit.coefficients))
 
 
 def relative_error(fit: StepTimeFit, x: StepTimeObservation) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from contextlib import suppress
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import optuna
@@ -41,11 +41,6 @@ from service.wire import (
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
 
-def utcnow() -> datetime:
-    """Now in UTC without tz, as Optuna stores datetimes."""
-    return datetime.now(UTC).replace(tzinfo=None)
-
-
 def get_row(session: Session, name: str) -> StudyRow:
     """The study row by name; NotFound if there is none."""
     row = session.scalar(select(StudyRow).where(StudyRow.name == name))
@@ -57,7 +52,9 @@ def get_row(session: Session, name: str) -> StudyRow:
 # ---------------------------------------------------------------- create
 
 
-def create_study(session: Session, storage: BaseStorage, spec: StudyCreate) -> StudyRow:
+def create_study(
+    session: Session, storage: BaseStorage, spec: StudyCreate, now: datetime
+) -> StudyRow:
     """Validate the spec, create the Optuna study and the vramtune row, or neither."""
     space = search_space(spec)
     make_sampler(spec)  # built now only to reject bad names and arguments with a 422
@@ -78,7 +75,7 @@ def create_study(session: Session, storage: BaseStorage, spec: StudyCreate) -> S
             task=spec.task,
             spec=spec.model_dump(mode="json"),
             paused=False,
-            created_at=utcnow(),
+            created_at=now,
         )
         session.add(row)
         session.flush()
@@ -257,7 +254,7 @@ def set_paused(session: Session, name: str, paused: bool) -> StudyRow:
     return row
 
 
-def delete_study(session: Session, storage: BaseStorage, name: str) -> None:
+def delete_study(session: Session, storage: BaseStorage, name: str, now: datetime) -> None:
     """Delete the Optuna study, then vramtune's rows of it (memory observations are kept)."""
     row = get_row(session, name)
     # Optuna first: on SQLite its write must not wait behind our session's lock. Already gone
@@ -266,7 +263,7 @@ def delete_study(session: Session, storage: BaseStorage, name: str) -> None:
         storage.delete_study(row.study_id)
     forget_study(storage, row.study_id)
     # Leases are ended, not deleted: the next heartbeat orders their workers to stop.
-    end_study_leases(session, row.study_id, utcnow())
+    end_study_leases(session, row.study_id, now)
     session.execute(delete(TrialRow).where(TrialRow.study_id == row.study_id))
     session.delete(row)
     session.flush()

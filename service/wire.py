@@ -16,6 +16,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -35,6 +36,7 @@ Name = Annotated[
     ),
 ]
 ShortText = Annotated[str, Field(max_length=4096)]
+MetricName = Annotated[str, Field(min_length=1, max_length=64)]
 Direction = Literal["minimize", "maximize"]
 ParamValue = str | int | float | bool | None
 
@@ -201,6 +203,12 @@ class StudyCreate(Wire):
     minimize_peak_memory: bool = Field(
         False, description="Add the measured peak memory as an extra objective (minimized)."
     )
+    metric_names: list[MetricName] | None = Field(
+        None,
+        max_length=2,
+        description="The task's metric per direction, e.g. [accuracy]: how the dashboard "
+        "names its axes (default: value).",
+    )
     task_config: dict[Key, ConfigValue] = Field(
         default_factory=dict, max_length=64, description="Fixed task settings, not tuned."
     )
@@ -216,6 +224,16 @@ class StudyCreate(Wire):
         if self.minimize_peak_memory and len(self.directions) > 1:
             raise ValueError("minimize_peak_memory takes a study with one direction")
         return self
+
+    @field_validator("metric_names")
+    @classmethod
+    def _one_name_per_direction(
+        cls, names: list[str] | None, info: ValidationInfo
+    ) -> list[str] | None:
+        directions = info.data.get("directions")
+        if names is not None and directions is not None and len(names) != len(directions):
+            raise ValueError(f"one name per direction: {len(directions)} direction(s)")
+        return names
 
     @property
     def objective_directions(self) -> list[Direction]:
@@ -406,6 +424,14 @@ class Plan(Wire):
     reason: ShortText = ""
 
 
+def ran_as(plan: Plan | PlanOut, routed: bool) -> str:
+    """A run's memory outcome: routed (a larger card after a hand-back), resized, or as_asked."""
+    if routed:
+        return "routed"
+    resized = plan.accumulation > 1 or plan.checkpointing or plan.bf16
+    return "resized" if resized else "as_asked"
+
+
 class Prediction(Wire):
     """A predicted peak and how it was reached."""
 
@@ -555,6 +581,41 @@ class Calibration(Wire):
     n_observations: int = 0
 
 
+# How a worker applies the Calibration it is served; the raw peaks ride in Prediction.constants
+# under these keys, so that the server fits on what the predictor said before any correction.
+RAW_ALLOCATED = "uncalibrated_allocated_bytes"
+RAW_RESERVED = "uncalibrated_reserved_bytes"
+
+
+def calibrated_bytes(predicted: int, calibration: Calibration) -> int:
+    """`predicted` after the correction and the margin (never negative)."""
+    line = calibration.scale * predicted + calibration.offset_bytes
+    return max(math.ceil(line * (1 + calibration.margin_fraction)), 0)
+
+
+def raw_peaks(prediction: Prediction) -> tuple[int, int]:
+    """(allocated, reserved) as predicted before any calibration: what a fit must be fed."""
+    return (
+        prediction.constants.get(RAW_ALLOCATED, prediction.peak_allocated_bytes),
+        prediction.constants.get(RAW_RESERVED, prediction.peak_reserved_bytes),
+    )
+
+
+def apply_calibration(prediction: Prediction, calibration: Calibration) -> Prediction:
+    """The prediction corrected by `calibration`; the raw peaks stay in `constants`.
+
+    Applying it again starts from the raw peaks, so calibration never compounds.
+    """
+    allocated, reserved = raw_peaks(prediction)
+    return prediction.model_copy(
+        update={
+            "peak_allocated_bytes": calibrated_bytes(allocated, calibration),
+            "peak_reserved_bytes": calibrated_bytes(reserved, calibration),
+            "constants": {**prediction.constants, RAW_ALLOCATED: allocated, RAW_RESERVED: reserved},
+        }
+    )
+
+
 class ErrorOut(BaseModel):
     """Every error body: {"detail": ...}."""
 
@@ -607,3 +668,68 @@ class WhoAmI(Wire):
     name: str
     scopes: list[TokenScope]
     studies: list[str] | None = Field(description="The only studies it may touch; null: all.")
+
+
+# ------------------------------------------------- the step-time model, as a worker applies it
+# (service/step_time.py fits it). log step_s = b . features: see that module's docstring.
+
+DEFAULT_OVERHEAD_SAMPLES = 8.0
+"""The fixed model: a micro-batch costs as much as 8 more samples (launches, a cold device)."""
+DEFAULT_CHECKPOINT_SLOWDOWN = 4 / 3
+"""The fixed model: checkpointing recomputes the forward pass, about a third more compute."""
+STEP_TIME_MIN_RUNS = 3
+"""Runs needed before an absolute step time is predicted (the intercept needs data)."""
+
+
+def step_time_prior() -> list[float]:
+    """The fixed model's coefficients (intercept, samples, checkpointing, bf16, sizes)."""
+    return [0.0, 1.0, math.log(DEFAULT_CHECKPOINT_SLOWDOWN), 0.0, 0.0, 0.0]
+
+
+def default_step_time_fit(card_model: str = "", task: str = "") -> StepTimeFit:
+    """The fixed model: what plans are compared by before anything was measured."""
+    return StepTimeFit(
+        card_model=card_model,
+        task=task,
+        overhead_samples=DEFAULT_OVERHEAD_SAMPLES,
+        coefficients=step_time_prior(),
+        n_observations=0,
+    )
+
+
+def step_time_features(x: StepTimeObservation, overhead: float) -> list[float]:
+    """The model's inputs for one run (logs of sizes floored at 1)."""
+    return [
+        1.0,
+        math.log(x.micro_batches * (x.micro_batch + overhead)),
+        float(x.checkpointing),
+        float(x.bf16),
+        math.log(max(x.parameter_bytes, 1)),
+        math.log(max(x.as_asked_peak_bytes, 1)),
+    ]
+
+
+def predicted_step_s(fit: StepTimeFit, x: StepTimeObservation) -> float | None:
+    """Seconds per optimizer step for these features; None before STEP_TIME_MIN_RUNS runs."""
+    if fit.n_observations < STEP_TIME_MIN_RUNS:
+        return None
+    return math.exp(_dot(step_time_features(x, fit.overhead_samples), fit.coefficients))
+
+
+def step_time_slowdown(fit: StepTimeFit, x: StepTimeObservation) -> float:
+    """Time per step of `x`'s plan relative to the same configuration as asked."""
+    asked = x.model_copy(
+        update={
+            "micro_batches": 1,
+            "micro_batch": x.batch_size,
+            "checkpointing": False,
+            "bf16": False,
+        }
+    )
+    ours = step_time_features(x, fit.overhead_samples)
+    theirs = step_time_features(asked, fit.overhead_samples)
+    return math.exp(_dot([a - b for a, b in zip(ours, theirs, strict=True)], fit.coefficients))
+
+
+def _dot(a: list[float], b: list[float]) -> float:
+    return sum(p * q for p, q in zip(a, b, strict=True))

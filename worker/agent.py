@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from service.logs import log_event
+from common.logs import log_event
 from service.wire import (
     Assignment,
     Calibration,
@@ -403,7 +403,7 @@ class Agent:
         return free if limit is None else min(free, limit)
 
     def event(self, name: str, assignment: Assignment | None = None, **fields: Any) -> None:
-        """One structured log line (service.logs) with the worker's and the trial's ids."""
+        """One structured log line (common.logs) with the worker's and the trial's ids."""
         ids: dict[str, Any] = {"worker": self.options.name}
         if self.registered is not None:
             ids["worker_id"] = self.registered.worker_id

@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from service import step_time
 from service.wire import (
     Calibration,
     MemoryPolicy,
@@ -25,6 +24,10 @@ from service.wire import (
     Prediction,
     StepTimeFit,
     StepTimeObservation,
+    apply_calibration,
+    default_step_time_fit,
+    predicted_step_s,
+    step_time_slowdown,
 )
 from worker.runner import CardSpec, Config, RunResult, TrialRunner, plan_for_micro_batch
 
@@ -112,7 +115,7 @@ def measured_step_time(
 
 def expected_slowdown(plan: Plan, batch_size: int, fit: StepTimeFit | None = None) -> float:
     """Predicted time per optimizer step under `plan`, relative to running it as asked."""
-    return step_time.slowdown(fit or step_time.default_fit(), step_features(plan, batch_size))
+    return step_time_slowdown(fit or default_step_time_fit(), step_features(plan, batch_size))
 
 
 def choose_plan(
@@ -171,10 +174,8 @@ class _Chooser:
     ) -> StepTimeObservation:
         """The run's step-time features with the model's prediction (None before a fit)."""
         features = step_features(plan, self.batch, prediction, as_asked_bytes)
-        fit = self.step_fit or step_time.default_fit()
-        return features.model_copy(
-            update={"predicted_step_s": step_time.predicted_step_s(fit, features)}
-        )
+        fit = self.step_fit or default_step_time_fit()
+        return features.model_copy(update={"predicted_step_s": predicted_step_s(fit, features)})
 
     def predict(self, plan: Plan) -> Prediction:
         """The runner's prediction with the service's calibration applied (once per plan)."""
@@ -305,13 +306,8 @@ def _blind_plan(
 
 
 def _calibrated(prediction: Prediction, calibration: Calibration) -> Prediction:
-    """The prediction corrected by the service's fit (service.calibration, pydantic only)."""
-    try:
-        from service.calibration import apply_calibration
-    except ImportError:  # a server without the calibration module serves the identity
-        return prediction
-    calibrated: Prediction = apply_calibration(prediction, calibration)
-    return calibrated
+    """The prediction corrected by the service's fit, applied as the contract defines."""
+    return apply_calibration(prediction, calibration)
 
 
 def _uncalibrated_budget(budget: int, calibration: Calibration | None) -> int:

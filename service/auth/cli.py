@@ -29,10 +29,11 @@ def print_first_admin_token(engine: Engine) -> None:
     """On a database without tokens, create the first admin token and print it once."""
     from service.auth.tokens import first_admin_token
     from service.db.engine import make_sessions
+    from service.state import utcnow
 
     preset = os.environ.get(ADMIN_TOKEN_ENV) or None  # set but empty: unset
     with make_sessions(engine).begin() as session:
-        clear = first_admin_token(session, preset)
+        clear = first_admin_token(session, preset, utcnow())
     if clear is None:
         return
     if preset is not None:
@@ -72,13 +73,14 @@ def _listed(row: TokenRow) -> dict[str, Any]:
 def cmd_token_create(args: argparse.Namespace) -> int:
     """Create a token; print it (once) on stdout, its description on stderr."""
     from service.auth.tokens import create_token
+    from service.state import utcnow
     from service.wire import TokenCreate
 
     spec = TokenCreate.model_validate(
         {"name": args.name, "scopes": _scopes(args.scope), "studies": args.study}
     )
     with _token_session(args) as session:
-        row, clear = create_token(session, spec.name, spec.scopes, spec.studies)
+        row, clear = create_token(session, spec.name, spec.scopes, utcnow(), spec.studies)
         listed = _listed(row)
     if args.json:
         print(json.dumps({**listed, "token": clear}, indent=2))
@@ -117,9 +119,10 @@ def _cell(value: Any) -> object:
 def cmd_token_revoke(args: argparse.Namespace) -> int:
     """Revoke a token by id."""
     from service.auth.tokens import revoke_token
+    from service.state import utcnow
 
     with _token_session(args) as session:
-        row = revoke_token(session, args.id)
+        row = revoke_token(session, args.id, utcnow())
         listed = None if row is None else _listed(row)
     if listed is None:
         print(f"vramtune: no token {args.id}", file=sys.stderr)

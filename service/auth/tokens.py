@@ -14,7 +14,7 @@ import re
 import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Annotated, Literal
 
 from fastapi import Depends, Request
@@ -238,11 +238,6 @@ def touch(row: TokenRow, now: datetime) -> bool:
     return True
 
 
-def utcnow() -> datetime:
-    """Now in UTC without tz, as every datetime of the database."""
-    return datetime.now(UTC).replace(tzinfo=None)
-
-
 def check_scopes(scopes: Sequence[str]) -> list[str]:
     """The scopes deduplicated in canonical order; ValueError naming an unknown one."""
     unknown = sorted(set(scopes) - set(SCOPES))
@@ -257,6 +252,7 @@ def create_token(
     session: Session,
     name: str,
     scopes: Sequence[str],
+    now: datetime,
     studies: Sequence[str] | None = None,
     token: str | None = None,
 ) -> tuple[TokenRow, str]:
@@ -270,7 +266,7 @@ def create_token(
         token_hash=hash_token(clear),
         scopes=check_scopes(scopes),
         studies=None if studies is None else sorted(set(studies)),
-        created_at=utcnow(),
+        created_at=now,
     )
     session.add(row)
     session.flush()
@@ -282,15 +278,15 @@ def list_tokens(session: Session) -> list[TokenRow]:
     return list(session.scalars(select(TokenRow).order_by(TokenRow.id)))
 
 
-def revoke_token(session: Session, token_id: int) -> TokenRow | None:
+def revoke_token(session: Session, token_id: int, now: datetime) -> TokenRow | None:
     """Mark a token revoked (idempotent); None when there is no such token."""
     row = session.get(TokenRow, token_id)
     if row is not None and row.revoked_at is None:
-        row.revoked_at = utcnow()
+        row.revoked_at = now
     return row
 
 
-def first_admin_token(session: Session, preset: str | None) -> str | None:
+def first_admin_token(session: Session, preset: str | None, now: datetime) -> str | None:
     """On a database without tokens, store an admin token and return it; else None.
 
     ``preset`` (VRAMTUNE_ADMIN_TOKEN) is stored (hashed) instead of a generated token.
@@ -302,5 +298,5 @@ def first_admin_token(session: Session, preset: str | None) -> str | None:
             f"VRAMTUNE_ADMIN_TOKEN must be {MIN_TOKEN_CHARS} to {MAX_TOKEN_CHARS} ASCII "
             f"characters (use `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)"
         )
-    _row, clear = create_token(session, "first-admin", ["admin"], token=preset)
+    _row, clear = create_token(session, "first-admin", ["admin"], now, token=preset)
     return clear

@@ -15,10 +15,10 @@ from typing import Any
 
 import yaml
 
+from common.logs import add_log_format_option, configure_logging, json_logging_config
 from service.cli import parser
 from service.cli.console import emit_json, show_study, study_rows, trial_rows
 from service.client import Client
-from service.logs import add_log_format_option, configure_logging, json_logging_config
 from service.wire import ParetoFront
 
 # ---------------------------------------------------------------- serve and db

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from datetime import datetime
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from service.dashboard import schema
@@ -35,9 +35,8 @@ def worker_state(stopped: bool, age_s: float, stale_s: float, lost_s: float) -> 
     return "live"
 
 
-def fleet(session: Session, settings: Settings) -> Fleet:
+def fleet(session: Session, settings: Settings, now: datetime) -> Fleet:
     """Every worker, newest heartbeat first, with the trials it holds leases on."""
-    now = schema.utcnow()
     stale_s, lost_s = thresholds(settings)
     rows = list(
         session.scalars(
@@ -45,7 +44,10 @@ def fleet(session: Session, settings: Settings) -> Fleet:
         )
     )
     current = _current_trials(session)
-    workers = [_worker(w, current.get(w.id, []), now, stale_s, lost_s) for w in rows]
+    runs = _runs(session, [w.id for w in rows])
+    workers = [
+        _worker(w, current.get(w.id, []), runs.get(w.id, 0), now, stale_s, lost_s) for w in rows
+    ]
     return Fleet(
         workers=workers,
         totals=_totals(workers),
@@ -56,7 +58,12 @@ def fleet(session: Session, settings: Settings) -> Fleet:
 
 
 def _worker(
-    row: WorkerRow, current: list[CurrentTrial], now: datetime, stale_s: float, lost_s: float
+    row: WorkerRow,
+    current: list[CurrentTrial],
+    runs: int,
+    now: datetime,
+    stale_s: float,
+    lost_s: float,
 ) -> FleetWorker:
     age = max(0.0, (now - row.last_heartbeat).total_seconds())
     return FleetWorker(
@@ -73,8 +80,20 @@ def _worker(
         heartbeat_age_s=age,
         registered_at=schema.utc(row.registered_at),
         current=current,
+        trials_run=runs,
         trials_done=row.trials_done,
     )
+
+
+def _runs(session: Session, worker_ids: list[int]) -> dict[int, int]:
+    """Per worker, its leases that did not end in a hand-back (the trial did not fit its card)."""
+    ended_by = func.coalesce(LeaseRow.resolution["call"].as_string(), "")  # "" while active
+    query = (
+        select(LeaseRow.worker_id, func.count())
+        .where(LeaseRow.worker_id.in_(worker_ids), ended_by != "handback")
+        .group_by(LeaseRow.worker_id)
+    )
+    return {worker_id: count for worker_id, count in session.execute(query)}
 
 
 def _current_trials(session: Session) -> dict[int, list[CurrentTrial]]:

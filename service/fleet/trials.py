@@ -22,7 +22,6 @@ from optuna.trial import TrialState
 from sqlalchemy.orm import Session
 
 from service.api.errors import Invalid
-from service.calibration import raw_peaks
 from service.db.tables import MemoryObservationRow, StepTimeObservationRow, WorkerRow
 from service.fleet.leases import Fenced, end, fence, resolution
 from service.fleet.routing import (
@@ -55,6 +54,8 @@ from service.wire import (
     StudyCreate,
     TrialAck,
     TrialResolution,
+    ran_as,
+    raw_peaks,
 )
 
 
@@ -216,10 +217,7 @@ def _predicted(prediction: Prediction | None) -> int | None:
 
 def _outcome_of(plan: Plan, routed: bool) -> str:
     """routed (ran on a larger card after a hand-back), resized, or as_asked."""
-    if routed:
-        return "routed"
-    resized = plan.accumulation > 1 or plan.checkpointing or plan.bf16
-    return "resized" if resized else "as_asked"
+    return ran_as(plan, routed)
 
 
 def observe(

@@ -7,15 +7,14 @@ import random
 
 import pytest
 
-from service.step_time import (
-    MIN_FOR_SECONDS,
-    default_fit,
-    fit_step_time,
+from service.step_time import fit_step_time, relative_error
+from service.wire import (
+    STEP_TIME_MIN_RUNS,
+    StepTimeObservation,
+    default_step_time_fit,
     predicted_step_s,
-    relative_error,
-    slowdown,
+    step_time_slowdown as slowdown,
 )
-from service.wire import StepTimeObservation
 
 
 def run(
@@ -54,7 +53,7 @@ def history(n: int, seed: int = 0) -> list[StepTimeObservation]:
 
 
 def test_with_nothing_measured_plans_compare_by_the_fixed_model() -> None:
-    fit = default_fit("card", "task")
+    fit = default_step_time_fit("card", "task")
     assert slowdown(fit, run(256, 256)) == pytest.approx(1.0)
     assert slowdown(fit, run(256, 1)) == pytest.approx(256 * 9 / 264)  # 8 samples a micro-batch
     assert slowdown(fit, run(256, 256, checkpointing=True)) == pytest.approx(4 / 3)
@@ -79,10 +78,12 @@ def test_more_runs_predict_better_and_a_few_already_give_seconds() -> None:
         fit = fit_step_time("card", "task", history(n))
         return sorted(relative_error(fit, x) for x in fresh)[50]
 
-    assert predicted_step_s(fit_step_time("c", "t", history(MIN_FOR_SECONDS)), fresh[0]) is not None
-    assert median_error(200) < median_error(MIN_FOR_SECONDS)
+    assert (
+        predicted_step_s(fit_step_time("c", "t", history(STEP_TIME_MIN_RUNS)), fresh[0]) is not None
+    )
+    assert median_error(200) < median_error(STEP_TIME_MIN_RUNS)
 
 
 def test_runs_without_a_measured_time_are_ignored() -> None:
     fit = fit_step_time("card", "task", [run(64, 64), run(64, 32)])
-    assert fit == default_fit("card", "task")
+    assert fit == default_step_time_fit("card", "task")

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path
 
-from service.api.deps import SessionDep
+from service.api.deps import NowDep, SessionDep
 from service.api.errors import NotFound
 from service.auth import tokens as auth
 from service.auth.tokens import PrincipalDep
@@ -37,16 +37,16 @@ def list_tokens(session: SessionDep) -> TokenList:
 
 
 @router.post("/tokens", status_code=201)
-def create_token(body: TokenCreate, session: SessionDep) -> TokenCreated:
+def create_token(body: TokenCreate, session: SessionDep, now: NowDep) -> TokenCreated:
     """A new token, shown in clear in this answer only."""
-    row, clear = auth.create_token(session, body.name, body.scopes, body.studies)
+    row, clear = auth.create_token(session, body.name, body.scopes, now, body.studies)
     return TokenCreated(**token_out(row).model_dump(), token=clear)
 
 
 @router.delete("/tokens/{token_id}")
-def revoke_token(token_id: TokenId, session: SessionDep) -> TokenOut:
+def revoke_token(token_id: TokenId, session: SessionDep, now: NowDep) -> TokenOut:
     """Revoke a token: it stops working at once; revoking twice is harmless."""
-    row = auth.revoke_token(session, token_id)
+    row = auth.revoke_token(session, token_id, now)
     if row is None:
         raise NotFound(f"token {token_id} not found")
     return token_out(row)

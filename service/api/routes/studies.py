@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query, Response
 from optuna.trial import TrialState
 
 from service import studies
-from service.api.deps import SessionDep, StorageDep
+from service.api.deps import NowDep, SessionDep, StorageDep
 from service.wire import ParetoFront, StudyCreate, StudyList, StudySummary, TrialPage
 
 router = APIRouter(prefix="/studies", tags=["studies"])
@@ -17,9 +17,11 @@ StateName = Literal["RUNNING", "COMPLETE", "PRUNED", "FAIL", "WAITING"]
 
 
 @router.post("", status_code=201)
-def create_study(spec: StudyCreate, session: SessionDep, storage: StorageDep) -> StudySummary:
+def create_study(
+    spec: StudyCreate, session: SessionDep, storage: StorageDep, now: NowDep
+) -> StudySummary:
     """Create a study: an Optuna study plus vramtune's record of its spec."""
-    row = studies.create_study(session, storage, spec)
+    row = studies.create_study(session, storage, spec, now)
     return studies.summarize(storage, row)
 
 
@@ -68,7 +70,7 @@ def resume(name: str, session: SessionDep, storage: StorageDep) -> StudySummary:
 
 
 @router.delete("/{name}", status_code=204)
-def delete_study(name: str, session: SessionDep, storage: StorageDep) -> Response:
+def delete_study(name: str, session: SessionDep, storage: StorageDep, now: NowDep) -> Response:
     """Delete the study, its trials and vramtune's records of them."""
-    studies.delete_study(session, storage, name)
+    studies.delete_study(session, storage, name, now)
     return Response(status_code=204)

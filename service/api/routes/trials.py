@@ -13,7 +13,6 @@ from service.fleet import trials as fleet_trials
 from service.fleet.trials import TrialCall
 from service.fleet.workers import fleet_transaction
 from service.state import AppState
-from service.studies import utcnow
 from service.wire import (
     CompleteRequest,
     FailRequest,
@@ -36,7 +35,7 @@ def _run(
 ) -> Reply:
     """One trial call in one fleet transaction."""
     with fleet_transaction(state) as session:
-        call = TrialCall(session, state.storage, state.settings, utcnow())
+        call = TrialCall(session, state.storage, state.settings, state.clock())
         return use_case(call, trial_id, body)
 
 

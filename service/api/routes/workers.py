@@ -8,9 +8,8 @@ from fastapi import APIRouter, Path, Query, Response
 
 from service.api.deps import StateDep
 from service.auth.tokens import PrincipalDep
-from service.fleet import workers as fleet
+from service.fleet import dispatch, workers as fleet
 from service.fleet.calibration import calibration_for, step_time_for
-from service.studies import utcnow
 from service.wire import (
     Assignment,
     Calibration,
@@ -33,14 +32,14 @@ Text = Annotated[str, Query(min_length=1, max_length=256)]
 def register(body: WorkerRegister, state: StateDep) -> WorkerRegistered:
     """Register a worker and its card; the answer has its id and the heartbeat period."""
     with fleet.fleet_transaction(state) as session:
-        return fleet.register(session, state.settings, body, utcnow())
+        return fleet.register(session, state.settings, body, state.clock())
 
 
 @router.post("/workers/{worker_id}/heartbeat")
 def heartbeat(worker_id: WorkerId, body: Heartbeat, state: StateDep) -> HeartbeatReply:
     """Renew every lease of the worker; the answer lists trials it must stop, and why."""
     with fleet.fleet_transaction(state) as session:
-        return fleet.heartbeat(session, state.settings, worker_id, body, utcnow())
+        return fleet.heartbeat(session, state.settings, worker_id, body, state.clock())
 
 
 @router.post(
@@ -52,7 +51,7 @@ def next_trial(
     worker_id: WorkerId, body: NextRequest, state: StateDep, principal: PrincipalDep
 ) -> Assignment | Response:
     """Lease a trial to the worker (200), or 204 when no study of its tasks has work."""
-    assignment = fleet.next_assignment(state, worker_id, body, utcnow(), principal.studies)
+    assignment = dispatch.next_assignment(state, worker_id, body, state.clock(), principal.studies)
     return Response(status_code=204) if assignment is None else assignment
 
 
@@ -60,7 +59,7 @@ def next_trial(
 def stop(worker_id: WorkerId, state: StateDep) -> Response:
     """The worker leaves: its leases end now and their trials are offered again."""
     with fleet.fleet_transaction(state) as session:
-        fleet.stop_worker(session, worker_id, utcnow())
+        fleet.stop_worker(session, worker_id, state.clock())
     return Response(status_code=204)
 
 
@@ -74,7 +73,7 @@ def list_workers(
 ) -> WorkerList:
     """Every worker: its card, live / stale / stopped, and the trials it holds."""
     with state.sessions() as session:
-        listed = fleet.list_workers(session, state.settings, utcnow())
+        listed = fleet.list_workers(session, state.settings, state.clock())
     if only:
         listed.workers = [w for w in listed.workers if w.state in only]
     return listed
