@@ -579,7 +579,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, help="simulated seconds per arm (per task)")
     parser.add_argument("--quick", action="store_true", help="digits-cnn, seed 0, 5 s budget")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--report-only", action="store_true", help="rewrite the .md and .png from the .json"
+    )
     args = parser.parse_args(argv)
+    if args.report_only:
+        saved = json.loads(args.out.with_suffix(".json").read_text())
+        write_results(saved["runs"], saved["meta"], args.out)
+        return 0
     if args.quick:
         args.seeds, args.tasks, args.budget = [0], ["digits-cnn"], args.budget or 5.0
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -794,7 +801,10 @@ NOTES = [
     "## How to read it",
     "",
     "- *OOM crashes*: runs that died out of memory (retry-halving's retries each count). "
-    "*Wasted CPU-s*: the CPU time of those runs, until they died. *Compute*: every run's.",
+    "*Wasted CPU-s*: the CPU time of those runs, until they died. *Compute*: every run's "
+    "(for vramtune with the planning before it). *Planning*: the predictor's CPU-seconds charged "
+    "to the cards' clocks, hand-backs included (each prediction is computed once per benchmark "
+    "and charged to every arm and card that needs it, as separate worker processes would pay).",
     "- *Completed*: trials told with a metric within the budget. *Infeasible*: vramtune trials "
     "no card holds even resized, told COMPLETE with a violated memory constraint.",
     "- *Changed hyperparameter*: retry-halving trials whose metric came from a smaller batch "
