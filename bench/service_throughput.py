@@ -349,6 +349,7 @@ def vramtune_server(url: str, processes: int = 1) -> Iterator[tuple[int, psutil.
     """A real ``vramtune serve`` subprocess on the cell's database."""
     port = free_port()
     env = {**os.environ, "VRAMTUNE_DATABASE_URL": url, "VRAMTUNE_LOG_LEVEL": "warning"}
+    env["VRAMTUNE_AUTH"] = "off"  # loopback only; the bench measures the fleet, not tokens
     env["VRAMTUNE_PROCESSES"] = str(processes)
     # Simulated workers send no heartbeats: a lease must outlive a trial queued behind 63 others.
     env["VRAMTUNE_LEASE_TTL_S"] = str(BENCH_LEASE_TTL_S)

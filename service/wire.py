@@ -8,7 +8,7 @@ the JSON names. Byte counts are plain integers; every float is finite.
 from __future__ import annotations
 
 import math
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -628,6 +628,16 @@ class ErrorOut(BaseModel):
 TokenScope = Literal["admin", "submit", "worker", "read"]
 
 
+DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+# A lifetime such as 30d, 12h, 90m or 3600s: at most 999999 of a unit (about 2,700 years).
+Duration = Annotated[str, Field(pattern=r"^[1-9][0-9]{0,5}[smhd]$", examples=["30d", "12h"])]
+
+
+def duration_of(text: str) -> timedelta:
+    """A Duration (``30d``) as a timedelta."""
+    return timedelta(seconds=int(text[:-1]) * DURATION_UNITS[text[-1]])
+
+
 class TokenCreate(Wire):
     """A new API token: its scopes and, optionally, the only studies it may touch."""
 
@@ -635,6 +645,9 @@ class TokenCreate(Wire):
     scopes: list[TokenScope] = Field(min_length=1, max_length=4)
     studies: list[Name] | None = Field(
         None, min_length=1, max_length=1024, description="Limit to these studies; null: all."
+    )
+    expires_in: Duration | None = Field(
+        None, description="Lifetime from now: a number and s, m, h or d (30d); null: never."
     )
 
 
@@ -648,6 +661,7 @@ class TokenOut(Wire):
     created_at: UtcDatetime
     revoked_at: UtcDatetime | None = None
     last_used_at: UtcDatetime | None = None
+    expires_at: UtcDatetime | None = None
 
 
 class TokenCreated(TokenOut):
@@ -660,6 +674,24 @@ class TokenList(Wire):
     """Every token, revoked ones included."""
 
     tokens: list[TokenOut]
+
+
+class AuditOut(Wire):
+    """One audit event: what was done, by which token (its name), to what."""
+
+    id: int
+    at: UtcDatetime
+    event: str
+    actor: str = Field(description="The acting token's name; cli:USER for the command line.")
+    token_id: int | None
+    target: str
+    detail: dict[str, Any]
+
+
+class AuditPage(Wire):
+    """Audit events, newest first; ask again with before=<last id> for older ones."""
+
+    events: list[AuditOut]
 
 
 class WhoAmI(Wire):

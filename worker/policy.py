@@ -11,7 +11,9 @@ this card model (`plans_tried`) is never chosen again, nor any plan predicted to
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -51,11 +53,15 @@ class MicroBatchSearch(Protocol):
 
 @dataclass(frozen=True)
 class RunAsPlanned:
-    """Run the trial here with this plan (its reason says why)."""
+    """Run the trial here with this plan (its reason says why).
+
+    `seconds`: how long choosing it took, every prediction included (the worker records it).
+    """
 
     plan: Plan
     prediction: Prediction
     step_time: StepTimeObservation | None = None
+    seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,7 @@ class HandBack:
     min_footprint_bytes: int
     plan: Plan | None
     reason: str
+    seconds: float = 0.0
 
 
 Decision = RunAsPlanned | HandBack
@@ -129,7 +136,25 @@ def choose_plan(
     step_fit: StepTimeFit | None = None,
 ) -> Decision:
     """The fitting plan of least predicted step time within `free_bytes` less the policy's
-    margin, or a hand-back. `step_fit` is the fleet's step-time model for this card and task."""
+    margin, or a hand-back. `step_fit` is the fleet's step-time model for this card and task.
+
+    The decision's `seconds` is the time the choice took, every prediction it needed included.
+    """
+    started = time.perf_counter()
+    decision = _choose(runner, config, policy, card, free_bytes, plans_tried, calibration, step_fit)
+    return dataclasses.replace(decision, seconds=time.perf_counter() - started)
+
+
+def _choose(
+    runner: TrialRunner,
+    config: Config,
+    policy: MemoryPolicy,
+    card: CardSpec,
+    free_bytes: int,
+    plans_tried: Sequence[PlanOut],
+    calibration: Calibration | None,
+    step_fit: StepTimeFit | None,
+) -> Decision:
     chooser = _Chooser(runner, config, card, calibration, runner.batch_size(config), step_fit)
     first = chooser.predict(Plan())
     if first.method == "none":

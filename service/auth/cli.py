@@ -74,21 +74,30 @@ def cmd_token_create(args: argparse.Namespace) -> int:
     """Create a token; print it (once) on stdout, its description on stderr."""
     from service.auth.tokens import create_token
     from service.state import utcnow
-    from service.wire import TokenCreate
+    from service.wire import TokenCreate, duration_of
 
     spec = TokenCreate.model_validate(
-        {"name": args.name, "scopes": _scopes(args.scope), "studies": args.study}
+        {
+            "name": args.name,
+            "scopes": _scopes(args.scope),
+            "studies": args.study,
+            "expires_in": args.expires,
+        }
     )
+    lifetime = None if spec.expires_in is None else duration_of(spec.expires_in)
     with _token_session(args) as session:
-        row, clear = create_token(session, spec.name, spec.scopes, utcnow(), spec.studies)
+        row, clear = create_token(
+            session, spec.name, spec.scopes, utcnow(), spec.studies, expires_in=lifetime
+        )
         listed = _listed(row)
     if args.json:
         print(json.dumps({**listed, "token": clear}, indent=2))
         return 0
     limit = ", ".join(listed["studies"]) if listed["studies"] else "all studies"
+    until = f"until {listed['expires_at']}" if listed["expires_at"] else "without expiry"
     print(
         f"created token {listed['id']} {listed['name']!r}: {', '.join(listed['scopes'])} on "
-        f"{limit}; it is shown once and stored only as a hash",
+        f"{limit}, {until}; it is shown once and stored only as a hash",
         file=sys.stderr,
     )
     print(clear)
@@ -106,8 +115,17 @@ def cmd_token_list(args: argparse.Namespace) -> int:
         return 0
     from service.cli.console import table
 
-    headers = ["ID", "NAME", "SCOPES", "STUDIES", "CREATED", "LAST USED", "REVOKED"]
-    fields = ["id", "name", "scopes", "studies", "created_at", "last_used_at", "revoked_at"]
+    headers = ["ID", "NAME", "SCOPES", "STUDIES", "CREATED", "EXPIRES", "LAST USED", "REVOKED"]
+    fields = [
+        "id",
+        "name",
+        "scopes",
+        "studies",
+        "created_at",
+        "expires_at",
+        "last_used_at",
+        "revoked_at",
+    ]
     print(table(headers, [[_cell(row[field]) for field in fields] for row in rows]))
     return 0
 
@@ -151,6 +169,9 @@ def add_token_commands(subparsers: Any) -> None:
         "--study", action="append", help="limit the token to this study (repeatable)"
     )
     create.add_argument("--name", default="token", help="a label for `token list`")
+    create.add_argument(
+        "--expires", metavar="DURATION", help="lifetime: 30d, 12h, 90m or 3600s (default: never)"
+    )
     handlers: list[tuple[argparse.ArgumentParser, Callable[[argparse.Namespace], int]]] = [
         (create, cmd_token_create),
         (commands.add_parser("list", parents=[options], help="list tokens"), cmd_token_list),

@@ -26,6 +26,7 @@ from service.auth.tokens import (
     LOCAL_ADMIN,
     Principal,
     Rule,
+    dead_because,
     find_token,
     missing_scope,
     plausible_token,
@@ -87,8 +88,8 @@ class AuthGuard:
         sessions = state.sessions
         try:
             principal = await run_in_threadpool(authenticate, sessions, token, state.clock())
-            if principal is None:
-                return _refuse(401, "unknown or revoked token", f'{REALM}, error="invalid_token"')
+            if isinstance(principal, str):
+                return _refuse(401, principal, f'{REALM}, error="invalid_token"')
             denial = missing_scope(principal, rule) or await run_in_threadpool(
                 study_denial, sessions, principal, rule, matched[1]
             )
@@ -160,12 +161,18 @@ def bearer_token(scope: Scope) -> str | None:
     return token
 
 
-def authenticate(sessions: sessionmaker[Session], token: str, now: datetime) -> Principal | None:
-    """The principal of a live token, refreshing its last use; None for an unknown token."""
+def authenticate(sessions: sessionmaker[Session], token: str, now: datetime) -> Principal | str:
+    """The principal of a live token, refreshing its last use; else why it is refused.
+
+    Read on every request, never cached: a revocation or an expiry holds from the next call.
+    """
     with sessions.begin() as session:
         row = find_token(session, token)
         if row is None:
-            return None
+            return "unknown token"
+        dead = dead_because(row, now)
+        if dead is not None:
+            return dead
         touch(row, now)
         return principal_of(row)
 

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Path, Query
 from optuna.trial import TrialState
 
 from service.api.deps import NowDep, SessionDep, SettingsDep
+from service.auth.tokens import PrincipalDep
 from service.dashboard import fleet as fleet_view, importance, plots, studies_view, trial_table
 from service.dashboard.models import (
     Calibration,
@@ -166,9 +167,12 @@ def trial(
 
 
 @router.get("/fleet")
-def fleet(session: SessionDep, settings: SettingsDep, now: NowDep) -> Fleet:
-    """Every worker: card, memory, current trials, last heartbeat, stale or lost."""
-    return fleet_view.fleet(session, settings, now)
+def fleet(
+    session: SessionDep, settings: SettingsDep, now: NowDep, principal: PrincipalDep
+) -> Fleet:
+    """Every worker: card, memory, current trials, last heartbeat, stale or lost (a token
+    limited to some studies: the workers running their trials only)."""
+    return fleet_view.fleet(session, settings, now, principal.studies)
 
 
 # Last: {name:path} also matches the suffixed paths above, which must win.

@@ -35,15 +35,20 @@ def worker_state(stopped: bool, age_s: float, stale_s: float, lost_s: float) -> 
     return "live"
 
 
-def fleet(session: Session, settings: Settings, now: datetime) -> Fleet:
-    """Every worker, newest heartbeat first, with the trials it holds leases on."""
+def fleet(
+    session: Session, settings: Settings, now: datetime, allowed: frozenset[str] | None = None
+) -> Fleet:
+    """Every worker, newest heartbeat first, with the trials it holds leases on.
+
+    ``allowed``: the studies of a study-limited token, which sees only the workers running
+    their trials, and only those trials (as GET /api/v1/workers).
+    """
     stale_s, lost_s = thresholds(settings)
-    rows = list(
-        session.scalars(
-            select(WorkerRow).order_by(WorkerRow.last_heartbeat.desc()).limit(MAX_WORKERS)
-        )
-    )
-    current = _current_trials(session)
+    current = _current_trials(session, allowed)
+    query = select(WorkerRow).order_by(WorkerRow.last_heartbeat.desc()).limit(MAX_WORKERS)
+    if allowed is not None:
+        query = query.where(WorkerRow.id.in_(current))
+    rows = list(session.scalars(query))
     runs = _runs(session, [w.id for w in rows])
     workers = [
         _worker(w, current.get(w.id, []), runs.get(w.id, 0), now, stale_s, lost_s) for w in rows
@@ -96,7 +101,9 @@ def _runs(session: Session, worker_ids: list[int]) -> dict[int, int]:
     return {worker_id: count for worker_id, count in session.execute(query)}
 
 
-def _current_trials(session: Session) -> dict[int, list[CurrentTrial]]:
+def _current_trials(
+    session: Session, allowed: frozenset[str] | None
+) -> dict[int, list[CurrentTrial]]:
     """Active leases by worker, with the study and number of each leased trial."""
     query = (
         select(
@@ -107,6 +114,8 @@ def _current_trials(session: Session) -> dict[int, list[CurrentTrial]]:
         .where(LeaseRow.active.is_(True))
         .order_by(LeaseRow.id)
     )
+    if allowed is not None:
+        query = query.where(StudyRow.name.in_(allowed))
     found: dict[int, list[CurrentTrial]] = defaultdict(list)
     for worker_id, trial_id, attempt, number, study in session.execute(query):
         found[worker_id].append(

@@ -39,14 +39,16 @@ def next_assignment(
     body: NextRequest,
     now: datetime,
     allowed: frozenset[str] | None = None,
+    token_id: int | None = None,
 ) -> Assignment | None:
     """Lease the worker a trial: a re-offered one that fits its card, else a new ask; or None.
 
-    ``allowed``: the study names the caller's token is limited to (None: every study). The
-    sampler runs between two transactions, holding neither a lock nor a connection.
+    ``allowed``: the study names the caller's token is limited to (None: every study);
+    ``token_id``: the caller's token, which must be the worker's. The sampler runs between
+    two transactions, holding neither a lock nor a connection.
     """
     with fleet_transaction(state) as session:
-        worker = running_worker(session, worker_id)
+        worker = running_worker(session, worker_id, token_id)
         worker.free_bytes = body.free_bytes
         studies = _open_studies(session, worker.tasks, allowed)
         offered = _offered(session, worker, studies)

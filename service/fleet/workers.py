@@ -15,15 +15,15 @@ import logging
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Literal
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from service.api.errors import Conflict, NotFound
+from service.api.errors import Conflict, Forbidden, NotFound, TooMany
 from service.db.engine import is_sqlite
-from service.db.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
+from service.db.tables import LeaseRow, StudyRow, TokenRow, TrialRow, WorkerRow
 from service.fleet.leases import active_leases, end, ended_since, renew, resolution
 from service.fleet.routing import reoffer
 from service.settings import Settings
@@ -58,9 +58,26 @@ def fleet_transaction(state: AppState) -> Iterator[Session]:
 
 
 def register(
-    session: Session, settings: Settings, body: WorkerRegister, now: datetime
+    session: Session,
+    settings: Settings,
+    body: WorkerRegister,
+    now: datetime,
+    token_id: int | None = None,
 ) -> WorkerRegistered:
-    """Record a worker and its card; the answer carries its id and the heartbeat period."""
+    """Record a worker and its card, bound to the token registering it (None: auth off).
+
+    A token may hold ``settings.max_workers_per_token`` live workers: one leaked or looping
+    token cannot fill the fleet tables. The count reads one index (token_id, stopped).
+    """
+    if token_id is not None:  # one token's registrations in turn (PostgreSQL): an exact count
+        session.execute(select(TokenRow.id).where(TokenRow.id == token_id).with_for_update())
+    live = _live_workers_of(session, token_id, now - timedelta(seconds=settings.worker_stale_s))
+    if live >= settings.max_workers_per_token:
+        raise TooMany(
+            f"this token has {live} live workers, the limit (VRAMTUNE_MAX_WORKERS_PER_TOKEN) "
+            f"is {settings.max_workers_per_token}: stop some (POST /workers/ID/stop) or wait "
+            f"{settings.worker_stale_s:g} s for silent ones to go stale"
+        )
     worker = WorkerRow(
         name=body.name,
         device=body.device,
@@ -74,6 +91,7 @@ def register(
         last_heartbeat=now,
         stopped=False,
         trials_done=0,
+        token_id=token_id,
     )
     session.add(worker)
     session.flush()
@@ -84,17 +102,35 @@ def register(
     )
 
 
-def get_worker(session: Session, worker_id: int) -> WorkerRow:
-    """The worker row; NotFound if there is none."""
+def _live_workers_of(session: Session, token_id: int | None, heard_since: datetime) -> int:
+    bound = WorkerRow.token_id.is_(None) if token_id is None else WorkerRow.token_id == token_id
+    query = select(func.count()).where(
+        bound, WorkerRow.stopped.is_(False), WorkerRow.last_heartbeat >= heard_since
+    )
+    return int(session.scalar(query) or 0)
+
+
+def check_owner(worker: WorkerRow, token_id: int | None) -> None:
+    """Forbidden unless the calling token (None: auth off, anyone) registered the worker."""
+    if token_id is not None and worker.token_id != token_id:
+        raise Forbidden(
+            f"worker {worker.id} was registered with another token: only that token may act "
+            "as this worker or on its trials"
+        )
+
+
+def get_worker(session: Session, worker_id: int, token_id: int | None = None) -> WorkerRow:
+    """The worker row, if the calling token registered it; NotFound if there is none."""
     worker = session.get(WorkerRow, worker_id)
     if worker is None:
         raise NotFound(f"worker {worker_id} not found: register first (POST /workers)")
+    check_owner(worker, token_id)
     return worker
 
 
-def running_worker(session: Session, worker_id: int) -> WorkerRow:
+def running_worker(session: Session, worker_id: int, token_id: int | None = None) -> WorkerRow:
     """The worker row of a worker that has not stopped; Conflict if it has."""
-    worker = get_worker(session, worker_id)
+    worker = get_worker(session, worker_id, token_id)
     if worker.stopped:
         raise Conflict(f"worker {worker_id} has stopped: register again to rejoin")
     return worker
@@ -108,7 +144,12 @@ def worker_state(worker: WorkerRow, now: datetime, stale_s: float) -> WorkerStat
 
 
 def heartbeat(
-    session: Session, settings: Settings, worker_id: int, body: Heartbeat, now: datetime
+    session: Session,
+    settings: Settings,
+    worker_id: int,
+    body: Heartbeat,
+    now: datetime,
+    token_id: int | None = None,
 ) -> HeartbeatReply:
     """Renew the leases of the trials the worker runs; order stopped what it must not run on.
 
@@ -117,7 +158,7 @@ def heartbeat(
     sent before a next's answer arrived may be read after that next.
     """
     leases = active_leases(session, worker_id)  # leases before the worker: the lock order
-    worker = running_worker(session, worker_id)
+    worker = running_worker(session, worker_id, token_id)
     stops = [
         StopOrder(trial_id=lease.trial_id, reason=lease.resolution["stop"])
         for lease in ended_since(session, worker_id, worker.last_heartbeat)
@@ -156,10 +197,12 @@ def _paused_studies(session: Session, study_ids: set[int]) -> set[int]:
     return set(session.scalars(query))
 
 
-def stop_worker(session: Session, worker_id: int, now: datetime) -> None:
+def stop_worker(
+    session: Session, worker_id: int, now: datetime, token_id: int | None = None
+) -> None:
     """The worker leaves: its leases end now and their trials are offered again."""
     leases = active_leases(session, worker_id)
-    worker = get_worker(session, worker_id)
+    worker = get_worker(session, worker_id, token_id)
     trials = _trials_by_id(session, [lease.trial_id for lease in leases])
     for lease in leases:
         end(lease, now, resolution("stop"))
@@ -169,13 +212,37 @@ def stop_worker(session: Session, worker_id: int, now: datetime) -> None:
     worker.stopped = True
 
 
-def list_workers(session: Session, settings: Settings, now: datetime) -> WorkerList:
-    """The fleet: every worker with its card, state and the trials it holds now."""
+def stop_token_workers(session: Session, token_id: int, now: datetime) -> int:
+    """Stop every worker a (revoked) token registered; how many were running."""
+    query = select(WorkerRow.id).where(WorkerRow.token_id == token_id, WorkerRow.stopped.is_(False))
+    worker_ids = list(session.scalars(query.order_by(WorkerRow.id)))
+    for worker_id in worker_ids:
+        stop_worker(session, worker_id, now)
+    return len(worker_ids)
+
+
+def list_workers(
+    session: Session, settings: Settings, now: datetime, allowed: frozenset[str] | None = None
+) -> WorkerList:
+    """The fleet: every worker with its card, state and the trials it holds now.
+
+    ``allowed``: the studies of a study-limited token; then only the workers running trials
+    of those studies are listed, with those trials only (what others run is not its to see).
+    """
     current: dict[int, list[int]] = {}
     holding = select(LeaseRow.worker_id, LeaseRow.trial_id).where(LeaseRow.active.is_(True))
+    if allowed is not None:
+        holding = (
+            holding.join(TrialRow, TrialRow.trial_id == LeaseRow.trial_id)
+            .join(StudyRow, StudyRow.study_id == TrialRow.study_id)
+            .where(StudyRow.name.in_(allowed))
+        )
     for worker_id, trial_id in session.execute(holding.order_by(LeaseRow.id)):
         current.setdefault(worker_id, []).append(trial_id)
-    workers = session.scalars(select(WorkerRow).order_by(WorkerRow.id))
+    query = select(WorkerRow).order_by(WorkerRow.id)
+    if allowed is not None:
+        query = query.where(WorkerRow.id.in_(current))
+    workers = session.scalars(query)
     return WorkerList(
         workers=[
             WorkerOut(

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("bench") / "tuning_efficiency"
-    command = [sys.executable, "bench/tuning_efficiency.py", "--quick", "--budget", "2"]
+    command = [sys.executable, "bench/tuning_efficiency.py", "--quick", "--budget", "4"]
     subprocess.run([*command, "--out", str(out)], cwd=REPO, check=True, timeout=600)
     return json.loads(out.with_suffix(".json").read_text()), out
 
@@ -27,9 +27,10 @@ def test_quick_mode_runs_every_arm_on_real_training(quick: tuple[dict, Path]) ->
     for row in rows.values():
         assert row["completed"] > 0
         assert 0.0 < row["best"] <= 1.0  # digits accuracy
-        assert row["compute_s"] <= 3 * 2.0 + 1e-6  # three cards, a 2 s budget each
+        assert row["compute_s"] <= 3 * 4.0 + 1e-6  # three cards, a 4 s budget each
     assert rows["vramtune"]["oom_crashes"] == 0
-    assert rows["naive"]["oom_crashes"] > 0  # the 8 MiB card cannot hold everything asked
+    # the 16 MiB card cannot hold everything TPE asks; the naive arms meet it
+    assert rows["naive"]["oom_crashes"] + rows["retry-halving"]["oom_crashes"] > 0
     assert rows["naive"]["time_to_naive_best_s"] is not None
     assert results["meta"]["real_runs"]["digits-cnn"]["executed"] > 0
     assert rows["vramtune"]["planning_s"] > 0  # the predictor's time is on the card's clock

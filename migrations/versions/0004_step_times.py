@@ -1,7 +1,7 @@
 """The step-time model's observations: each run's time per optimizer step and its features
 
-Revision ID: 0003_step_times
-Revises: 0002
+Revision ID: 0004
+Revises: 0003
 Create Date: 2026-12-03 14:20:00
 """
 
@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0003_step_times"
-down_revision: str | None = "0002"
+revision: str = "0004"
+down_revision: str | None = "0003"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
