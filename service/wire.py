@@ -566,6 +566,31 @@ class ReportReply(Wire):
     prune: bool
 
 
+class StepTimeObservation(Wire):
+    """What decides a run's time per optimizer step, and what it measured (service.step_time)."""
+
+    batch_size: int = Field(ge=1, le=10**7, description="The effective batch (samples a step).")
+    micro_batch: int = Field(ge=1, le=10**7, description="Samples per micro-batch.")
+    micro_batches: int = Field(ge=1, le=10**7, description="Micro-batches per step.")
+    checkpointing: bool = False
+    bf16: bool = False
+    parameter_bytes: Bytes = Field(0, description="The model's parameters (its size).")
+    as_asked_peak_bytes: Bytes = Field(0, description="Predicted footprint as asked (its work).")
+    predicted_step_s: Finite | None = Field(None, ge=0, description="The model's prediction.")
+    measured_step_s: Finite | None = Field(None, ge=0, description="Training time / steps.")
+
+
+class StepTimeFit(Wire):
+    """The step-time model of one (card model, task), fitted by service.step_time."""
+
+    card_model: str
+    task: str
+    overhead_samples: float = Field(description="A micro-batch's fixed cost, in samples.")
+    coefficients: list[float] = Field(min_length=6, max_length=6)
+    n_observations: int = 0
+    median_error: float | None = Field(None, description="In-sample |pred - meas| / meas.")
+
+
 class CompleteRequest(LeaseCall):
     """The trial finished: its value(s) and what it used."""
 
@@ -575,6 +600,7 @@ class CompleteRequest(LeaseCall):
     measured: Measured
     duration_s: Finite = Field(ge=0)
     samples_per_s: Finite | None = Field(None, ge=0)
+    step_time: StepTimeObservation | None = None
 
 
 FailKind = Literal["oom", "error", "interrupted", "pruned"]
@@ -762,3 +788,68 @@ class WhoAmI(Wire):
     name: str
     scopes: list[TokenScope]
     studies: list[str] | None = Field(description="The only studies it may touch; null: all.")
+
+
+# ------------------------------------------------- the step-time model, as a worker applies it
+# (service/step_time.py fits it). log step_s = b . features: see that module's docstring.
+
+DEFAULT_OVERHEAD_SAMPLES = 8.0
+"""The fixed model: a micro-batch costs as much as 8 more samples (launches, a cold device)."""
+DEFAULT_CHECKPOINT_SLOWDOWN = 4 / 3
+"""The fixed model: checkpointing recomputes the forward pass, about a third more compute."""
+STEP_TIME_MIN_RUNS = 3
+"""Runs needed before an absolute step time is predicted (the intercept needs data)."""
+
+
+def step_time_prior() -> list[float]:
+    """The fixed model's coefficients (intercept, samples, checkpointing, bf16, sizes)."""
+    return [0.0, 1.0, math.log(DEFAULT_CHECKPOINT_SLOWDOWN), 0.0, 0.0, 0.0]
+
+
+def default_step_time_fit(card_model: str = "", task: str = "") -> StepTimeFit:
+    """The fixed model: what plans are compared by before anything was measured."""
+    return StepTimeFit(
+        card_model=card_model,
+        task=task,
+        overhead_samples=DEFAULT_OVERHEAD_SAMPLES,
+        coefficients=step_time_prior(),
+        n_observations=0,
+    )
+
+
+def step_time_features(x: StepTimeObservation, overhead: float) -> list[float]:
+    """The model's inputs for one run (logs of sizes floored at 1)."""
+    return [
+        1.0,
+        math.log(x.micro_batches * (x.micro_batch + overhead)),
+        float(x.checkpointing),
+        float(x.bf16),
+        math.log(max(x.parameter_bytes, 1)),
+        math.log(max(x.as_asked_peak_bytes, 1)),
+    ]
+
+
+def predicted_step_s(fit: StepTimeFit, x: StepTimeObservation) -> float | None:
+    """Seconds per optimizer step for these features; None before STEP_TIME_MIN_RUNS runs."""
+    if fit.n_observations < STEP_TIME_MIN_RUNS:
+        return None
+    return math.exp(_dot(step_time_features(x, fit.overhead_samples), fit.coefficients))
+
+
+def step_time_slowdown(fit: StepTimeFit, x: StepTimeObservation) -> float:
+    """Time per step of `x`'s plan relative to the same configuration as asked."""
+    asked = x.model_copy(
+        update={
+            "micro_batches": 1,
+            "micro_batch": x.batch_size,
+            "checkpointing": False,
+            "bf16": False,
+        }
+    )
+    ours = step_time_features(x, fit.overhead_samples)
+    theirs = step_time_features(asked, fit.overhead_samples)
+    return math.exp(_dot([a - b for a, b in zip(ours, theirs, strict=True)], fit.coefficients))
+
+
+def _dot(a: list[float], b: list[float]) -> float:
+    return sum(p * q for p, q in zip(a, b, strict=True))

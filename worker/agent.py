@@ -31,6 +31,8 @@ from service.wire import (
     PlanChoice,
     Prediction,
     ReportRequest,
+    StepTimeFit,
+    StepTimeObservation,
     WorkerRegister,
     WorkerRegistered,
 )
@@ -39,7 +41,7 @@ from worker.api import LeaseLost, Rejected, ServerClient, ServerUnavailable
 from worker.delivery import Delivery
 from worker.events import AgentLog
 from worker.heartbeat import Heartbeats, RunningTrial
-from worker.policy import Decision, HandBack, choose_plan
+from worker.policy import Decision, HandBack, choose_plan, measured_step_time
 from worker.runner import CardSpec, OutOfMemory, Stopped, TrialRunner
 from worker.shared_predictions import shape_keys, shared
 from worker.spool import Spool
@@ -233,7 +235,9 @@ class Agent:
             predicted=decision.prediction.peak_bytes,
             **how,
         )
-        self._run_planned(assignment, runner, config, decision.plan, decision.prediction)
+        self._run_planned(
+            assignment, runner, config, decision.plan, decision.prediction, decision.step_time
+        )
 
     def _choose(
         self, assignment: Assignment, runner: TrialRunner, config: dict[str, Any]
@@ -250,6 +254,7 @@ class Agent:
                 self.free_bytes(),
                 assignment.plans_tried,
                 self._calibration(assignment.task),
+                self._step_fit(assignment.task),
             )
         except Exception as error:  # the task's check of its configuration (TaskConfigError)
             message = outcomes.error_message(error)
@@ -275,6 +280,7 @@ class Agent:
         config: dict[str, Any],
         plan: Plan,
         prediction: Prediction,
+        step_time: StepTimeObservation | None = None,
     ) -> None:
         running = self.heartbeats.running(assignment)
         reporter = _TrialReporter(self, running)
@@ -291,7 +297,8 @@ class Agent:
             request = outcomes.failed(assignment, "error", message, plan, prediction)
             self._finish(assignment, request, time.monotonic() - began)
         else:
-            self._finish(assignment, outcomes.completed(assignment, result, plan, prediction))
+            step = measured_step_time(step_time, result)
+            self._finish(assignment, outcomes.completed(assignment, result, plan, prediction, step))
         finally:
             self.heartbeats.finished(running)
 
@@ -385,6 +392,13 @@ class Agent:
                 if (keys := shape_keys(runner)) is not None
             },
         )
+
+    def _step_fit(self, task: str) -> StepTimeFit | None:
+        """The fleet's step-time model for this card model and task, when the server has one."""
+        try:
+            return self.client.step_time(self.card.info.model, task)
+        except (ServerUnavailable, Rejected, LeaseLost):
+            return None
 
     def _calibration(self, task: str) -> Calibration | None:
         """The service's correction for this card and task, when it has one."""

@@ -33,6 +33,7 @@ from service.wire import (
     ReportReply,
     ReportRequest,
     StartRequest,
+    StepTimeFit,
     TrialAck,
     WorkerRegister,
     WorkerRegistered,
@@ -128,6 +129,14 @@ class ServerClient:
         query = {"card_model": card_model, "torch_version": torch_version, "task": task}
         response = self._send("GET", "/calibration", None, params=query, retry_for_s=retry_for_s)
         return Calibration.model_validate_json(response.content)
+
+    def step_time(
+        self, card_model: str, task: str, retry_for_s: float | None = 10.0
+    ) -> StepTimeFit:
+        """The fleet's step-time model for this card model and task (service.step_time)."""
+        query = {"card_model": card_model, "task": task}
+        response = self._send("GET", "/step-time", None, params=query, retry_for_s=retry_for_s)
+        return StepTimeFit.model_validate_json(response.content)
 
     # ------------------------------------------------------------ trials
 

@@ -19,6 +19,7 @@ from service.wire import (
     PlanChoice,
     Prediction,
     StartRequest,
+    StepTimeObservation,
 )
 from worker.policy import HandBack, RunAsPlanned
 from worker.runner import RunResult, Stopped
@@ -40,7 +41,11 @@ STOP_KINDS: dict[str, FailKind | None] = {
 
 
 def completed(
-    assignment: Assignment, result: RunResult, plan: Plan, prediction: Prediction
+    assignment: Assignment,
+    result: RunResult,
+    plan: Plan,
+    prediction: Prediction,
+    step_time: StepTimeObservation | None = None,
 ) -> CompleteRequest | FailRequest:
     """The complete call, with the measured peak appended when the study minimizes it; a
     failure when the task gave the wrong number of values or one that is not finite."""
@@ -58,6 +63,7 @@ def completed(
         measured=result.measured,
         duration_s=result.duration_s,
         samples_per_s=result.samples_per_s,
+        step_time=step_time,
     )
 
 

@@ -3,9 +3,10 @@
 Plans are tried in the order DESIGN.md section 2 step 4 gives: as asked → a smaller micro-batch
 with gradient accumulation (the effective batch, a hyperparameter, never changes) → + activation
 checkpointing → + bf16 autocast (only when the study allows precision changes). Among the plans
-that keep the numerics (everything but bf16) the one with the least expected slowdown wins; bf16
-is used only when nothing else fits. A plan that already ran out of memory on this card model
-(`plans_tried`) is never chosen again, nor any plan predicted to need as much.
+that keep the numerics (everything but bf16) the one with the least predicted time per step wins
+(service.step_time: the fleet's own fit for this card model and task, the fixed model before any
+measurement); bf16 is used only when nothing else fits. A plan that already ran out of memory on
+this card model (`plans_tried`) is never chosen again, nor any plan predicted to need as much.
 """
 
 from __future__ import annotations
@@ -24,18 +25,16 @@ from service.wire import (
     PlanKey,
     PlanOut,
     Prediction,
+    StepTimeFit,
+    StepTimeObservation,
     apply_calibration,
+    default_step_time_fit,
     plan_key,
+    predicted_step_s,
+    step_time_slowdown,
 )
-from worker.runner import CardSpec, Config, TrialRunner, plan_for_micro_batch
+from worker.runner import CardSpec, Config, RunResult, TrialRunner, plan_for_micro_batch
 
-# A micro-batch costs about as much as this many extra samples (kernel launches, a GPU that is
-# not saturated by a small batch); it is what makes many tiny micro-batches slow.
-MICRO_BATCH_OVERHEAD_SAMPLES = 8
-# Checkpointing recomputes the forward pass in backward: about a third more compute.
-CHECKPOINT_SLOWDOWN = 4 / 3
-# bf16 is not slower on the cards that support it; it comes last because it changes numerics.
-BF16_SLOWDOWN = 1.0
 GIB = 1024**3
 
 
@@ -63,6 +62,7 @@ class RunAsPlanned:
 
     plan: Plan
     prediction: Prediction
+    step_time: StepTimeObservation | None = None
     seconds: float = 0.0
 
 
@@ -90,24 +90,41 @@ class _Stage:
     def flags(self) -> dict[str, bool]:
         return {"checkpointing": self.checkpointing, "bf16": self.bf16}
 
-    def best_slowdown(self) -> float:
+    def best_slowdown(self, batch: int, fit: StepTimeFit | None) -> float:
         """The least slowdown any plan of this stage can have (a micro-batch of the full batch)."""
-        return (CHECKPOINT_SLOWDOWN if self.checkpointing else 1.0) * (
-            BF16_SLOWDOWN if self.bf16 else 1.0
-        )
+        return expected_slowdown(Plan(**self.flags()), batch, fit)
 
 
-def expected_slowdown(plan: Plan, batch_size: int) -> float:
-    """Expected time per optimizer step under `plan`, relative to running it as asked."""
+def step_features(
+    plan: Plan, batch_size: int, prediction: Prediction | None = None, as_asked_bytes: int = 0
+) -> StepTimeObservation:
+    """What the step-time model reads of a run: its plan's shape and the model's size."""
     micro = min(plan.micro_batch or batch_size, batch_size)
-    steps = math.ceil(batch_size / micro)
-    overhead = MICRO_BATCH_OVERHEAD_SAMPLES
-    accumulation = steps * (overhead + micro) / (overhead + batch_size)
-    return (
-        accumulation
-        * (CHECKPOINT_SLOWDOWN if plan.checkpointing else 1.0)
-        * (BF16_SLOWDOWN if plan.bf16 else 1.0)
+    return StepTimeObservation(
+        batch_size=batch_size,
+        micro_batch=micro,
+        micro_batches=math.ceil(batch_size / micro),
+        checkpointing=plan.checkpointing,
+        bf16=plan.bf16,
+        parameter_bytes=0 if prediction is None else prediction.breakdown.get("parameters", 0),
+        as_asked_peak_bytes=as_asked_bytes,
     )
+
+
+def measured_step_time(
+    features: StepTimeObservation | None, result: RunResult
+) -> StepTimeObservation | None:
+    """The features with the run's training seconds per step (evaluation excluded)."""
+    if features is None or not result.samples_per_s:
+        return features
+    return features.model_copy(
+        update={"measured_step_s": features.batch_size / result.samples_per_s}
+    )
+
+
+def expected_slowdown(plan: Plan, batch_size: int, fit: StepTimeFit | None = None) -> float:
+    """Predicted time per optimizer step under `plan`, relative to running it as asked."""
+    return step_time_slowdown(fit or default_step_time_fit(), step_features(plan, batch_size))
 
 
 def choose_plan(
@@ -118,13 +135,15 @@ def choose_plan(
     free_bytes: int,
     plans_tried: Sequence[PlanOut] = (),
     calibration: Calibration | None = None,
+    step_fit: StepTimeFit | None = None,
 ) -> Decision:
-    """The cheapest plan that fits `free_bytes` less the policy's margin, or a hand-back.
+    """The fitting plan of least predicted step time within `free_bytes` less the policy's
+    margin, or a hand-back. `step_fit` is the fleet's step-time model for this card and task.
 
     The decision's `seconds` is the time the choice took, every prediction it needed included.
     """
     started = time.perf_counter()
-    decision = _choose(runner, config, policy, card, free_bytes, plans_tried, calibration)
+    decision = _choose(runner, config, policy, card, free_bytes, plans_tried, calibration, step_fit)
     return dataclasses.replace(decision, seconds=time.perf_counter() - started)
 
 
@@ -136,8 +155,9 @@ def _choose(
     free_bytes: int,
     plans_tried: Sequence[PlanOut],
     calibration: Calibration | None,
+    step_fit: StepTimeFit | None,
 ) -> Decision:
-    chooser = _Chooser(runner, config, card, calibration, runner.batch_size(config))
+    chooser = _Chooser(runner, config, card, calibration, runner.batch_size(config), step_fit)
     first = chooser.predict(Plan())
     if first.method == "none":
         return _blind_plan(chooser.batch, policy, plans_tried, first)
@@ -151,7 +171,8 @@ def _choose(
         if found is not None:
             plan, prediction = found
             reason = _reason(chooser, plan, prediction, first, budget, free_bytes, policy)
-            return RunAsPlanned(plan.model_copy(update={"reason": reason}), prediction)
+            features = chooser.step_time(plan, prediction, first.peak_bytes)
+            return RunAsPlanned(plan.model_copy(update={"reason": reason}), prediction, features)
     return chooser.hand_back(stages[-1], budget, free_bytes, policy)
 
 
@@ -165,13 +186,23 @@ class _Chooser:
         card: CardSpec,
         calibration: Calibration | None,
         batch: int,
+        step_fit: StepTimeFit | None = None,
     ) -> None:
         self.runner = runner
         self.config = config
         self.card = card
         self.calibration = calibration
         self.batch = batch
+        self.step_fit = step_fit
         self._predictions: dict[PlanKey, Prediction] = {}
+
+    def step_time(
+        self, plan: Plan, prediction: Prediction, as_asked_bytes: int
+    ) -> StepTimeObservation:
+        """The run's step-time features with the model's prediction (None before a fit)."""
+        features = step_features(plan, self.batch, prediction, as_asked_bytes)
+        fit = self.step_fit or default_step_time_fit()
+        return features.model_copy(update={"predicted_step_s": predicted_step_s(fit, features)})
 
     def predict(self, plan: Plan) -> Prediction:
         """The runner's prediction with the service's calibration applied (once per plan)."""
@@ -191,16 +222,16 @@ class _Chooser:
     def cheapest(
         self, stages: Sequence[_Stage], budget: int, tried: set[PlanKey]
     ) -> tuple[Plan, Prediction] | None:
-        """The fitting plan of least expected slowdown over `stages` (earlier wins ties)."""
+        """The fitting plan of least predicted step time over `stages` (earlier wins ties)."""
         best: tuple[Plan, Prediction] | None = None
         best_slowdown = math.inf
         for stage in stages:
-            if stage.best_slowdown() >= best_slowdown:
+            if stage.best_slowdown(self.batch, self.step_fit) >= best_slowdown:
                 continue
             found = self.fit(stage, budget)
             if found is None or plan_key(found[0]) in tried:
                 continue
-            slowdown = expected_slowdown(found[0], self.batch)
+            slowdown = expected_slowdown(found[0], self.batch, self.step_fit)
             if slowdown < best_slowdown:
                 best, best_slowdown = found, slowdown
         return best
@@ -338,10 +369,10 @@ def _reason(
     room = f"({_gib(free_bytes)} free, margin {policy.margin:.0%})"
     if plan == Plan():
         return f"as asked: {fit} {room}"
-    slowdown = expected_slowdown(plan, chooser.batch)
+    slowdown = expected_slowdown(plan, chooser.batch, chooser.step_fit)
     return (
         f"resized to {describe(plan)}, effective batch {chooser.batch} unchanged: as asked needs "
-        f"{_gib(as_asked.peak_bytes)}; cheapest plan that fits (expected slowdown {slowdown:.2f}x),"
+        f"{_gib(as_asked.peak_bytes)}; fastest plan that fits (predicted slowdown {slowdown:.2f}x),"
         f" {fit} {room}"
     )
 

@@ -15,6 +15,7 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     DateTime,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -176,6 +177,23 @@ class PredictionRow(Base):
             unique=True,
         ),
     )
+
+
+class StepTimeObservationRow(Base):
+    """A run's time per optimizer step and what decides it: the step-time model's material."""
+
+    __tablename__ = "vramtune_step_times"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    trial_id: Mapped[int] = mapped_column(Integer, index=True)
+    card_model: Mapped[str] = mapped_column(String(256))
+    task: Mapped[str] = mapped_column(String(128))
+    features: Mapped[dict[str, Any]] = mapped_column(JSON)  # a wire StepTimeObservation
+    predicted_step_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    measured_step_s: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+
+    __table_args__ = (Index("ix_vramtune_step_times_key", "card_model", "task"),)
 
 
 class TokenRow(Base):

@@ -1,4 +1,5 @@
-"""The calibration a worker fetches: fitted from the stored predicted-vs-measured peaks."""
+"""What a worker fetches: the memory calibration fitted from stored predicted-vs-measured
+peaks, and the step-time model fitted from stored times per step (service.step_time)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.calibration import Pair, fit_calibration
-from service.db.tables import MemoryObservationRow
-from service.wire import Calibration, held_peak
+from service.db.tables import MemoryObservationRow, StepTimeObservationRow
+from service.step_time import MAX_OBSERVATIONS as MAX_STEP_TIMES, fit_step_time
+from service.wire import Calibration, StepTimeFit, StepTimeObservation, held_peak
 
 MAX_OBSERVATIONS = 5000  # the newest ones: a fit follows the current torch and driver
 
@@ -40,3 +42,16 @@ def calibration_for(
     """The correction fitted to this card model's, torch version's and task's history."""
     pairs = observed_pairs(session, card_model, torch_version, task)
     return fit_calibration(card_model, torch_version, task, pairs)
+
+
+def step_time_for(session: Session, card_model: str, task: str) -> StepTimeFit:
+    """The step-time model fitted to this card model's and task's newest measured runs."""
+    row = StepTimeObservationRow
+    query = (
+        select(row.features)
+        .where(row.card_model == card_model, row.task == task)
+        .order_by(row.id.desc())
+        .limit(MAX_STEP_TIMES)
+    )
+    observations = [StepTimeObservation.model_validate(f) for f in session.scalars(query)]
+    return fit_step_time(card_model, task, observations)

@@ -22,7 +22,7 @@ from optuna.trial import TrialState
 from sqlalchemy.orm import Session
 
 from service.api.errors import Invalid
-from service.db.tables import MemoryObservationRow, WorkerRow
+from service.db.tables import MemoryObservationRow, StepTimeObservationRow, WorkerRow
 from service.fleet import predictions
 from service.fleet.leases import Fenced, end, fence, resolution
 from service.fleet.routing import (
@@ -52,6 +52,7 @@ from service.wire import (
     ReportReply,
     ReportRequest,
     StartRequest,
+    StepTimeObservation,
     StopReason,
     StudyCreate,
     TrialAck,
@@ -216,6 +217,7 @@ def complete(call: TrialCall, trial_id: int, body: CompleteRequest) -> TrialAck:
         "outcome": outcome,
         "duration_s": body.duration_s,
         "samples_per_s": body.samples_per_s,
+        "step_time": None if body.step_time is None else body.step_time.model_dump(),
     }
     write_attrs(call.session, trial_id, attrs)
     write_constraint(call.session, trial_id, min(headroom(peak, worker.total_bytes), 0.0))
@@ -227,6 +229,7 @@ def complete(call: TrialCall, trial_id: int, body: CompleteRequest) -> TrialAck:
     trial.measured_peak_bytes = peak
     trial.outcome = outcome
     observe(call, fenced, body.plan, body.prediction, body.measured, "complete")
+    observe_step_time(call, fenced, body.step_time)
     worker.trials_done = WorkerRow.trials_done + 1  # in SQL: concurrent completes all count
     ack = _ack(fenced, "complete", f"told Optuna {values}")
     return _finish(call, fenced, ack, "complete")
@@ -272,6 +275,25 @@ def observe(
             measured_allocated=measured.peak_allocated_bytes,
             measured_reserved=measured.peak_reserved_bytes,
             nvml_peak=measured.nvml_peak_bytes,
+            created_at=call.now,
+        )
+    )
+
+
+def observe_step_time(
+    call: TrialCall, fenced: Fenced, step_time: StepTimeObservation | None
+) -> None:
+    """Store a run's measured time per step with its features: the step-time model's material."""
+    if step_time is None or not step_time.measured_step_s:
+        return
+    call.session.add(
+        StepTimeObservationRow(
+            trial_id=fenced.trial.trial_id,
+            card_model=fenced.worker.card_model,
+            task=fenced.study.task,
+            features=step_time.model_dump(mode="json"),
+            predicted_step_s=step_time.predicted_step_s,
+            measured_step_s=step_time.measured_step_s,
             created_at=call.now,
         )
     )

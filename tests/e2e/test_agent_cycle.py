@@ -9,6 +9,7 @@ import pytest
 
 from service.client import Client
 from service.testing import ServerProcess
+from service.wire import StepTimeFit
 from tests.e2e.conftest import Studies, dashboard_trial, finished
 from worker.agent import Agent, AgentOptions
 from worker.api import ServerClient
@@ -53,6 +54,10 @@ def test_a_completed_trial_carries_its_value_plan_and_peaks(agent: Agent, studie
     )
     assert trial.worker == "in-process"
     assert trial.outcome == "as_asked"
+    # Its time per step is a step-time observation of this card model and task.
+    query = {"card_model": agent.card.info.model, "task": "quadratic"}
+    fit = studies.client._get(StepTimeFit, "/step-time", params=query)
+    assert fit.n_observations >= 1
 
 
 def test_a_configuration_the_task_refuses_fails_with_the_tasks_message(

@@ -683,6 +683,43 @@ def test_an_assignment_carries_the_fleets_predictions_for_its_shape(env: Env) ->
     assert [p["plan"]["micro_batch"] for p in second["predictions"]] == [8]
 
 
+def test_step_time_model_is_fitted_from_the_times_runs_reported(env: Env) -> None:
+    env.create_study(n_trials=4)
+    model = f"Timed {env.task}"  # a card model of this test only
+    worker = env.worker("w1", model=model)
+    query = {"card_model": model, "task": env.task}
+    assert env.http.get("/step-time", params=query).json()["n_observations"] == 0
+    micro_batches = iter([1, 2, 4, 8])
+    while (assignment := worker.next()) is not None:
+        n = next(micro_batches)
+        step_time = {
+            "batch_size": 64,
+            "micro_batch": 64 // n,
+            "micro_batches": n,
+            "as_asked_peak_bytes": GIB,
+            "predicted_step_s": 0.1,
+            "measured_step_s": 0.1 * n,  # every micro-batch costs a full step on this card
+        }
+        done = worker.call(
+            assignment,
+            "complete",
+            values=[1.0],
+            plan=PLAN,
+            prediction=_prediction(GIB),
+            measured={"peak_allocated_bytes": GIB},
+            duration_s=1.0,
+            step_time=step_time,
+        )
+        assert done.status_code == 200, done.text
+    fit = env.http.get("/step-time", params=query).json()
+    assert fit["n_observations"] == 4
+    assert fit["overhead_samples"] > 8  # learned: a micro-batch costs more than the fixed model
+    attrs = env.trials()[0].user_attrs["vramtune.step_time"]
+    assert (attrs["predicted_step_s"], attrs["measured_step_s"]) == (0.1, 0.1)
+    bad = env.http.get("/step-time", params={"card_model": model})
+    assert bad.status_code == 422 and "task" in bad.text
+
+
 def test_next_offers_only_the_studies_a_limited_token_allows(env: Env) -> None:
     env.create_study()
     other = Env(env.http, env.state, f"{env.study}-other", env.task)

@@ -6,7 +6,15 @@ from typing import Any
 
 import pytest
 
-from service.wire import Calibration, CardInfo, MemoryPolicy, Plan, PlanOut, Prediction
+from service.wire import (
+    Calibration,
+    CardInfo,
+    MemoryPolicy,
+    Plan,
+    PlanOut,
+    Prediction,
+    StepTimeFit,
+)
 from worker.policy import (
     HandBack,
     RunAsPlanned,
@@ -237,6 +245,47 @@ def test_the_solver_gets_the_budget_in_uncalibrated_bytes() -> None:
     assert isinstance(solving, RunAsPlanned) and isinstance(bisecting, RunAsPlanned)
     assert solving.plan == bisecting.plan
     assert solving.prediction.peak_bytes <= free
+
+
+def _fit(overhead: float, checkpoint_slowdown: float) -> StepTimeFit:
+    """A fleet fit that says what a micro-batch and checkpointing cost on this card."""
+    import math
+
+    return StepTimeFit(
+        card_model=CARD.info.model,
+        task="quadratic",
+        overhead_samples=overhead,
+        coefficients=[0.0, 1.0, math.log(checkpoint_slowdown), 0.0, 0.0, 0.0],
+        n_observations=50,
+    )
+
+
+def test_the_fleets_step_time_fit_decides_between_micro_batches_and_checkpointing() -> None:
+    # Room for 4 samples plain or 8 with checkpointing (as in the test above): with the fixed
+    # model checkpointing wins; a card where checkpointing is measured 3x slower and a
+    # micro-batch costs nothing extra runs 64 plain micro-batches instead.
+    free = STATIC + MIB
+    fixed = choose_plan(QuadraticTask(), CONFIG, NO_MARGIN, CARD, free)
+    fitted = choose_plan(QuadraticTask(), CONFIG, NO_MARGIN, CARD, free, step_fit=_fit(0.0, 3.0))
+    assert isinstance(fixed, RunAsPlanned) and isinstance(fitted, RunAsPlanned)
+    assert fixed.plan.checkpointing
+    assert not fitted.plan.checkpointing and fitted.plan.micro_batch == 4
+    assert "predicted slowdown 1.00x" in fitted.plan.reason
+
+
+def test_a_planned_run_carries_its_step_time_features_and_prediction() -> None:
+    decision = choose_plan(
+        QuadraticTask(), CONFIG, NO_MARGIN, CARD, STATIC + MIB, step_fit=_fit(8.0, 4 / 3)
+    )
+    assert isinstance(decision, RunAsPlanned) and decision.step_time is not None
+    features = decision.step_time
+    assert (features.batch_size, features.micro_batch) == (256, decision.plan.micro_batch)
+    assert features.micro_batches == decision.plan.accumulation
+    assert features.as_asked_peak_bytes == need(Plan())
+    assert features.predicted_step_s is not None and features.predicted_step_s > 0
+    unfitted = choose(STATIC + MIB)
+    assert isinstance(unfitted, RunAsPlanned) and unfitted.step_time is not None
+    assert unfitted.step_time.predicted_step_s is None  # nothing measured: no absolute time
 
 
 class _Clock:

@@ -9,13 +9,14 @@ from fastapi import APIRouter, Path, Query, Response
 from service.api.deps import StateDep
 from service.auth.tokens import PrincipalDep
 from service.fleet import dispatch, workers as fleet
-from service.fleet.calibration import calibration_for
+from service.fleet.calibration import calibration_for, step_time_for
 from service.wire import (
     Assignment,
     Calibration,
     Heartbeat,
     HeartbeatReply,
     NextRequest,
+    StepTimeFit,
     WorkerList,
     WorkerRegister,
     WorkerRegistered,
@@ -94,3 +95,10 @@ def calibration(card_model: Text, torch_version: Text, task: Text, state: StateD
     """The correction of predictions for a card model, torch version and task."""
     with state.sessions() as session:
         return calibration_for(session, card_model, torch_version, task)
+
+
+@router.get("/step-time")
+def step_time(card_model: Text, task: Text, state: StateDep) -> StepTimeFit:
+    """The step-time model for a card model and task, fitted from the fleet's measured runs."""
+    with state.sessions() as session:
+        return step_time_for(session, card_model, task)

@@ -453,6 +453,7 @@
         ["plan chosen in", planningText(t)],
         ["worker", t.worker ? `${t.worker} (${t.card_model})` : "–"],
         ["duration", VT.duration(t.duration_s)],
+        ["step time predicted / measured", stepTimeText((t.user_attrs || {})["vramtune.step_time"])],
         ["attempts", String(t.attempt + 1)],
       ];
       if (t.message) pairs.push(["message", t.message]);
@@ -468,6 +469,13 @@
     if (t.planning_s === null || t.planning_s === undefined) return "–";
     const source = { fleet: "the fleet's predictions", worker: "its own traces", mixed: "the fleet's and its own" }[t.prediction_source];
     return source ? `${VT.duration(t.planning_s)}, from ${source}` : VT.duration(t.planning_s);
+  }
+
+  // The fleet's step-time model (service/step_time.py): seconds per optimizer step.
+  function stepTimeText(step) {
+    if (!step) return "–";
+    const seconds = (s) => (s === null || s === undefined ? "–" : `${VT.num(s * 1000)} ms`);
+    return `${seconds(step.predicted_step_s)} / ${seconds(step.measured_step_s)}`;
   }
 
   function planText(plan) {

@@ -1,0 +1,113 @@
+"""Step-time model: seconds per optimizer step, fitted from the fleet's own measurements.
+
+Pure Python (no torch, no numpy): the server fits, workers apply, as with the memory
+calibration (service/calibration.py). Per (card model, task), the time of one optimizer step of a
+configuration under a plan is modelled as
+
+    log step_s = b0 + b1 * log(n * (micro + o)) + b2 * checkpointing + b3 * bf16
+                 + b4 * log parameter_bytes + b5 * log as_asked_peak_bytes
+
+where n micro-batches of `micro` samples each pay a fixed overhead worth `o` samples (kernel
+launches, an unsaturated device), checkpointing recomputes the forward pass, and the size of
+the model and of its as-asked footprint stand for the configuration's work per sample. The
+fit is a ridge regression pulled towards the fixed model vramtune used before it had any
+measurement (o = 8 samples, time proportional to samples, checkpointing 4/3 slower, bf16 not
+slower, size unused), and `o` is chosen on a grid by least squares. With no observation the
+fit *is* that fixed model: plans compare exactly as they did. Two plans of one configuration
+on one card differ only in n, micro and the flags, so a plan's slowdown needs no intercept;
+an absolute time per step is predicted once the card model and task have STEP_TIME_MIN_RUNS
+measured runs. How a worker applies a fit (features, predicted seconds, a plan's slowdown) is
+in the wire contract (service/wire.py), which the worker imports; the fit is here.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+
+from service.wire import (
+    StepTimeFit,
+    StepTimeObservation,
+    default_step_time_fit,
+    predicted_step_s,
+    step_time_features,
+    step_time_prior,
+)
+
+OVERHEAD_GRID = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)
+PRIOR_WEIGHT = 2.0
+"""How many observations' worth of belief the fixed model carries, per coefficient."""
+MAX_OBSERVATIONS = 2000
+
+
+def fit_step_time(
+    card_model: str, task: str, observations: Iterable[StepTimeObservation]
+) -> StepTimeFit:
+    """The model for one (card model, task) from measured runs (step_s > 0), newest first."""
+    runs = [x for x in observations if x.measured_step_s and x.measured_step_s > 0]
+    if not runs:
+        return default_step_time_fit(card_model, task)
+    best: tuple[float, float, list[float]] | None = None
+    for overhead in OVERHEAD_GRID:
+        rows = [step_time_features(x, overhead) for x in runs]
+        targets = [math.log(x.measured_step_s or 1.0) for x in runs]
+        beta = _ridge(rows, targets, step_time_prior(), PRIOR_WEIGHT)
+        beta[1:4] = [max(beta[1], 0.0), max(beta[2], 0.0), beta[3]]  # resizing never speeds up
+        sse = sum((_dot(r, beta) - t) ** 2 for r, t in zip(rows, targets, strict=True))
+        if best is None or sse < best[0]:
+            best = (sse, overhead, beta)
+    assert best is not None
+    _, overhead, beta = best
+    fit = StepTimeFit(
+        card_model=card_model,
+        task=task,
+        overhead_samples=overhead,
+        coefficients=beta,
+        n_observations=len(runs),
+    )
+    errors = [relative_error(fit, x) for x in runs]
+    return fit.model_copy(update={"median_error": statistics.median(errors)})
+
+
+def relative_error(fit: StepTimeFit, x: StepTimeObservation) -> float:
+    """|predicted - measured| / measured for one run (inf when nothing is predicted)."""
+    predicted = predicted_step_s(fit, x)
+    if predicted is None or not x.measured_step_s:
+        return math.inf
+    return abs(predicted - x.measured_step_s) / x.measured_step_s
+
+
+def _dot(a: Sequence[float], b: Sequence[float]) -> float:
+    return sum(p * q for p, q in zip(a, b, strict=True))
+
+
+def _ridge(
+    rows: list[list[float]], targets: list[float], prior: list[float], weight: float
+) -> list[float]:
+    """argmin |X b - y|^2 + weight * |b - prior|^2 over all but the intercept."""
+    k = len(prior)
+    matrix = [[sum(r[i] * r[j] for r in rows) for j in range(k)] for i in range(k)]
+    vector = [sum(r[i] * t for r, t in zip(rows, targets, strict=True)) for i in range(k)]
+    for i in range(1, k):  # the intercept is free: no prior on the card's speed
+        matrix[i][i] += weight
+        vector[i] += weight * prior[i]
+    matrix[0][0] += 1e-9
+    return _solve(matrix, vector)
+
+
+def _solve(matrix: list[list[float]], vector: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting (the system is small and well posed)."""
+    k = len(vector)
+    a = [[*row, v] for row, v in zip(matrix, vector, strict=True)]
+    for col in range(k):
+        pivot = max(range(col, k), key=lambda r: abs(a[r][col]))
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(col + 1, k):
+            factor = a[r][col] / a[col][col]
+            for c in range(col, k + 1):
+                a[r][c] -= factor * a[col][c]
+    out = [0.0] * k
+    for r in reversed(range(k)):
+        out[r] = (a[r][k] - sum(a[r][c] * out[c] for c in range(r + 1, k))) / a[r][r]
+    return out

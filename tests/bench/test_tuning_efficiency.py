@@ -1,0 +1,45 @@
+"""bench/tuning_efficiency.py --quick: real runs on the simulated fleet, sane figures out."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("bench") / "tuning_efficiency"
+    command = [sys.executable, "bench/tuning_efficiency.py", "--quick", "--budget", "4"]
+    subprocess.run([*command, "--out", str(out)], cwd=REPO, check=True, timeout=600)
+    return json.loads(out.with_suffix(".json").read_text()), out
+
+
+def test_quick_mode_runs_every_arm_on_real_training(quick: tuple[dict, Path]) -> None:
+    results, _ = quick
+    rows = {row["arm"]: row for row in results["runs"]}
+    assert set(rows) == {"naive", "retry-halving", "vramtune", "vramtune-free-planning"}
+    for row in rows.values():
+        assert row["completed"] > 0
+        assert 0.0 < row["best"] <= 1.0  # digits accuracy
+        assert row["compute_s"] <= 3 * 4.0 + 1e-6  # three cards, a 4 s budget each
+    assert rows["vramtune"]["oom_crashes"] == 0
+    # the 16 MiB card cannot hold everything TPE asks; the naive arms meet it
+    assert rows["naive"]["oom_crashes"] + rows["retry-halving"]["oom_crashes"] > 0
+    assert rows["naive"]["time_to_naive_best_s"] is not None
+    assert results["meta"]["real_runs"]["digits-cnn"]["executed"] > 0
+    assert rows["vramtune"]["planning_s"] > 0  # the predictor's time is on the card's clock
+    assert rows["vramtune-free-planning"]["planning_s"] == 0
+
+
+def test_quick_mode_writes_the_plot_and_the_targets(quick: tuple[dict, Path]) -> None:
+    _, out = quick
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = out.with_suffix(".md").read_text()
+    assert "load average before" in report
+    assert "0 OOM crashes: met" in report

@@ -1,0 +1,89 @@
+"""The step-time model: the fixed model before any measurement, then the fleet's own fit."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from service.step_time import fit_step_time, relative_error
+from service.wire import (
+    STEP_TIME_MIN_RUNS,
+    StepTimeObservation,
+    default_step_time_fit,
+    predicted_step_s,
+    step_time_slowdown as slowdown,
+)
+
+
+def run(
+    batch: int, micro: int, checkpointing: bool = False, peak: int = 10**8
+) -> StepTimeObservation:
+    return StepTimeObservation(
+        batch_size=batch,
+        micro_batch=micro,
+        micro_batches=math.ceil(batch / micro),
+        checkpointing=checkpointing,
+        parameter_bytes=10**6,
+        as_asked_peak_bytes=peak,
+    )
+
+
+def measured(
+    x: StepTimeObservation, overhead: float, ckpt: float, noise: float, rng: random.Random
+) -> StepTimeObservation:
+    """A card where a micro-batch costs `overhead` samples, 1 ms a sample, work ~ sqrt(peak)."""
+    seconds = (
+        1e-3 * x.micro_batches * (x.micro_batch + overhead) * (x.as_asked_peak_bytes / 1e8) ** 0.5
+    )
+    seconds *= ckpt if x.checkpointing else 1.0
+    return x.model_copy(update={"measured_step_s": seconds * math.exp(rng.gauss(0, noise))})
+
+
+def history(n: int, seed: int = 0) -> list[StepTimeObservation]:
+    rng = random.Random(seed)
+    runs = []
+    for _ in range(n):
+        batch = rng.choice([16, 32, 64, 128, 256])
+        micro = rng.choice([batch, max(1, batch // 4), max(1, batch // 16)])
+        peak = rng.choice([10**7, 10**8, 10**9])
+        runs.append(measured(run(batch, micro, rng.random() < 0.3, peak), 32.0, 1.6, 0.03, rng))
+    return runs
+
+
+def test_with_nothing_measured_plans_compare_by_the_fixed_model() -> None:
+    fit = default_step_time_fit("card", "task")
+    assert slowdown(fit, run(256, 256)) == pytest.approx(1.0)
+    assert slowdown(fit, run(256, 1)) == pytest.approx(256 * 9 / 264)  # 8 samples a micro-batch
+    assert slowdown(fit, run(256, 256, checkpointing=True)) == pytest.approx(4 / 3)
+    assert predicted_step_s(fit, run(256, 256)) is None  # no absolute time without a run
+
+
+def test_the_fit_learns_the_cards_overhead_and_checkpointing_cost() -> None:
+    fit = fit_step_time("card", "task", history(200))
+    assert fit.n_observations == 200
+    assert fit.overhead_samples == 32.0
+    assert slowdown(fit, run(256, 256, checkpointing=True)) == pytest.approx(1.6, rel=0.05)
+    assert slowdown(fit, run(256, 16)) == pytest.approx(16 * 48 / 288, rel=0.1)
+    fresh = history(100, seed=1)
+    errors = sorted(relative_error(fit, x) for x in fresh)
+    assert errors[50] < 0.05 and errors[90] < 0.15  # 3 % noise
+
+
+def test_more_runs_predict_better_and_a_few_already_give_seconds() -> None:
+    fresh = history(100, seed=2)
+
+    def median_error(n: int) -> float:
+        fit = fit_step_time("card", "task", history(n))
+        return sorted(relative_error(fit, x) for x in fresh)[50]
+
+    assert (
+        predicted_step_s(fit_step_time("c", "t", history(STEP_TIME_MIN_RUNS)), fresh[0]) is not None
+    )
+    assert median_error(200) < median_error(STEP_TIME_MIN_RUNS)
+
+
+def test_runs_without_a_measured_time_are_ignored() -> None:
+    fit = fit_step_time("card", "task", [run(64, 64), run(64, 32)])
+    assert fit == default_step_time_fit("card", "task")
