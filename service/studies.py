@@ -15,7 +15,7 @@ from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from service.errors import Conflict, NotFound
+from service.errors import Conflict, Invalid, NotFound
 from service.leases import end_study_leases
 from service.optuna_glue import (
     SEARCH_SPACE_ATTR,
@@ -28,7 +28,9 @@ from service.optuna_glue import (
     spec_of,
 )
 from service.tables import StudyRow, TrialRow, WorkerRow
+from service.task_rules import study_problem
 from service.wire import (
+    CategoricalParam,
     ParetoFront,
     PlanOut,
     StudyCreate,
@@ -60,6 +62,7 @@ def get_row(session: Session, name: str) -> StudyRow:
 def create_study(session: Session, storage: BaseStorage, spec: StudyCreate) -> StudyRow:
     """Validate the spec, create the Optuna study and the vramtune row, or neither."""
     space = search_space(spec)
+    check_task(spec)
     make_sampler(spec)  # built now only to reject bad names and arguments with a 422
     make_pruner(spec.pruner)
     if session.scalar(select(StudyRow.study_id).where(StudyRow.name == spec.name)) is not None:
@@ -88,6 +91,18 @@ def create_study(session: Session, storage: BaseStorage, spec: StudyCreate) -> S
         storage.delete_study(study_id)
         raise
     return row
+
+
+def check_task(spec: StudyCreate) -> None:
+    """422 for a built-in model family's settings that no worker could build (task_rules)."""
+    choices = {
+        name: param.choices
+        for name, param in spec.search_space.items()
+        if isinstance(param, CategoricalParam)
+    }
+    problem = study_problem(spec.task, spec.task_config, choices)
+    if problem is not None:
+        raise Invalid(*problem)
 
 
 # ---------------------------------------------------------------- read
