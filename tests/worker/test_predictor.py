@@ -396,6 +396,22 @@ def test_an_untraceable_model_says_why_and_falls_back_to_a_measured_probe() -> N
     assert abs(extrapolated.peak_allocated_bytes - measured) <= 0.05 * measured
 
 
+def test_a_probed_plan_says_why_in_its_reason() -> None:
+    from service.wire import MemoryPolicy
+    from worker.policy import RunAsPlanned, choose_plan
+    from worker.training import TorchTaskRunner
+
+    card = CardSpec(
+        info=CardInfo(model="cpu", total_bytes=2**30, free_bytes=2**30), constants={}, device="cpu"
+    )
+    runner = TorchTaskRunner(DataDependentTask())
+    decision = choose_plan(runner, {"width": 64, "batch_size": 4}, MemoryPolicy(), card, 2**30)
+    assert isinstance(decision, RunAsPlanned)
+    assert decision.prediction.method == "probe"
+    # The plan's reason is what the trial record and the dashboard's plan column show.
+    assert "[probed: cannot trace (data-dependent operation" in (decision.plan.reason or "")
+
+
 def test_a_compiled_model_cannot_be_traced() -> None:
     class Compiled(MLPTask):
         def build_model(self, config: Config) -> nn.Module:
