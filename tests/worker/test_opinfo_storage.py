@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("expecttest", reason="torch's OpInfo database needs expecttest (dev extra)")
 
-from bench import opinfo_storage  # noqa: E402  (after the skip: it imports torch's tests)
+from bench import opinfo_storage  # after the skip: it imports torch's tests
 
 SAMPLE = 80
 
