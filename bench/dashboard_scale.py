@@ -51,10 +51,10 @@ from sqlalchemy.orm import Session
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from service import migrate  # noqa: E402
 from service.dashboard.importance import QUIET_S  # noqa: E402
-from service.db import make_engine  # noqa: E402
-from service.tables import (  # noqa: E402
+from service.db import migrate  # noqa: E402
+from service.db.engine import make_engine  # noqa: E402
+from service.db.tables import (  # noqa: E402
     MemoryObservationRow,
     StudyRow,
     TrialRow,

@@ -56,9 +56,9 @@ from optuna.storages._rdb import models
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from service.db import engine_kwargs, make_engine, make_sessions  # noqa: E402
-from service.migrate import upgrade  # noqa: E402
-from service.optuna_glue import make_storage  # noqa: E402
+from service.db.engine import engine_kwargs, make_engine, make_sessions  # noqa: E402
+from service.db.migrate import upgrade  # noqa: E402
+from service.optuna.glue import make_storage  # noqa: E402
 from service.studies import create_study  # noqa: E402
 from service.wire import API_PREFIX, StudyCreate  # noqa: E402
 

@@ -35,7 +35,7 @@ from typing import Any
 import optuna
 
 from service.client import Client
-from service.optuna_glue import to_distribution
+from service.optuna.glue import to_distribution
 from service.testing import ServerProcess, upgrade_database
 from service.wire import Plan, StudyCreate
 from worker.gpu import parse_size, simulated_card

@@ -1,4 +1,4 @@
-"""Alembic environment: run by service.migrate with the engine in config.attributes."""
+"""Alembic environment: run by service.db.migrate with the engine in config.attributes."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 from alembic import context
 from sqlalchemy import create_engine
 
-from service.migrate import VERSION_TABLE
-from service.tables import Base
+from service.db.migrate import VERSION_TABLE
+from service.db.tables import Base
 
 config = context.config
 

@@ -1,5 +1,5 @@
 """``python -m service``: the vramtune command line."""
 
-from service.cli import main
+from service.cli.parser import main
 
 raise SystemExit(main())

@@ -9,14 +9,16 @@ from contextlib import asynccontextmanager, suppress
 
 from fastapi import FastAPI
 
-from service import dashboard, reaper
-from service.auth_guard import install_auth
-from service.db import make_engine, make_sessions, require_migrated
-from service.errors import install_error_handlers
+from service import dashboard
+from service.api.errors import install_error_handlers
+from service.api.routes import health, studies, trials, workers
+from service.auth.guard import install_auth
+from service.db.engine import make_engine, make_sessions
+from service.db.migrate import require_migrated
+from service.fleet import reaper
 from service.limits import BodySizeLimit
 from service.metrics import install_metrics
-from service.optuna_glue import dispose_storage, make_storage
-from service.routes import health, studies, trials, workers
+from service.optuna.glue import dispose_storage, make_storage
 from service.settings import Settings
 from service.state import AppState
 from service.wire import API_PREFIX

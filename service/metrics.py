@@ -32,9 +32,9 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service.db.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
 from service.state import AppState
 from service.studies import utcnow
-from service.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
 
 __all__ = ["REGISTRY", "install_metrics", "record_reaper_action"]
 

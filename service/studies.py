@@ -15,9 +15,10 @@ from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from service.errors import Conflict, Invalid, NotFound
-from service.leases import end_study_leases
-from service.optuna_glue import (
+from service.api.errors import Conflict, Invalid, NotFound
+from service.db.tables import StudyRow, TrialRow, WorkerRow
+from service.fleet.leases import end_study_leases
+from service.optuna.glue import (
     SEARCH_SPACE_ATTR,
     TASK_ATTR,
     forget_study,
@@ -27,7 +28,6 @@ from service.optuna_glue import (
     search_space_json,
     spec_of,
 )
-from service.tables import StudyRow, TrialRow, WorkerRow
 from service.task_rules import study_problem
 from service.wire import (
     CategoricalParam,

@@ -1,7 +1,8 @@
 """`vramtune worker` and `vramtune tasks`: the worker's command line.
 
-`add_commands(subparsers)` is called by service/cli.py's `main()`; nothing here imports torch
-(or the tasks) before a command runs, so `vramtune --help` stays fast on a server.
+`add_commands(subparsers)` is registered in the `vramtune.commands` entry-point group
+(pyproject.toml), which service/cli/parser.py loads; nothing here imports torch (or the tasks)
+before a command runs, so `vramtune --help` stays fast on a server.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Path, Query
 from optuna.trial import TrialState
 
+from service.api.deps import SessionDep, SettingsDep
 from service.dashboard import fleet as fleet_view, importance, plots, studies_view, trial_table
 from service.dashboard.models import (
     Calibration,
@@ -22,7 +23,6 @@ from service.dashboard.models import (
     TrialTable,
 )
 from service.dashboard.series import MAX_POINTS
-from service.deps import SessionDep, SettingsDep
 from service.wire import API_PREFIX
 
 PREFIX = f"{API_PREFIX}/dashboard"

@@ -10,8 +10,8 @@ from sqlalchemy.orm import Session
 
 from service.dashboard import schema
 from service.dashboard.models import CurrentTrial, Fleet, FleetTotals, FleetWorker, WorkerState
+from service.db.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
 from service.settings import Settings
-from service.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
 
 MAX_WORKERS = 2000
 # Missing this many heartbeats in a row makes a worker stale (it may only be slow).

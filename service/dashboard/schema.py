@@ -26,9 +26,10 @@ from sqlalchemy import ColumnElement, Float, and_, case, cast, extract, func, or
 from sqlalchemy.orm import Session
 
 from service.dashboard.models import ParamInfo
+from service.db.tables import LeaseRow, MemoryObservationRow, StudyRow, TrialRow, WorkerRow
 
 # Optuna's tables, re-exported: the dashboard's queries name them as schema.<table>.
-from service.optuna_tables import (
+from service.optuna.tables import (
     directions as directions,
     intermediate as intermediate,
     params as params,
@@ -39,7 +40,6 @@ from service.optuna_tables import (
     trials as trials,
     values as values,
 )
-from service.tables import LeaseRow, MemoryObservationRow, StudyRow, TrialRow, WorkerRow
 from service.wire import ParamValue
 
 CONSTRAINTS_KEY = "constraints"  # optuna.study._constrained_optimization._CONSTRAINTS_KEY

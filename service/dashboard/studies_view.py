@@ -14,6 +14,7 @@ from optuna.trial import TrialState
 from sqlalchemy import and_, case, func, select
 from sqlalchemy.orm import Session
 
+from service.api.errors import NotFound
 from service.dashboard import cache, schema
 from service.dashboard.models import (
     BestTrial,
@@ -23,10 +24,9 @@ from service.dashboard.models import (
     StudyListOut,
     StudyOverview,
 )
-from service.errors import NotFound
-from service.optuna_glue import search_space, spec_of
+from service.db.tables import MemoryObservationRow, StudyRow
+from service.optuna.glue import search_space, spec_of
 from service.studies import study_state
-from service.tables import MemoryObservationRow, StudyRow
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 RATE_WINDOW = timedelta(hours=1)

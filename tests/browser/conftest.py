@@ -18,9 +18,9 @@ import optuna
 import pytest
 from sqlalchemy.orm import Session
 
-from service import auth
+from service.auth import tokens as auth
 from service.client import Client
-from service.db import make_engine
+from service.db.engine import make_engine
 from service.testing import ServerProcess, server_factory, sqlite_url, upgrade_database
 from tests.browser.chromium import CHROMIUM, launch
 from tests.e2e.conftest import WorkerProcess

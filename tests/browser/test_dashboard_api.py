@@ -284,7 +284,7 @@ def test_answers_follow_the_study_when_it_changes(client: TestClient) -> None:
 def test_fleet_marks_quiet_workers_stale_then_lost(client: TestClient) -> None:
     from datetime import UTC, datetime, timedelta
 
-    from service.tables import WorkerRow
+    from service.db.tables import WorkerRow
 
     now = datetime.now(UTC).replace(tzinfo=None)
     quiet = {"quiet-20s": timedelta(seconds=20), "quiet-1h": timedelta(hours=1)}

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from service.cli import build_parser
+from service.cli.parser import build_parser
 from service.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]

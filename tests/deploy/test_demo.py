@@ -8,7 +8,7 @@ import optuna
 import yaml
 from optuna.trial import TrialState
 
-from service.demo import DEFAULT_STUDY
+from service.cli.demo import DEFAULT_STUDY
 from service.testing import run_vramtune
 from service.wire import StudyCreate
 

@@ -33,7 +33,7 @@ from sqlalchemy import create_engine, func, select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
-from service.tables import LeaseRow, StudyRow, TrialRow
+from service.db.tables import LeaseRow, StudyRow, TrialRow
 from service.wire import API_PREFIX
 
 REPO = Path(__file__).resolve().parents[2]

@@ -9,10 +9,10 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from service import auth
-from service.db import make_engine
-from service.migrate import upgrade
-from service.tables import StudyRow, TrialRow
+from service.auth import tokens as auth
+from service.db.engine import make_engine
+from service.db.migrate import upgrade
+from service.db.tables import StudyRow, TrialRow
 from service.testing import ServerProcess
 
 OWN, OTHER = "own-study", "other-study"

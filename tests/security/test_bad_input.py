@@ -11,9 +11,9 @@ from fastapi.testclient import TestClient
 from security_fixtures import Live, migrated_sqlite, study_spec
 from sqlalchemy import func, select
 
+from service.db.tables import StudyRow
 from service.limits import non_finite_number
 from service.settings import Settings
-from service.tables import StudyRow
 
 HEADERS = {"content-type": "application/json"}
 

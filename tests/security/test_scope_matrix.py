@@ -1,7 +1,7 @@
 """Every endpoint of the app x every kind of caller -> the expected 2xx/4xx, 401 or 403.
 
 The endpoints are enumerated from the app itself, so a new endpoint without a line in
-service.auth.POLICY fails test_every_endpoint_has_a_policy (and gets admin-only meanwhile).
+service.auth.tokens.POLICY fails test_every_endpoint_has_a_policy (and gets admin-only meanwhile).
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import pytest
 from security_fixtures import OTHER, OWN, TOKEN_KINDS, Secured, study_spec
 from sqlalchemy import select
 
-from service import auth
 from service.app import create_app
-from service.auth_guard import endpoint_keys
+from service.auth import tokens as auth
+from service.auth.guard import endpoint_keys
+from service.db.tables import StudyRow
 from service.settings import Settings
-from service.tables import StudyRow
 
 ENDPOINTS = endpoint_keys(create_app(Settings(database_url="sqlite://")))  # connects nothing
 CALLERS = ["none", "bad", "read", "submit", "worker", "admin", "limited-own", "limited-other"]
@@ -67,7 +67,7 @@ def concrete(template: str, secured: Secured, study: str) -> str:
 def test_every_endpoint_has_a_policy() -> None:
     """No endpoint falls through to the fail-closed default; no policy names a ghost route."""
     missing = [key for key in ENDPOINTS if key not in auth.POLICY]
-    assert missing == [], f"add these endpoints to service.auth.POLICY: {missing}"
+    assert missing == [], f"add these endpoints to service.auth.tokens.POLICY: {missing}"
     ghosts = [key for key in auth.POLICY if key not in ENDPOINTS]
     assert ghosts == [], f"POLICY lists endpoints the app does not have: {ghosts}"
 

@@ -12,18 +12,18 @@ from fastapi.testclient import TestClient
 from security_fixtures import BAD_TOKEN, OWN, Live, Secured, first_token, migrated_sqlite
 from sqlalchemy import create_engine, text
 
-from service import auth
 from service.app import create_app
-from service.auth_cli import ADMIN_TOKEN_ENV, print_first_admin_token
-from service.cli import main
-from service.db import make_engine
+from service.auth import tokens as auth
+from service.auth.cli import ADMIN_TOKEN_ENV, print_first_admin_token
+from service.cli.parser import main
+from service.db.engine import make_engine
 from service.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    """The same CLI in-process (service.cli.main): exit code, stdout, stderr."""
+    """The same CLI in-process (service.cli.parser.main): exit code, stdout, stderr."""
     capsys.readouterr()
     code = main(list(args))
     out, err = capsys.readouterr()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from service.cli import main
+from service.cli.parser import main
 from service.client import ApiError, Client
 from service.testing import run_vramtune, server_factory, sqlite_url, upgrade_database
 

@@ -11,11 +11,11 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 from optuna.trial import TrialState
 from sqlalchemy.orm import Session
 
-from service import optuna_rows
-from service.db import make_engine, make_sessions
-from service.drafts import DRAFT_ID, draft_trial
-from service.errors import Conflict
-from service.optuna_glue import dispose_storage, make_storage
+from service.api.errors import Conflict
+from service.db.engine import make_engine, make_sessions
+from service.optuna import rows as optuna_rows
+from service.optuna.drafts import DRAFT_ID, draft_trial
+from service.optuna.glue import dispose_storage, make_storage
 from service.studies import utcnow
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)

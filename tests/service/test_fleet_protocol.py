@@ -26,13 +26,13 @@ from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy import func, select
 
 from service.app import build_state
-from service.fleet import next_assignment
-from service.optuna_glue import dispose_storage
-from service.reaper import reap_once
+from service.db.tables import LeaseRow, MemoryObservationRow, TrialRow
+from service.fleet.reaper import reap_once
+from service.fleet.workers import next_assignment
+from service.optuna.glue import dispose_storage
 from service.settings import Settings
 from service.state import AppState
 from service.studies import utcnow
-from service.tables import LeaseRow, MemoryObservationRow, TrialRow
 from service.testing import (
     ServerFactory,
     fresh_postgres_database,

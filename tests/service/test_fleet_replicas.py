@@ -18,7 +18,7 @@ from optuna.trial import TrialState
 from sqlalchemy import create_engine, func, select
 from sqlalchemy.pool import NullPool
 
-from service.tables import LeaseRow, TrialRow
+from service.db.tables import LeaseRow, TrialRow
 from service.testing import ServerFactory, upgrade_database
 
 GIB = 2**30

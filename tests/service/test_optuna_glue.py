@@ -12,8 +12,9 @@ import optuna
 import pytest
 from optuna.storages import BaseStorage
 
-from service.errors import Invalid
-from service.optuna_glue import (
+from service.api.errors import Invalid
+from service.db.tables import StudyRow
+from service.optuna.glue import (
     forget_study,
     load_optuna_study,
     make_pruner,
@@ -21,7 +22,6 @@ from service.optuna_glue import (
     make_storage,
     search_space,
 )
-from service.tables import StudyRow
 from service.testing import sqlite_url, upgrade_database
 from service.wire import PrunerSpec, StudyCreate
 

@@ -14,12 +14,11 @@ from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, inspect
 from sqlalchemy.orm import Session
 
+from service.api.errors import install_error_handlers
 from service.app import create_app
-from service.db import NotMigrated
-from service.errors import install_error_handlers
-from service.migrate import VERSION_TABLE, head_revision
+from service.db.migrate import VERSION_TABLE, NotMigrated, head_revision
+from service.db.tables import Base, StudyRow
 from service.settings import Settings
-from service.tables import Base, StudyRow
 from service.testing import (
     ServerFactory,
     free_port,

@@ -23,9 +23,9 @@ from sqlalchemy import Engine, create_engine, func, select
 from sqlalchemy.orm import Session
 
 from service.app import create_app
-from service.optuna_glue import SEARCH_SPACE_ATTR, TASK_ATTR
+from service.db.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
+from service.optuna.glue import SEARCH_SPACE_ATTR, TASK_ATTR
 from service.settings import Settings
-from service.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
 from service.testing import fresh_postgres_database, server_factory, sqlite_url, upgrade_database
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)

@@ -36,9 +36,9 @@ from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service import optuna_rows
-from service.optuna_glue import load_optuna_study, spec_of, tell
-from service.tables import StudyRow, TrialRow, WorkerRow
+from service.db.tables import StudyRow, TrialRow, WorkerRow
+from service.optuna import rows as optuna_rows
+from service.optuna.glue import load_optuna_study, spec_of, tell
 from service.wire import StudyCreate
 
 MEMORY_CONSTRAINT = "memory"

@@ -29,7 +29,7 @@ import yaml
 from service.client import ApiError, Client
 from service.wire import StudySummary, TrialOut
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 DEFAULT_STUDY = EXAMPLES / "char-transformer.yaml"
 CARDS = (("small", "384MiB"), ("large", "2GiB"))
 

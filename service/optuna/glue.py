@@ -31,10 +31,10 @@ from optuna.trial import FrozenTrial, TrialState
 from pydantic import TypeAdapter, ValidationError
 from sqlalchemy.orm import Session
 
-from service import optuna_rows
-from service.db import engine_kwargs
-from service.errors import Invalid, NotFound
-from service.tables import StudyRow, TrialRow
+from service.api.errors import Invalid, NotFound
+from service.db.engine import engine_kwargs
+from service.db.tables import StudyRow, TrialRow
+from service.optuna import rows as optuna_rows
 from service.wire import (
     CategoricalParam,
     FloatParam,
@@ -321,7 +321,7 @@ def tell(
     """Finish a trial in Optuna within the caller's transaction, as ``Study.tell`` would.
 
     ``Study.tell`` calls the sampler's ``after_trial`` and then stores the state; so does this,
-    handing ``after_trial`` the trial as asked (service.optuna_glue.asked_trial). Optuna's
+    handing ``after_trial`` the trial as asked (service.optuna.glue.asked_trial). Optuna's
     built-in samplers read its state, values and id there, and nothing else unless they were
     given a ``constraints_func``, which cannot be set over REST.
     """

@@ -28,8 +28,8 @@ from sqlalchemy import Table, delete, func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from service import optuna_tables
-from service.errors import Conflict
+from service.api.errors import Conflict
+from service.optuna import tables as optuna_tables
 
 _TRIALS = optuna_tables.trials
 _PARAMS = optuna_tables.params

@@ -1,7 +1,7 @@
 """API tokens, the caller they identify (Principal), and the one policy table of scopes.
 
 Every endpoint of the app is listed in ``POLICY`` with the scope it needs; the guard in
-``service.auth_guard`` applies it to every request, and tests/security enumerates
+``service.auth.guard`` applies it to every request, and tests/security enumerates
 ``app.routes`` so that an endpoint missing from the table fails the suite. An endpoint that is
 missing anyway needs ``admin``: the guard fails closed.
 """
@@ -21,7 +21,7 @@ from fastapi import Depends, Request
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from service.tables import TokenRow
+from service.db.tables import TokenRow
 from service.wire import API_PREFIX
 
 Scope = Literal["admin", "submit", "worker", "read"]
@@ -71,10 +71,10 @@ LOCAL_ADMIN = Principal(name="local (auth off)", scopes=frozenset({"admin"}))
 
 
 def current_principal(request: Request) -> Principal:
-    """The caller, as the guard (service.auth_guard) identified it."""
+    """The caller, as the guard (service.auth.guard) identified it."""
     principal = getattr(request.state, "principal", None)
     if not isinstance(principal, Principal):
-        raise RuntimeError("service.auth_guard.AuthGuard is not installed on this app")
+        raise RuntimeError("service.auth.guard.AuthGuard is not installed on this app")
     return principal
 
 

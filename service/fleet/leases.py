@@ -17,8 +17,8 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from service.errors import Conflict, LeaseLost, NotFound
-from service.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
+from service.api.errors import Conflict, LeaseLost, NotFound
+from service.db.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
 from service.wire import StopReason, TrialAck
 
 TOKEN_BYTES = 32  # 256 bits: a lease cannot be guessed

@@ -5,8 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 from sqlalchemy import text
 
-from service.deps import StateDep
-from service.errors import Unavailable
+from service.api.deps import StateDep
+from service.api.errors import Unavailable
 
 router = APIRouter(tags=["health"])
 

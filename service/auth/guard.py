@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Match, Mount
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from service.auth import (
+from service.auth.tokens import (
     LOCAL_ADMIN,
     Principal,
     Rule,
@@ -33,8 +33,8 @@ from service.auth import (
     touch,
     utcnow,
 )
+from service.db.tables import StudyRow, TrialRow
 from service.settings import Settings
-from service.tables import StudyRow, TrialRow
 from service.wire import API_PREFIX
 
 log = logging.getLogger("vramtune.auth")
@@ -241,7 +241,7 @@ def warn_if_exposed(host: str, auth: str) -> bool:
 
 def install_auth(app: FastAPI, settings: Settings) -> None:
     """Guard every route of the app (outermost middleware) and add the auth routes."""
-    from service.routes import auth as auth_routes
+    from service.api.routes import auth as auth_routes
 
     app.add_middleware(AuthGuard, enabled=settings.auth == "on")
     app.include_router(auth_routes.router, prefix=API_PREFIX)

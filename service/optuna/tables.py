@@ -1,7 +1,7 @@
 """Optuna's RDB tables as SQLAlchemy Core tables, from Optuna's own definitions.
 
 Read in bulk by the dashboard (service.dashboard.schema) and written by the worker calls
-(service.optuna_rows); Optuna owns and migrates them.
+(service.optuna.rows); Optuna owns and migrates them.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Fleet use cases: workers register, heartbeat, pull trials and leave; helpers never commit.
 
 Each use case runs in one ``fleet_transaction``, which writes Optuna's rows of a trial and
-vramtune's together (service.optuna_rows): a call either happened whole or not at all. On
+vramtune's together (service.optuna.rows): a call either happened whole or not at all. On
 PostgreSQL, replicas serialize on row locks (``FOR UPDATE``, ``SKIP LOCKED`` for the offer of a
 pending trial); on SQLite those are no-ops, and a process lock serializes the fleet's
 transactions instead (SQLite has one writer anyway, and one server process).
@@ -20,16 +20,16 @@ from optuna.trial import FrozenTrial
 from sqlalchemy import case, func, or_, select
 from sqlalchemy.orm import Session
 
-from service import optuna_rows
-from service.db import is_sqlite
-from service.drafts import draft_trial
-from service.errors import Conflict, NotFound
-from service.leases import active_leases, end, ended_since, grant, renew, resolution
-from service.optuna_glue import asked_trial, spec_of, strategy
-from service.routing import plans_on, reoffer
+from service.api.errors import Conflict, NotFound
+from service.db.engine import is_sqlite
+from service.db.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
+from service.fleet.leases import active_leases, end, ended_since, grant, renew, resolution
+from service.fleet.routing import plans_on, reoffer
+from service.optuna import rows as optuna_rows
+from service.optuna.drafts import draft_trial
+from service.optuna.glue import asked_trial, spec_of, strategy
 from service.settings import Settings
 from service.state import AppState
-from service.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
 from service.wire import (
     Assignment,
     CardInfo,

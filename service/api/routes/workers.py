@@ -6,10 +6,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Response
 
-from service import fleet
-from service.auth import PrincipalDep
-from service.deps import StateDep
-from service.fleet_calibration import calibration_for
+from service.api.deps import StateDep
+from service.auth.tokens import PrincipalDep
+from service.fleet import workers as fleet
+from service.fleet.calibration import calibration_for
 from service.studies import utcnow
 from service.wire import (
     Assignment,

@@ -8,10 +8,10 @@ from typing import Annotated, TypeVar
 from fastapi import APIRouter, Path
 from pydantic import BaseModel
 
-from service import fleet_trials
-from service.deps import StateDep
-from service.fleet import fleet_transaction
-from service.fleet_trials import TrialCall
+from service.api.deps import StateDep
+from service.fleet import trials as fleet_trials
+from service.fleet.trials import TrialCall
+from service.fleet.workers import fleet_transaction
 from service.state import AppState
 from service.studies import utcnow
 from service.wire import (

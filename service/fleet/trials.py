@@ -1,7 +1,7 @@
 """Trial calls under a lease: start, report, complete, fail, hand back; helpers never commit.
 
-Each call is fenced (service.leases.fence): nothing changes under a lost lease. Optuna's rows
-and vramtune's are written in the call's one transaction (service.optuna_rows). A call that
+Each call is fenced (service.fleet.leases.fence): nothing changes under a lost lease. Optuna's rows
+and vramtune's are written in the call's one transaction (service.optuna.rows). A call that
 ends the lease stores its answer there, so that a worker retrying it after a lost reply gets
 the same answer and Optuna is told once.
 
@@ -21,12 +21,11 @@ from optuna.storages import BaseStorage
 from optuna.trial import TrialState
 from sqlalchemy.orm import Session
 
-from service import optuna_rows
+from service.api.errors import Invalid
 from service.calibration import raw_peaks
-from service.errors import Invalid
-from service.leases import Fenced, end, fence, resolution
-from service.optuna_glue import load_optuna_study, spec_of, tell
-from service.routing import (
+from service.db.tables import MemoryObservationRow, WorkerRow
+from service.fleet.leases import Fenced, end, fence, resolution
+from service.fleet.routing import (
     MAX_OOM_RETRIES,
     OptunaTell,
     attempts_left,
@@ -38,8 +37,9 @@ from service.routing import (
     write_attrs,
     write_constraint,
 )
+from service.optuna import rows as optuna_rows
+from service.optuna.glue import load_optuna_study, spec_of, tell
 from service.settings import Settings
-from service.tables import MemoryObservationRow, WorkerRow
 from service.wire import (
     CompleteRequest,
     FailRequest,

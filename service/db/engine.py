@@ -10,10 +10,6 @@ from sqlalchemy.orm import Session, sessionmaker
 SQLITE_BUSY_TIMEOUT_S = 30.0
 
 
-class NotMigrated(RuntimeError):
-    """The database lacks vramtune's tables or has an older revision of them."""
-
-
 def is_sqlite(url: str) -> bool:
     """Whether a SQLAlchemy URL points at SQLite."""
     return make_url(url).get_backend_name() == "sqlite"
@@ -50,18 +46,3 @@ def make_engine(url: str) -> Engine:
 def make_sessions(engine: Engine) -> sessionmaker[Session]:
     """Session factory; objects stay readable after commit (responses are built after it)."""
     return sessionmaker(engine, expire_on_commit=False)
-
-
-def require_migrated(engine: Engine) -> None:
-    """Raise NotMigrated, naming the command to run, unless vramtune's tables are at head."""
-    from service import migrate
-
-    current = migrate.current_revision(engine)
-    head = migrate.head_revision()
-    if current == head:
-        return
-    url = engine.url.render_as_string(hide_password=True)
-    found = "no vramtune tables" if current is None else f"revision {current}, head is {head}"
-    raise NotMigrated(
-        f"database {url} is not migrated ({found}): run `vramtune db upgrade --database-url URL`"
-    )

@@ -1,4 +1,4 @@
-"""The ``vramtune`` command line: serve, db upgrade, study ... (and worker commands if installed).
+"""The service's commands: serve, db upgrade, and study ... over REST.
 
 Server modules are imported inside the commands that need them, so that a worker-only install
 runs ``vramtune worker`` without FastAPI or a database driver.
@@ -7,25 +7,19 @@ runs ``vramtune worker`` without FastAPI or a database driver.
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel
 
-from service.client import ApiError, Client
+from service.cli import parser
+from service.cli.console import emit_json, show_study, study_rows, trial_rows
+from service.client import Client
 from service.logs import add_log_format_option, configure_logging, json_logging_config
-from service.wire import ParetoFront, StudySummary, TrialOut
-
-DEFAULT_SERVER = "http://127.0.0.1:8000"
-Handler = Callable[[argparse.Namespace], int]
-
+from service.wire import ParetoFront
 
 # ---------------------------------------------------------------- serve and db
 
@@ -52,7 +46,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from uvicorn.config import LOGGING_CONFIG
 
     from service.app import create_app
-    from service.db import NotMigrated, make_engine, require_migrated
+    from service.db.engine import make_engine
+    from service.db.migrate import NotMigrated, require_migrated
 
     settings = _settings(args)
     engine = make_engine(settings.database_url)
@@ -70,7 +65,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # Uvicorn's and Optuna's records through the root handler too: every line is JSON
         # (uvicorn applies log_config in each of its processes, the factory runs in each).
         log_config = json_logging_config(settings.log_level)
-        factory = "service.cli:app_with_json_logs"
+        factory = "service.cli.commands:app_with_json_logs"
         _optuna_logs_to_root()
     if settings.processes > 1:
         # Each process builds its app from the environment: hand it these settings there.
@@ -108,92 +103,27 @@ def app_with_json_logs() -> Any:
 
 def cmd_db_upgrade(args: argparse.Namespace) -> int:
     """Create or upgrade Optuna's and vramtune's tables."""
-    from service.db import make_engine
-    from service.migrate import current_revision, upgrade
+    from service.auth.cli import print_first_admin_token
+    from service.db.engine import make_engine
+    from service.db.migrate import current_revision, upgrade
 
     settings = _settings(args)
     engine = make_engine(settings.database_url)
     try:
         upgrade(engine)
         revision = current_revision(engine)
-        importlib.import_module("service.auth_cli").print_first_admin_token(engine)
+        print_first_admin_token(engine)
     finally:
         engine.dispose()
     print(f"{engine.url.render_as_string(hide_password=True)} is at revision {revision}")
     return 0
 
 
-# ---------------------------------------------------------------- output
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    cells = [[str(h) for h in headers], *[["" if c is None else str(c) for c in r] for r in rows]]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = [
-        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
-    ]
-    return "\n".join(lines)
-
-
-def _emit_json(value: BaseModel | list[BaseModel]) -> None:
-    if isinstance(value, list):
-        print(json.dumps([v.model_dump(mode="json") for v in value], indent=2))
-    else:
-        print(value.model_dump_json(indent=2))
-
-
-def _finished(summary: StudySummary) -> int:
-    return sum(summary.counts.get(s, 0) for s in ("COMPLETE", "PRUNED", "FAIL"))
-
-
-def _study_rows(studies: Sequence[StudySummary]) -> str:
-    headers = ["NAME", "TASK", "STATE", "TRIALS", "RUNNING", "BEST"]
-    rows = [
-        [
-            s.name,
-            s.task,
-            s.state,
-            f"{_finished(s)}/{s.n_trials}",
-            s.counts.get("RUNNING", 0),
-            s.best_value,
-        ]
-        for s in studies
-    ]
-    return _table(headers, rows)
-
-
-def _trial_rows(trials: Sequence[TrialOut]) -> str:
-    headers = ["NUMBER", "STATE", "VALUES", "ATTEMPT", "OUTCOME", "WORKER", "PARAMS"]
-    rows = [
-        [t.number, t.state, t.values, t.attempt, t.outcome, t.worker, json.dumps(t.params)]
-        for t in trials
-    ]
-    return _table(headers, rows)
-
-
-def _show(summary: StudySummary) -> str:
-    spec = summary.spec
-    lines = [
-        f"study      {summary.name} (id {summary.id})",
-        f"task       {summary.task}",
-        f"state      {summary.state}",
-        f"directions {', '.join(summary.directions)}",
-        f"sampler    {spec.sampler.name} {json.dumps(spec.sampler.args)}",
-        f"pruner     {spec.pruner.name} {json.dumps(spec.pruner.args)}",
-        f"trials     {_finished(summary)}/{summary.n_trials} finished",
-        "counts     " + ", ".join(f"{k}={v}" for k, v in summary.counts.items()),
-        f"best       {summary.best_value}",
-        "space",
-    ]
-    lines += [f"  {name}: {p.model_dump_json()}" for name, p in spec.search_space.items()]
-    return "\n".join(lines)
-
-
 # ---------------------------------------------------------------- study commands
 
 
 def _client(args: argparse.Namespace) -> Client:
-    server = args.server or os.environ.get("VRAMTUNE_SERVER") or DEFAULT_SERVER
+    server = args.server or os.environ.get("VRAMTUNE_SERVER") or parser.DEFAULT_SERVER
     token = args.token or os.environ.get("VRAMTUNE_TOKEN")
     return Client(server, token=token)
 
@@ -209,7 +139,7 @@ def cmd_study_create(args: argparse.Namespace) -> int:
     """Create a study from a YAML or JSON file."""
     with _client(args) as client:
         summary = client.create_study(_load_spec(Path(args.file)))
-    _emit_json(summary) if args.json else print(f"created study {summary.name} (id {summary.id})")
+    emit_json(summary) if args.json else print(f"created study {summary.name} (id {summary.id})")
     return 0
 
 
@@ -217,7 +147,7 @@ def cmd_study_list(args: argparse.Namespace) -> int:
     """List studies."""
     with _client(args) as client:
         studies = client.list_studies()
-    _emit_json(list(studies)) if args.json else print(_study_rows(studies))
+    emit_json(list(studies)) if args.json else print(study_rows(studies))
     return 0
 
 
@@ -225,7 +155,7 @@ def cmd_study_show(args: argparse.Namespace) -> int:
     """Show one study."""
     with _client(args) as client:
         summary = client.get_study(args.name)
-    _emit_json(summary) if args.json else print(_show(summary))
+    emit_json(summary) if args.json else print(show_study(summary))
     return 0
 
 
@@ -235,7 +165,7 @@ def cmd_study_trials(args: argparse.Namespace) -> int:
         page = client.trials(
             args.name, states=args.state or (), offset=args.offset, limit=args.limit
         )
-    _emit_json(page) if args.json else print(_trial_rows(page.trials))
+    emit_json(page) if args.json else print(trial_rows(page.trials))
     return 0
 
 
@@ -243,15 +173,15 @@ def cmd_study_best(args: argparse.Namespace) -> int:
     """Show the best trial or the Pareto front."""
     with _client(args) as client:
         front: ParetoFront = client.best(args.name)
-    _emit_json(front) if args.json else print(_trial_rows(front.trials))
+    emit_json(front) if args.json else print(trial_rows(front.trials))
     return 0
 
 
-def _state_change(action: str) -> Handler:
+def _state_change(action: str) -> parser.Handler:
     def run(args: argparse.Namespace) -> int:
         with _client(args) as client:
             summary = client.pause(args.name) if action == "pause" else client.resume(args.name)
-        _emit_json(summary) if args.json else print(f"study {summary.name} is {summary.state}")
+        emit_json(summary) if args.json else print(f"study {summary.name} is {summary.state}")
         return 0
 
     run.__doc__ = f"{action.capitalize()} a study."
@@ -266,26 +196,11 @@ def cmd_study_delete(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---------------------------------------------------------------- parser
-
-
-def _client_options() -> argparse.ArgumentParser:
-    """--server/--token/--json, accepted before or after the subcommand."""
-    parent = argparse.ArgumentParser(add_help=False)
-    parent.add_argument(
-        "--server",
-        default=argparse.SUPPRESS,
-        help=f"server URL (env VRAMTUNE_SERVER, default {DEFAULT_SERVER})",
-    )
-    parent.add_argument("--token", default=argparse.SUPPRESS, help="API token (env VRAMTUNE_TOKEN)")
-    parent.add_argument(
-        "--json", action="store_true", default=argparse.SUPPRESS, help="print JSON for scripts"
-    )
-    return parent
+# ---------------------------------------------------------------- registration
 
 
 def _add_study_commands(subparsers: Any) -> None:
-    client_options = _client_options()
+    client_options = parser.client_options()
     study = subparsers.add_parser("study", help="create, list and manage studies over REST")
     commands = study.add_subparsers(dest="study_command", required=True, metavar="COMMAND")
     create = commands.add_parser(
@@ -296,7 +211,7 @@ def _add_study_commands(subparsers: Any) -> None:
     commands.add_parser("list", parents=[client_options], help="list studies").set_defaults(
         func=cmd_study_list
     )
-    named: list[tuple[str, str, Handler]] = [
+    named: list[tuple[str, str, parser.Handler]] = [
         ("show", "show a study", cmd_study_show),
         ("best", "best trial or Pareto front", cmd_study_best),
         ("pause", "stop handing out trials", _state_change("pause")),
@@ -336,49 +251,7 @@ def _add_server_commands(subparsers: Any) -> None:
     upgrade.set_defaults(func=cmd_db_upgrade)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full parser, worker commands included when worker.cli is installed."""
-    parser = argparse.ArgumentParser(
-        prog="vramtune", description="Memory-aware hyperparameter tuning."
-    )
-    parser.add_argument(
-        "--server", default=None, help=f"server URL (env VRAMTUNE_SERVER, default {DEFAULT_SERVER})"
-    )
-    parser.add_argument("--token", default=None, help="API token (env VRAMTUNE_TOKEN)")
-    parser.add_argument("--json", action="store_true", help="print JSON for scripts")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+def add_commands(subparsers: Any) -> None:
+    """The server's commands (serve, db) and the study commands over REST."""
     _add_server_commands(subparsers)
     _add_study_commands(subparsers)
-    importlib.import_module("service.auth_cli").add_token_commands(subparsers)
-    importlib.import_module("service.demo").add_demo_command(subparsers)
-    if importlib.util.find_spec("worker.cli") is not None:
-        importlib.import_module("worker.cli").add_commands(subparsers)
-    return parser
-
-
-def _print_api_error(exc: ApiError) -> None:
-    if isinstance(exc.detail, list):
-        for error in exc.detail:
-            loc = ".".join(str(part) for part in error.get("loc", []) if part != "body")
-            print(f"vramtune: {loc}: {error.get('msg')}", file=sys.stderr)
-    else:
-        print(f"vramtune: {exc.detail} (HTTP {exc.status})", file=sys.stderr)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``vramtune`` console script."""
-    import httpx
-
-    args = build_parser().parse_args(argv)
-    handler: Handler = args.func
-    try:
-        return handler(args)
-    except ApiError as exc:
-        _print_api_error(exc)
-        return 1
-    except httpx.TransportError as exc:
-        print(f"vramtune: cannot reach the server: {exc}", file=sys.stderr)
-        return 1
-    except (OSError, ValueError, yaml.YAMLError) as exc:
-        print(f"vramtune: {exc}", file=sys.stderr)
-        return 1

@@ -3,7 +3,7 @@
 A worker that stops heartbeating loses its leases once they expire. Its trial is offered again
 (same trial, number and parameters, attempt + 1) to the next worker that fits it, up to the
 study's ``max_attempts``; then it is told FAIL with the reason. A trial waiting for a larger
-card is ended as infeasible once no live worker can hold it (service.routing).
+card is ended as infeasible once no live worker can hold it (service.fleet.routing).
 
 Safe with several replicas on one PostgreSQL: each lease and trial is taken ``FOR UPDATE SKIP
 LOCKED``, one per transaction, so two reapers never handle the same row and a trial call on
@@ -23,12 +23,9 @@ from optuna.trial import TrialState
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.fleet import fleet_transaction
-from service.leases import end, expired_lease, resolution
-from service.logs import log_event
-from service.metrics import record_reaper_action
-from service.optuna_glue import spec_of
-from service.routing import (
+from service.db.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
+from service.fleet.leases import end, expired_lease, resolution
+from service.fleet.routing import (
     OptunaTell,
     attempts_left,
     live_capacity,
@@ -36,9 +33,12 @@ from service.routing import (
     tell_failed,
     tell_infeasible,
 )
+from service.fleet.workers import fleet_transaction
+from service.logs import log_event
+from service.metrics import record_reaper_action
+from service.optuna.glue import spec_of
 from service.state import AppState
 from service.studies import utcnow
-from service.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
 
 log = logging.getLogger("vramtune.reaper")
 

@@ -6,7 +6,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.calibration import Pair, fit_calibration
-from service.tables import MemoryObservationRow
+from service.db.tables import MemoryObservationRow
 from service.wire import Calibration
 
 MAX_OBSERVATIONS = 5000  # the newest ones: a fit follows the current torch and driver

@@ -6,11 +6,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path
 
-from service import auth
-from service.auth import PrincipalDep
-from service.deps import SessionDep
-from service.errors import NotFound
-from service.tables import TokenRow
+from service.api.deps import SessionDep
+from service.api.errors import NotFound
+from service.auth import tokens as auth
+from service.auth.tokens import PrincipalDep
+from service.db.tables import TokenRow
 from service.wire import TokenCreate, TokenCreated, TokenList, TokenOut, WhoAmI
 
 router = APIRouter(tags=["auth"])

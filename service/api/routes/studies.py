@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query, Response
 from optuna.trial import TrialState
 
 from service import studies
-from service.deps import SessionDep, StorageDep
+from service.api.deps import SessionDep, StorageDep
 from service.wire import ParetoFront, StudyCreate, StudyList, StudySummary, TrialPage
 
 router = APIRouter(prefix="/studies", tags=["studies"])

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from sqlalchemy import Engine
     from sqlalchemy.orm import Session
 
-    from service.tables import TokenRow
+    from service.db.tables import TokenRow
 
 SCOPE_NAMES = ("admin", "submit", "worker", "read")
 ADMIN_TOKEN_ENV = "VRAMTUNE_ADMIN_TOKEN"
@@ -27,8 +27,8 @@ ADMIN_TOKEN_ENV = "VRAMTUNE_ADMIN_TOKEN"
 
 def print_first_admin_token(engine: Engine) -> None:
     """On a database without tokens, create the first admin token and print it once."""
-    from service.auth import first_admin_token
-    from service.db import make_sessions
+    from service.auth.tokens import first_admin_token
+    from service.db.engine import make_sessions
 
     preset = os.environ.get(ADMIN_TOKEN_ENV) or None  # set but empty: unset
     with make_sessions(engine).begin() as session:
@@ -44,7 +44,8 @@ def print_first_admin_token(engine: Engine) -> None:
 @contextmanager
 def _token_session(args: argparse.Namespace) -> Iterator[Session]:
     """A transaction on the migrated database of --database-url (or the environment's)."""
-    from service.db import make_engine, make_sessions, require_migrated
+    from service.db.engine import make_engine, make_sessions
+    from service.db.migrate import require_migrated
     from service.settings import Settings
 
     settings = Settings(**({"database_url": args.database_url} if args.database_url else {}))
@@ -63,14 +64,14 @@ def _scopes(values: list[str]) -> list[str]:
 
 
 def _listed(row: TokenRow) -> dict[str, Any]:
-    from service.routes.auth import token_out
+    from service.api.routes.auth import token_out
 
     return token_out(row).model_dump(mode="json")
 
 
 def cmd_token_create(args: argparse.Namespace) -> int:
     """Create a token; print it (once) on stdout, its description on stderr."""
-    from service.auth import create_token
+    from service.auth.tokens import create_token
     from service.wire import TokenCreate
 
     spec = TokenCreate.model_validate(
@@ -94,18 +95,18 @@ def cmd_token_create(args: argparse.Namespace) -> int:
 
 def cmd_token_list(args: argparse.Namespace) -> int:
     """List tokens (never the tokens themselves)."""
-    from service.auth import list_tokens
+    from service.auth.tokens import list_tokens
 
     with _token_session(args) as session:
         rows = [_listed(row) for row in list_tokens(session)]
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    from service.cli import _table
+    from service.cli.console import table
 
     headers = ["ID", "NAME", "SCOPES", "STUDIES", "CREATED", "LAST USED", "REVOKED"]
     fields = ["id", "name", "scopes", "studies", "created_at", "last_used_at", "revoked_at"]
-    print(_table(headers, [[_cell(row[field]) for field in fields] for row in rows]))
+    print(table(headers, [[_cell(row[field]) for field in fields] for row in rows]))
     return 0
 
 
@@ -115,7 +116,7 @@ def _cell(value: Any) -> object:
 
 def cmd_token_revoke(args: argparse.Namespace) -> int:
     """Revoke a token by id."""
-    from service.auth import revoke_token
+    from service.auth.tokens import revoke_token
 
     with _token_session(args) as session:
         row = revoke_token(session, args.id)

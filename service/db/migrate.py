@@ -11,7 +11,14 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, inspect
 
+from service.db.engine import engine_kwargs
+
 VERSION_TABLE = "vramtune_alembic_version"
+
+
+class NotMigrated(RuntimeError):
+    """The database lacks vramtune's tables or has an older revision of them."""
+
 
 # Alembic logs every connection it inspects at INFO; the CLI reports the outcome itself.
 logging.getLogger("alembic.runtime.migration").setLevel(logging.WARNING)
@@ -51,8 +58,6 @@ def upgrade_optuna(url: str) -> None:
     """Create or upgrade Optuna's own tables (Optuna migrates them, never us)."""
     from optuna.storages import RDBStorage
 
-    from service.db import engine_kwargs
-
     storage = RDBStorage(url, engine_kwargs=engine_kwargs(url), skip_compatibility_check=True)
     try:
         storage.upgrade()
@@ -64,3 +69,16 @@ def upgrade(engine: Engine) -> None:
     """Bring both Optuna's and vramtune's tables to their newest schema."""
     upgrade_optuna(engine.url.render_as_string(hide_password=False))
     command.upgrade(alembic_config(engine), "head")
+
+
+def require_migrated(engine: Engine) -> None:
+    """Raise NotMigrated, naming the command to run, unless vramtune's tables are at head."""
+    current = current_revision(engine)
+    head = head_revision()
+    if current == head:
+        return
+    url = engine.url.render_as_string(hide_password=True)
+    found = "no vramtune tables" if current is None else f"revision {current}, head is {head}"
+    raise NotMigrated(
+        f"database {url} is not migrated ({found}): run `vramtune db upgrade --database-url URL`"
+    )

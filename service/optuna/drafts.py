@@ -4,7 +4,7 @@
 sampler sets, one by one, before vramtune has leased anything. Here the ask runs on a
 ``DraftStorage``: every read goes to the study's real storage (so samplers see the study's
 history as usual), the one new trial and the writes made to it stay in memory, and
-``service.optuna_rows.insert_trial`` writes the finished draft with vramtune's own rows in one
+``service.optuna.rows.insert_trial`` writes the finished draft with vramtune's own rows in one
 transaction. Samplers and ``Study.ask`` are Optuna's, unchanged.
 
 Trials enqueued into WAITING through Optuna directly are not popped by a draft: vramtune asks

@@ -1,0 +1,84 @@
+"""How the command line prints: aligned tables, JSON for scripts, the server's errors."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+
+from pydantic import BaseModel
+
+from service.client import ApiError
+from service.wire import StudySummary, TrialOut
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = [[str(h) for h in headers], *[["" if c is None else str(c) for c in r] for r in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
+    ]
+    return "\n".join(lines)
+
+
+def emit_json(value: BaseModel | list[BaseModel]) -> None:
+    if isinstance(value, list):
+        print(json.dumps([v.model_dump(mode="json") for v in value], indent=2))
+    else:
+        print(value.model_dump_json(indent=2))
+
+
+def finished(summary: StudySummary) -> int:
+    return sum(summary.counts.get(s, 0) for s in ("COMPLETE", "PRUNED", "FAIL"))
+
+
+def study_rows(studies: Sequence[StudySummary]) -> str:
+    headers = ["NAME", "TASK", "STATE", "TRIALS", "RUNNING", "BEST"]
+    rows = [
+        [
+            s.name,
+            s.task,
+            s.state,
+            f"{finished(s)}/{s.n_trials}",
+            s.counts.get("RUNNING", 0),
+            s.best_value,
+        ]
+        for s in studies
+    ]
+    return table(headers, rows)
+
+
+def trial_rows(trials: Sequence[TrialOut]) -> str:
+    headers = ["NUMBER", "STATE", "VALUES", "ATTEMPT", "OUTCOME", "WORKER", "PARAMS"]
+    rows = [
+        [t.number, t.state, t.values, t.attempt, t.outcome, t.worker, json.dumps(t.params)]
+        for t in trials
+    ]
+    return table(headers, rows)
+
+
+def show_study(summary: StudySummary) -> str:
+    spec = summary.spec
+    lines = [
+        f"study      {summary.name} (id {summary.id})",
+        f"task       {summary.task}",
+        f"state      {summary.state}",
+        f"directions {', '.join(summary.directions)}",
+        f"sampler    {spec.sampler.name} {json.dumps(spec.sampler.args)}",
+        f"pruner     {spec.pruner.name} {json.dumps(spec.pruner.args)}",
+        f"trials     {finished(summary)}/{summary.n_trials} finished",
+        "counts     " + ", ".join(f"{k}={v}" for k, v in summary.counts.items()),
+        f"best       {summary.best_value}",
+        "space",
+    ]
+    lines += [f"  {name}: {p.model_dump_json()}" for name, p in spec.search_space.items()]
+    return "\n".join(lines)
+
+
+def print_api_error(exc: ApiError) -> None:
+    if isinstance(exc.detail, list):
+        for error in exc.detail:
+            loc = ".".join(str(part) for part in error.get("loc", []) if part != "body")
+            print(f"vramtune: {loc}: {error.get('msg')}", file=sys.stderr)
+    else:
+        print(f"vramtune: {exc.detail} (HTTP {exc.status})", file=sys.stderr)
