@@ -193,3 +193,14 @@ def test_a_missing_extra_leaves_the_task_out_instead_of_failing(
     assert "hf-causal-lm" not in found.errors
     assert "vramtune[hf]" in found.unavailable["hf-causal-lm"]
     assert "char-transformer" in found.runners
+
+
+@pytest.mark.parametrize("model_name", ["convnext_tiny", "efficientnet_b0"])
+def test_timm_models_with_stagewise_schedules_build_under_fake_tensors(model_name: str) -> None:
+    # convnext computes its drop-path rates with linspace(...).split(depths) on the host.
+    task = _timm()
+    config = {**IMAGE, "model_name": model_name, "batch_size": 2}
+    clear_cache()
+    prediction = predict(task, config, Plan())
+    assert prediction.method == "trace", prediction.reason
+    assert prediction.peak_allocated_bytes == _real_peak(task, config, Plan())

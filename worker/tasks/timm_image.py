@@ -10,10 +10,11 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-import numpy
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from worker.task import Config
 from worker.tasks.extras import load, require
@@ -64,13 +65,15 @@ class TimmImageTask(ImageTask):
 
 
 class _HostSchedules(TorchFunctionMode):
-    """`torch.linspace` as a host array while a timm model is built, even under fake tensors.
+    """timm's host-side schedules computed for real while a model is built under fake tensors.
 
-    timm computes its drop-path and layer-scale schedules as
-    ``[x.item() for x in torch.linspace(0, rate, depth)]`` when it builds a model; under the
-    predictor's FakeTensorMode the values do not exist and the build would fail. They are a few
-    Python floats that only set hyperparameters, never tensors of the model, so computing them
-    for real changes no memory the trace counts.
+    timm computes drop-path and layer-scale rates as
+    ``[x.item() for x in torch.linspace(0, rate, depth, device="cpu")]`` (or ``.split(depths)``
+    then ``.tolist()``) when it builds a model; under the predictor's FakeTensorMode those values
+    do not exist and the build would fail. Such a `linspace` (the explicit ``device="cpu"`` marks
+    timm's host computations) runs for real, and so does every later call whose tensors are all
+    real: the rates are Python floats that set hyperparameters, never tensors of the model, so
+    the trace counts the same storages. A real build passes through unchanged.
     """
 
     def __torch_function__(
@@ -80,9 +83,12 @@ class _HostSchedules(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        if func is torch.linspace:
-            # numpy's answers `.item()`, `.tolist()`, iteration and indexing as the tensor
-            # would, without a dispatch the fake mode refuses.
-            start, end, steps = args[:3] if len(args) >= 3 else (*args, (kwargs or {})["steps"])
-            return numpy.linspace(float(start), float(end), int(steps))
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        on_host = (func is torch.linspace and kwargs.get("device") == "cpu") or (
+            bool(tensors) and not any(isinstance(t, FakeTensor) for t in tensors)
+        )
+        if on_host:
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
