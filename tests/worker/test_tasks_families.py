@@ -204,3 +204,13 @@ def test_timm_models_with_stagewise_schedules_build_under_fake_tensors(model_nam
     prediction = predict(task, config, Plan())
     assert prediction.method == "trace", prediction.reason
     assert prediction.peak_allocated_bytes == _real_peak(task, config, Plan())
+
+
+def test_batch_norm_under_bf16_keeps_float32_statistics_in_the_prediction() -> None:
+    # A BatchNorm after an autocast conv: real kernels save mean and inverse std in float32,
+    # the meta kernel in bf16 (worker/predictor/opmodel.py); at batch 32 activations set the peak.
+    task = _torchvision()
+    config = {"model_name": "mobilenet_v3_small", "resolution": 64, "batch_size": 32}
+    clear_cache()
+    prediction = predict(task, config, Plan(bf16=True))
+    assert prediction.peak_allocated_bytes == _real_peak(task, config, Plan(bf16=True))

@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_map_only
 from service.wire import Plan
 from worker.memory import MemoryLimitExceeded, MemoryTracker
 from worker.predictor.emulation import cuda_emulation, prefer_foreach
+from worker.predictor.opmodel import real_kernel_storages
 from worker.runner import CardSpec
 from worker.steps import build_for_plan, train_step
 from worker.task import Batch, Config, Task, TaskConfigError
@@ -94,7 +95,14 @@ def trace_training(task: Task, config: Config, plan: Plan, target: Target) -> Tr
     tracker = MemoryTracker(device_type=target.device.type, record_events=target.cuda)
     fake = FakeTensorMode()
     try:
-        with fake, _FakeDeepcopy(), _emulation(target), _onednn_workspaces(), tracker:
+        with (
+            fake,
+            _FakeDeepcopy(),
+            _emulation(target),
+            _onednn_workspaces(),
+            real_kernel_storages(),
+            tracker,
+        ):
             _run_steps(task, config, plan, target, tracker)
     except (TaskConfigError, MemoryLimitExceeded):
         raise
