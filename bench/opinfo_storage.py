@@ -7,6 +7,9 @@ both sides of that benchmark count with the same tracker. This compares, for the
 input of every OpInfo op, the storage size of each output (forward) and of each input's
 gradient (backward, float32) between a real call and the same call under FakeTensorMode.
 
+Each sample uses one dtype: mixed calls (a bf16 input with float32 weights, as autocast makes
+them) are not covered; worker/predictor/opmodel.py lists what the family benchmark found there.
+
 Used by tests/worker/test_opinfo_storage.py (a fixed sample of ops, every run) and as a script
 (every op, results to bench/results/opinfo_storage.{md,json}):
 
