@@ -41,8 +41,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.zoo import ZOO, ZooTask  # noqa: E402
-from service.calibration import calibrated_bytes, fit_calibration  # noqa: E402
-from service.wire import CardInfo, Plan, Prediction  # noqa: E402
+from service.calibration import fit_calibration  # noqa: E402
+from service.wire import CardInfo, Plan, Prediction, calibrated_bytes  # noqa: E402
 from worker.memory import MemoryTracker  # noqa: E402
 from worker.predictor import (  # noqa: E402
     EMULATED_CUDA_TARGET,

@@ -59,6 +59,7 @@ sys.path.insert(0, str(REPO))
 from service.db.engine import engine_kwargs, make_engine, make_sessions  # noqa: E402
 from service.db.migrate import upgrade  # noqa: E402
 from service.optuna.glue import make_storage  # noqa: E402
+from service.state import utcnow  # noqa: E402
 from service.studies import create_study  # noqa: E402
 from service.wire import API_PREFIX, StudyCreate  # noqa: E402
 
@@ -304,7 +305,7 @@ def setup_vramtune_study(url: str, cell: Cell, n_trials: int = 10**6) -> None:
             }
         )
         with make_sessions(engine).begin() as session:
-            row = create_study(session, storage, spec)
+            row = create_study(session, storage, spec, utcnow())
             study_id = row.study_id
         prefill(engine, study_id, cell.prefill)
         storage._backend.engine.dispose()  # type: ignore[attr-defined]
@@ -348,6 +349,7 @@ def vramtune_server(url: str, processes: int = 1) -> Iterator[tuple[int, psutil.
     """A real ``vramtune serve`` subprocess on the cell's database."""
     port = free_port()
     env = {**os.environ, "VRAMTUNE_DATABASE_URL": url, "VRAMTUNE_LOG_LEVEL": "warning"}
+    env["VRAMTUNE_AUTH"] = "off"  # loopback only; the bench measures the fleet, not tokens
     env["VRAMTUNE_PROCESSES"] = str(processes)
     # Simulated workers send no heartbeats: a lease must outlive a trial queued behind 63 others.
     env["VRAMTUNE_LEASE_TTL_S"] = str(BENCH_LEASE_TTL_S)

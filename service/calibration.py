@@ -1,6 +1,7 @@
 """Calibration from history: fit predicted vs measured peaks to a correction and a margin.
 
-Pure Python (no torch): the server fits, workers apply. Per (card model, torch version, task),
+Pure Python (no torch): the server fits here; workers apply the fit with the contract's
+``service.wire.apply_calibration``. Per (card model, torch version, task),
 the measured peak is modelled as ``scale * predicted + offset`` (a robust Theil-Sen line, or a
 median ratio while there are few observations or they span too little), and the margin is the
 conformal (1 - alpha) quantile of the relative under-prediction left after that fit, so that a
@@ -16,7 +17,7 @@ import math
 import statistics
 from collections.abc import Iterable, Sequence
 
-from service.wire import Calibration, Prediction
+from service.wire import Calibration, calibrated_bytes
 
 UNDER_PREDICTION_RATE = 0.01
 """The share of runs allowed to exceed the calibrated prediction."""
@@ -30,9 +31,6 @@ MIN_SPREAD = 1.2
 MAX_LINE_POINTS = 300
 """Theil-Sen uses the newest this many points (pairwise slopes grow as the square)."""
 SCALE_BOUNDS = (0.25, 4.0)
-
-RAW_ALLOCATED = "uncalibrated_allocated_bytes"
-RAW_RESERVED = "uncalibrated_reserved_bytes"
 
 Pair = tuple[int, int]
 """(predicted bytes, measured bytes) of one completed run."""
@@ -100,35 +98,6 @@ def _margin(residuals: list[float]) -> float:
         largest = max(ordered, default=0.0)
         margin = max(largest, 0.0) + DEFAULT_MARGIN * (1 - n / enough)
     return min(max(margin, 0.0), MAX_MARGIN)
-
-
-def calibrated_bytes(predicted: int, calibration: Calibration) -> int:
-    """`predicted` after the correction and the margin (never negative)."""
-    line = calibration.scale * predicted + calibration.offset_bytes
-    return max(math.ceil(line * (1 + calibration.margin_fraction)), 0)
-
-
-def raw_peaks(prediction: Prediction) -> tuple[int, int]:
-    """(allocated, reserved) as predicted before any calibration: what a fit must be fed."""
-    return (
-        prediction.constants.get(RAW_ALLOCATED, prediction.peak_allocated_bytes),
-        prediction.constants.get(RAW_RESERVED, prediction.peak_reserved_bytes),
-    )
-
-
-def apply_calibration(prediction: Prediction, calibration: Calibration) -> Prediction:
-    """The prediction corrected by `calibration`; the raw peaks stay in `constants`.
-
-    Applying it again starts from the raw peaks, so calibration never compounds.
-    """
-    allocated, reserved = raw_peaks(prediction)
-    return prediction.model_copy(
-        update={
-            "peak_allocated_bytes": calibrated_bytes(allocated, calibration),
-            "peak_reserved_bytes": calibrated_bytes(reserved, calibration),
-            "constants": {**prediction.constants, RAW_ALLOCATED: allocated, RAW_RESERVED: reserved},
-        }
-    )
 
 
 def under_prediction_rate(pairs: Iterable[Pair], calibration: Calibration) -> float:

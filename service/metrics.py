@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, cast
 
 from fastapi import APIRouter, FastAPI, Request, Response
@@ -34,7 +34,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.db.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
 from service.state import AppState
-from service.studies import utcnow
 
 __all__ = ["REGISTRY", "install_metrics", "record_reaper_action"]
 
@@ -183,8 +182,8 @@ def _trial_queue(session: Session) -> Metric:
     )
 
 
-def _workers(session: Session, stale_s: float) -> list[Metric]:
-    fresh_since = utcnow() - timedelta(seconds=stale_s)
+def _workers(session: Session, stale_s: float, now: datetime) -> list[Metric]:
+    fresh_since = now - timedelta(seconds=stale_s)
     rows = session.execute(
         select(
             WorkerRow.id,
@@ -220,8 +219,7 @@ def _workers(session: Session, stale_s: float) -> list[Metric]:
     ]
 
 
-def _leases(session: Session) -> Metric:
-    now = utcnow()
+def _leases(session: Session, now: datetime) -> Metric:
     total, expired = session.execute(
         select(func.count(), func.count().filter(LeaseRow.expires_at < now)).where(
             LeaseRow.active.is_(True)
@@ -243,14 +241,15 @@ class DatabaseCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         """One read-only transaction for every database-backed gauge."""
+        now = self.state.clock()
         try:
             with self.state.sessions() as session:
                 families = [
                     _trial_states(session),
                     _trial_outcomes(session),
                     _trial_queue(session),
-                    *_workers(session, self.state.settings.worker_stale_s),
-                    _leases(session),
+                    *_workers(session, self.state.settings.worker_stale_s, now),
+                    _leases(session, now),
                 ]
         except SQLAlchemyError as exc:
             SCRAPE_ERRORS.inc()

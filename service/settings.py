@@ -22,7 +22,10 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="Interface the server listens on.")
     port: int = Field(8000, ge=0, le=65535, description="TCP port the server listens on.")
     auth: Literal["on", "off"] = Field(
-        "off", description="'on' requires an API token on every call but /health."
+        "on",
+        description="'on' requires an API token on every call but /health and the dashboard's "
+        "pages; 'off' (every caller is an admin) is for a loopback-only demo: `vramtune serve` "
+        "refuses it on another address unless given --insecure.",
     )
     lease_ttl_s: float = Field(
         30.0, gt=0, description="Seconds a lease lives without a heartbeat renewing it."
@@ -50,6 +53,25 @@ class Settings(BaseSettings):
         False,
         description="Log every HTTP request (uvicorn's access log); off by default, as it cost "
         "~10 % of the server's CPU under a fleet's calls.",
+    )
+    log_format: Literal["text", "json"] = Field(
+        "text",
+        description="json: one JSON object per line (for log shippers); text: events as "
+        "'name key=value ...'. `vramtune serve --log-format` overrides it.",
+    )
+    max_search_space_points: int = Field(
+        100_000,
+        ge=1,
+        le=10**8,
+        description="Largest search space a study may have where its points are enumerated: "
+        "the grid sampler's grid (every parameter's values multiplied), and the combinations "
+        "of a space's categorical parameters. Larger ones are refused with a 422.",
+    )
+    max_workers_per_token: int = Field(
+        1024,
+        ge=1,
+        description="Live workers (not stopped, heard from within worker_stale_s) one token "
+        "may have registered; a registration past it gets a 429.",
     )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="Log level of the server and uvicorn."

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 from optuna.storages import BaseStorage
 from sqlalchemy import Engine
@@ -11,11 +13,21 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.settings import Settings
 
 
+def utcnow() -> datetime:
+    """Now in UTC without tz, as Optuna and vramtune store every datetime: the default clock."""
+    return datetime.now(UTC).replace(tzinfo=None)
+
+
 @dataclass
 class AppState:
-    """Built by the app's lifespan and kept at ``app.state.vt``."""
+    """Built by the app's lifespan and kept at ``app.state.vt``.
+
+    ``clock`` is the server's one source of "now": use cases take ``now`` from it (routes
+    through ``NowDep``), so a test can move time by handing the app another clock.
+    """
 
     settings: Settings
     engine: Engine
     sessions: sessionmaker[Session]
     storage: BaseStorage
+    clock: Callable[[], datetime] = field(default=utcnow)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from contextlib import suppress
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import optuna
@@ -16,11 +16,14 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from service.api.errors import Conflict, Invalid, NotFound
+from service.auth.audit import AuditEvent
+from service.auth.tokens import Principal, audited
 from service.db.tables import StudyRow, TrialRow, WorkerRow
 from service.fleet.leases import end_study_leases
 from service.optuna.glue import (
     SEARCH_SPACE_ATTR,
     TASK_ATTR,
+    check_space_size,
     forget_study,
     make_pruner,
     make_sampler,
@@ -28,6 +31,7 @@ from service.optuna.glue import (
     search_space_json,
     spec_of,
 )
+from service.settings import Settings
 from service.task_rules import study_problem
 from service.wire import (
     CategoricalParam,
@@ -43,11 +47,6 @@ from service.wire import (
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
 
-def utcnow() -> datetime:
-    """Now in UTC without tz, as Optuna stores datetimes."""
-    return datetime.now(UTC).replace(tzinfo=None)
-
-
 def get_row(session: Session, name: str) -> StudyRow:
     """The study row by name; NotFound if there is none."""
     row = session.scalar(select(StudyRow).where(StudyRow.name == name))
@@ -59,8 +58,18 @@ def get_row(session: Session, name: str) -> StudyRow:
 # ---------------------------------------------------------------- create
 
 
-def create_study(session: Session, storage: BaseStorage, spec: StudyCreate) -> StudyRow:
-    """Validate the spec, create the Optuna study and the vramtune row, or neither."""
+def create_study(
+    session: Session,
+    storage: BaseStorage,
+    spec: StudyCreate,
+    now: datetime,
+    max_points: int = Settings.model_fields["max_search_space_points"].default,
+) -> StudyRow:
+    """Validate the spec, create the Optuna study and the vramtune row, or neither.
+
+    ``max_points``: Settings.max_search_space_points (service.optuna.glue.check_space_size).
+    """
+    check_space_size(spec, max_points)
     space = search_space(spec)
     check_task(spec)
     make_sampler(spec)  # built now only to reject bad names and arguments with a 422
@@ -81,7 +90,7 @@ def create_study(session: Session, storage: BaseStorage, spec: StudyCreate) -> S
             task=spec.task,
             spec=spec.model_dump(mode="json"),
             paused=False,
-            created_at=utcnow(),
+            created_at=now,
         )
         session.add(row)
         session.flush()
@@ -264,15 +273,22 @@ def best(session: Session, storage: BaseStorage, name: str) -> ParetoFront:
 # ---------------------------------------------------------------- pause, resume, delete
 
 
-def set_paused(session: Session, name: str, paused: bool) -> StudyRow:
-    """Pause (no new trials are handed out) or resume a study."""
+def set_paused(
+    session: Session, name: str, paused: bool, now: datetime, by: Principal | None = None
+) -> StudyRow:
+    """Pause (no new trials are handed out) or resume a study; audited as done ``by``."""
     row = get_row(session, name)
+    was = row.paused
     row.paused = paused
     session.flush()
+    event: AuditEvent = "study_paused" if paused else "study_resumed"
+    audited(session, event, by, f"study {name}", now, study_id=row.study_id, changed=was != paused)
     return row
 
 
-def delete_study(session: Session, storage: BaseStorage, name: str) -> None:
+def delete_study(
+    session: Session, storage: BaseStorage, name: str, now: datetime, by: Principal | None = None
+) -> None:
     """Delete the Optuna study, then vramtune's rows of it (memory observations are kept)."""
     row = get_row(session, name)
     # Optuna first: on SQLite its write must not wait behind our session's lock. Already gone
@@ -280,8 +296,11 @@ def delete_study(session: Session, storage: BaseStorage, name: str) -> None:
     with suppress(KeyError):
         storage.delete_study(row.study_id)
     forget_study(storage, row.study_id)
+    audited(
+        session, "study_deleted", by, f"study {name}", now, study_id=row.study_id, task=row.task
+    )
     # Leases are ended, not deleted: the next heartbeat orders their workers to stop.
-    end_study_leases(session, row.study_id, utcnow())
+    end_study_leases(session, row.study_id, now)
     session.execute(delete(TrialRow).where(TrialRow.study_id == row.study_id))
     session.delete(row)
     session.flush()

@@ -86,14 +86,19 @@ def env_name(key: str) -> str:
 
 
 class ServerProcess:
-    """`python -m service serve` as a real subprocess on a free port."""
+    """`python -m service serve` as a real subprocess on a free port (loopback).
+
+    Auth is set explicitly: off unless ``env`` says otherwise (``VRAMTUNE_AUTH=on``), as the
+    suites that test the fleet, the dashboard or the database are not about tokens and the
+    server listens on 127.0.0.1 only; tests/security and tests/browser turn it on.
+    """
 
     def __init__(self, database_url: str, log_path: Path, env: dict[str, str]) -> None:
         self.database_url = database_url
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        self.env = env
+        self.env = {"VRAMTUNE_AUTH": "off", **env}
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> ServerProcess:

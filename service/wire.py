@@ -8,7 +8,7 @@ the JSON names. Byte counts are plain integers; every float is finite.
 from __future__ import annotations
 
 import math
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -16,6 +16,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -35,6 +36,7 @@ Name = Annotated[
     ),
 ]
 ShortText = Annotated[str, Field(max_length=4096)]
+MetricName = Annotated[str, Field(min_length=1, max_length=64)]
 Direction = Literal["minimize", "maximize"]
 ParamValue = str | int | float | bool | None
 
@@ -201,6 +203,12 @@ class StudyCreate(Wire):
     minimize_peak_memory: bool = Field(
         False, description="Add the measured peak memory as an extra objective (minimized)."
     )
+    metric_names: list[MetricName] | None = Field(
+        None,
+        max_length=2,
+        description="The task's metric per direction, e.g. [accuracy]: how the dashboard "
+        "names its axes (default: value).",
+    )
     task_config: dict[Key, ConfigValue] = Field(
         default_factory=dict, max_length=64, description="Fixed task settings, not tuned."
     )
@@ -216,6 +224,16 @@ class StudyCreate(Wire):
         if self.minimize_peak_memory and len(self.directions) > 1:
             raise ValueError("minimize_peak_memory takes a study with one direction")
         return self
+
+    @field_validator("metric_names")
+    @classmethod
+    def _one_name_per_direction(
+        cls, names: list[str] | None, info: ValidationInfo
+    ) -> list[str] | None:
+        directions = info.data.get("directions")
+        if names is not None and directions is not None and len(names) != len(directions):
+            raise ValueError(f"one name per direction: {len(directions)} direction(s)")
+        return names
 
     @property
     def objective_directions(self) -> list[Direction]:
@@ -406,6 +424,14 @@ class Plan(Wire):
     reason: ShortText = ""
 
 
+def ran_as(plan: Plan | PlanOut, routed: bool) -> str:
+    """A run's memory outcome: routed (a larger card after a hand-back), resized, or as_asked."""
+    if routed:
+        return "routed"
+    resized = plan.accumulation > 1 or plan.checkpointing or plan.bf16
+    return "resized" if resized else "as_asked"
+
+
 class Prediction(Wire):
     """A predicted peak and how it was reached."""
 
@@ -529,6 +555,41 @@ class Calibration(Wire):
     n_observations: int = 0
 
 
+# How a worker applies the Calibration it is served; the raw peaks ride in Prediction.constants
+# under these keys, so that the server fits on what the predictor said before any correction.
+RAW_ALLOCATED = "uncalibrated_allocated_bytes"
+RAW_RESERVED = "uncalibrated_reserved_bytes"
+
+
+def calibrated_bytes(predicted: int, calibration: Calibration) -> int:
+    """`predicted` after the correction and the margin (never negative)."""
+    line = calibration.scale * predicted + calibration.offset_bytes
+    return max(math.ceil(line * (1 + calibration.margin_fraction)), 0)
+
+
+def raw_peaks(prediction: Prediction) -> tuple[int, int]:
+    """(allocated, reserved) as predicted before any calibration: what a fit must be fed."""
+    return (
+        prediction.constants.get(RAW_ALLOCATED, prediction.peak_allocated_bytes),
+        prediction.constants.get(RAW_RESERVED, prediction.peak_reserved_bytes),
+    )
+
+
+def apply_calibration(prediction: Prediction, calibration: Calibration) -> Prediction:
+    """The prediction corrected by `calibration`; the raw peaks stay in `constants`.
+
+    Applying it again starts from the raw peaks, so calibration never compounds.
+    """
+    allocated, reserved = raw_peaks(prediction)
+    return prediction.model_copy(
+        update={
+            "peak_allocated_bytes": calibrated_bytes(allocated, calibration),
+            "peak_reserved_bytes": calibrated_bytes(reserved, calibration),
+            "constants": {**prediction.constants, RAW_ALLOCATED: allocated, RAW_RESERVED: reserved},
+        }
+    )
+
+
 class ErrorOut(BaseModel):
     """Every error body: {"detail": ...}."""
 
@@ -541,6 +602,16 @@ class ErrorOut(BaseModel):
 TokenScope = Literal["admin", "submit", "worker", "read"]
 
 
+DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+# A lifetime such as 30d, 12h, 90m or 3600s: at most 999999 of a unit (about 2,700 years).
+Duration = Annotated[str, Field(pattern=r"^[1-9][0-9]{0,5}[smhd]$", examples=["30d", "12h"])]
+
+
+def duration_of(text: str) -> timedelta:
+    """A Duration (``30d``) as a timedelta."""
+    return timedelta(seconds=int(text[:-1]) * DURATION_UNITS[text[-1]])
+
+
 class TokenCreate(Wire):
     """A new API token: its scopes and, optionally, the only studies it may touch."""
 
@@ -548,6 +619,9 @@ class TokenCreate(Wire):
     scopes: list[TokenScope] = Field(min_length=1, max_length=4)
     studies: list[Name] | None = Field(
         None, min_length=1, max_length=1024, description="Limit to these studies; null: all."
+    )
+    expires_in: Duration | None = Field(
+        None, description="Lifetime from now: a number and s, m, h or d (30d); null: never."
     )
 
 
@@ -561,6 +635,7 @@ class TokenOut(Wire):
     created_at: UtcDatetime
     revoked_at: UtcDatetime | None = None
     last_used_at: UtcDatetime | None = None
+    expires_at: UtcDatetime | None = None
 
 
 class TokenCreated(TokenOut):
@@ -573,6 +648,24 @@ class TokenList(Wire):
     """Every token, revoked ones included."""
 
     tokens: list[TokenOut]
+
+
+class AuditOut(Wire):
+    """One audit event: what was done, by which token (its name), to what."""
+
+    id: int
+    at: UtcDatetime
+    event: str
+    actor: str = Field(description="The acting token's name; cli:USER for the command line.")
+    token_id: int | None
+    target: str
+    detail: dict[str, Any]
+
+
+class AuditPage(Wire):
+    """Audit events, newest first; ask again with before=<last id> for older ones."""
+
+    events: list[AuditOut]
 
 
 class WhoAmI(Wire):

@@ -60,7 +60,7 @@ def app_client(migrated_url: str) -> Iterator[TestClient]:
     from service.app import create_app
     from service.settings import Settings
 
-    with TestClient(create_app(Settings(database_url=migrated_url))) as client:
+    with TestClient(create_app(Settings(database_url=migrated_url, auth="off"))) as client:
         yield client
 
 

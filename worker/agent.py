@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from service.logs import log_event
+from common.logs import log_event
 from service.wire import (
     Assignment,
     Calibration,
@@ -52,7 +52,13 @@ _STOP_KINDS: dict[str, FailKind | None] = {
     "interrupted": "interrupted",
     "deleted": None,
     "lease_lost": None,
+    # The server refused this worker's token (revoked, expired): no call can be made any
+    # more, and the server offers the trial again itself.
+    "token_refused": None,
 }
+# Answers to a heartbeat that no retry will change: the token is not (or no longer) valid,
+# or this worker is not the token's.
+_CREDENTIALS_REFUSED = (401, 403)
 
 
 @dataclass
@@ -140,6 +146,7 @@ class Agent:
         self._heartbeats: threading.Thread | None = None
         self._heartbeats_stop = threading.Event()
         self._beat_now = threading.Event()
+        self.refused: Rejected | None = None  # set when the server refused our token
         self.spool = None if options.spool_dir is None else Spool(options.spool_dir)
 
     # ------------------------------------------------------------ life cycle
@@ -201,6 +208,8 @@ class Agent:
             self.event("shutdown_unreachable", error=str(error))
         finally:
             self.close()
+        if self.refused is not None:
+            raise self.refused
 
     def run_once(self) -> bool:
         """One cycle: ask for a trial and see it to its end; False when there was no work."""
@@ -391,7 +400,7 @@ class Agent:
         return free if limit is None else min(free, limit)
 
     def event(self, name: str, assignment: Assignment | None = None, **fields: Any) -> None:
-        """One structured log line (service.logs) with the worker's and the trial's ids."""
+        """One structured log line (common.logs) with the worker's and the trial's ids."""
         ids: dict[str, Any] = {"worker": self.options.name}
         if self.registered is not None:
             ids["worker_id"] = self.registered.worker_id
@@ -510,7 +519,13 @@ class Agent:
                     Heartbeat(free_bytes=self.free_bytes(), trials=self._held_trials()),
                     retry_for_s=interval,
                 )
-            except (ServerUnavailable, LeaseLost, Rejected) as error:
+            except Rejected as error:
+                if error.status_code in _CREDENTIALS_REFUSED:
+                    self._token_refused(error)
+                    return
+                self.event("heartbeat_missed", error=str(error))
+                continue
+            except (ServerUnavailable, LeaseLost) as error:
                 self.event("heartbeat_missed", error=str(error))
                 continue
             running = self._running
@@ -518,6 +533,15 @@ class Agent:
                 if running is not None and order.trial_id == running.assignment.trial_id:
                     running.stop_reason = order.reason
                     self.event("stop_ordered", running.assignment, reason=order.reason)
+
+    def _token_refused(self, error: Rejected) -> None:
+        """Stop at once: the running trial is dropped (the server re-offers it), no new one."""
+        self.refused = error
+        self.event("token_refused", status=error.status_code, detail=str(error.detail))
+        running = self._running
+        if running is not None:
+            running.stop_reason = "token_refused"
+        self.stop.set()
 
     def _held_trials(self) -> list[int]:
         held = self._held

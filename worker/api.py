@@ -19,7 +19,7 @@ from typing import Any, Literal, TypeVar
 import httpx
 from pydantic import BaseModel
 
-from service.logs import log_event
+from common.logs import log_event
 from service.wire import (
     API_PREFIX,
     Assignment,

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-from service.logs import LogFormat, add_log_format_option, configure_logging
+from common.logs import LogFormat, add_log_format_option, configure_logging
 from worker import gpu
 
 log = logging.getLogger("vramtune.worker")

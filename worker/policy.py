@@ -15,7 +15,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from service.wire import Calibration, MemoryPolicy, Plan, PlanOut, Prediction
+from service.wire import (
+    Calibration,
+    MemoryPolicy,
+    Plan,
+    PlanOut,
+    Prediction,
+    apply_calibration,
+)
 from worker.runner import CardSpec, Config, TrialRunner, plan_for_micro_batch
 
 # A micro-batch costs about as much as this many extra samples (kernel launches, a GPU that is
@@ -269,13 +276,8 @@ def _blind_plan(
 
 
 def _calibrated(prediction: Prediction, calibration: Calibration) -> Prediction:
-    """The prediction corrected by the service's fit (service.calibration, pydantic only)."""
-    try:
-        from service.calibration import apply_calibration
-    except ImportError:  # a server without the calibration module serves the identity
-        return prediction
-    calibrated: Prediction = apply_calibration(prediction, calibration)
-    return calibrated
+    """The prediction corrected by the service's fit, applied as the contract defines."""
+    return apply_calibration(prediction, calibration)
 
 
 def _uncalibrated_budget(budget: int, calibration: Calibration | None) -> int:

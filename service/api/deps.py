@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import datetime
 from typing import Annotated, cast
 
 from fastapi import Depends, Request
@@ -37,8 +38,14 @@ def get_storage(state: StateDep) -> BaseStorage:
     return state.storage
 
 
+def get_now(state: StateDep) -> datetime:
+    """Now, by the server's clock (AppState.clock)."""
+    return state.clock()
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 # scope="function": the commit happens before the response is sent, so a client that got a 2xx
 # reads its own write on the next call.
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 StorageDep = Annotated[BaseStorage, Depends(get_storage)]
+NowDep = Annotated[datetime, Depends(get_now)]

@@ -33,6 +33,18 @@ class NotFound(DomainError):
     status = 404
 
 
+class Forbidden(DomainError):
+    """The caller's token may not act on this object (a worker another token registered)."""
+
+    status = 403
+
+
+class TooMany(DomainError):
+    """The caller is over a limit of the service (workers per token)."""
+
+    status = 429
+
+
 class Conflict(DomainError):
     """The request contradicts the current state (a duplicate name, a finished trial)."""
 

@@ -29,10 +29,11 @@ def print_first_admin_token(engine: Engine) -> None:
     """On a database without tokens, create the first admin token and print it once."""
     from service.auth.tokens import first_admin_token
     from service.db.engine import make_sessions
+    from service.state import utcnow
 
     preset = os.environ.get(ADMIN_TOKEN_ENV) or None  # set but empty: unset
     with make_sessions(engine).begin() as session:
-        clear = first_admin_token(session, preset)
+        clear = first_admin_token(session, preset, utcnow())
     if clear is None:
         return
     if preset is not None:
@@ -72,21 +73,31 @@ def _listed(row: TokenRow) -> dict[str, Any]:
 def cmd_token_create(args: argparse.Namespace) -> int:
     """Create a token; print it (once) on stdout, its description on stderr."""
     from service.auth.tokens import create_token
-    from service.wire import TokenCreate
+    from service.state import utcnow
+    from service.wire import TokenCreate, duration_of
 
     spec = TokenCreate.model_validate(
-        {"name": args.name, "scopes": _scopes(args.scope), "studies": args.study}
+        {
+            "name": args.name,
+            "scopes": _scopes(args.scope),
+            "studies": args.study,
+            "expires_in": args.expires,
+        }
     )
+    lifetime = None if spec.expires_in is None else duration_of(spec.expires_in)
     with _token_session(args) as session:
-        row, clear = create_token(session, spec.name, spec.scopes, spec.studies)
+        row, clear = create_token(
+            session, spec.name, spec.scopes, utcnow(), spec.studies, expires_in=lifetime
+        )
         listed = _listed(row)
     if args.json:
         print(json.dumps({**listed, "token": clear}, indent=2))
         return 0
     limit = ", ".join(listed["studies"]) if listed["studies"] else "all studies"
+    until = f"until {listed['expires_at']}" if listed["expires_at"] else "without expiry"
     print(
         f"created token {listed['id']} {listed['name']!r}: {', '.join(listed['scopes'])} on "
-        f"{limit}; it is shown once and stored only as a hash",
+        f"{limit}, {until}; it is shown once and stored only as a hash",
         file=sys.stderr,
     )
     print(clear)
@@ -104,8 +115,17 @@ def cmd_token_list(args: argparse.Namespace) -> int:
         return 0
     from service.cli.console import table
 
-    headers = ["ID", "NAME", "SCOPES", "STUDIES", "CREATED", "LAST USED", "REVOKED"]
-    fields = ["id", "name", "scopes", "studies", "created_at", "last_used_at", "revoked_at"]
+    headers = ["ID", "NAME", "SCOPES", "STUDIES", "CREATED", "EXPIRES", "LAST USED", "REVOKED"]
+    fields = [
+        "id",
+        "name",
+        "scopes",
+        "studies",
+        "created_at",
+        "expires_at",
+        "last_used_at",
+        "revoked_at",
+    ]
     print(table(headers, [[_cell(row[field]) for field in fields] for row in rows]))
     return 0
 
@@ -117,9 +137,10 @@ def _cell(value: Any) -> object:
 def cmd_token_revoke(args: argparse.Namespace) -> int:
     """Revoke a token by id."""
     from service.auth.tokens import revoke_token
+    from service.state import utcnow
 
     with _token_session(args) as session:
-        row = revoke_token(session, args.id)
+        row = revoke_token(session, args.id, utcnow())
         listed = None if row is None else _listed(row)
     if listed is None:
         print(f"vramtune: no token {args.id}", file=sys.stderr)
@@ -148,6 +169,9 @@ def add_token_commands(subparsers: Any) -> None:
         "--study", action="append", help="limit the token to this study (repeatable)"
     )
     create.add_argument("--name", default="token", help="a label for `token list`")
+    create.add_argument(
+        "--expires", metavar="DURATION", help="lifetime: 30d, 12h, 90m or 3600s (default: never)"
+    )
     handlers: list[tuple[argparse.ArgumentParser, Callable[[argparse.Namespace], int]]] = [
         (create, cmd_token_create),
         (commands.add_parser("list", parents=[options], help="list tokens"), cmd_token_list),

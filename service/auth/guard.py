@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 from collections.abc import Mapping
+from datetime import datetime
 from typing import Any
 
 from fastapi import FastAPI
@@ -25,16 +26,17 @@ from service.auth.tokens import (
     LOCAL_ADMIN,
     Principal,
     Rule,
+    dead_because,
     find_token,
     missing_scope,
     plausible_token,
     principal_of,
     rule_for,
     touch,
-    utcnow,
 )
 from service.db.tables import StudyRow, TrialRow
 from service.settings import Settings
+from service.state import AppState
 from service.wire import API_PREFIX
 
 log = logging.getLogger("vramtune.auth")
@@ -82,11 +84,12 @@ class AuthGuard:
         token = bearer_token(scope)
         if token is None:
             return _refuse(401, "missing bearer token (Authorization: Bearer vt_...)", REALM)
-        sessions: sessionmaker[Session] = scope["app"].state.vt.sessions
+        state: AppState = scope["app"].state.vt
+        sessions = state.sessions
         try:
-            principal = await run_in_threadpool(authenticate, sessions, token)
-            if principal is None:
-                return _refuse(401, "unknown or revoked token", f'{REALM}, error="invalid_token"')
+            principal = await run_in_threadpool(authenticate, sessions, token, state.clock())
+            if isinstance(principal, str):
+                return _refuse(401, principal, f'{REALM}, error="invalid_token"')
             denial = missing_scope(principal, rule) or await run_in_threadpool(
                 study_denial, sessions, principal, rule, matched[1]
             )
@@ -158,13 +161,19 @@ def bearer_token(scope: Scope) -> str | None:
     return token
 
 
-def authenticate(sessions: sessionmaker[Session], token: str) -> Principal | None:
-    """The principal of a live token, refreshing its last use; None for an unknown token."""
+def authenticate(sessions: sessionmaker[Session], token: str, now: datetime) -> Principal | str:
+    """The principal of a live token, refreshing its last use; else why it is refused.
+
+    Read on every request, never cached: a revocation or an expiry holds from the next call.
+    """
     with sessions.begin() as session:
         row = find_token(session, token)
         if row is None:
-            return None
-        touch(row, utcnow())
+            return "unknown token"
+        dead = dead_because(row, now)
+        if dead is not None:
+            return dead
+        touch(row, now)
         return principal_of(row)
 
 

@@ -14,13 +14,14 @@ import re
 import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
-from typing import Annotated, Literal
+from datetime import datetime, timedelta
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, Request
-from sqlalchemy import func, select
+from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
+from service.auth import audit
 from service.db.tables import TokenRow
 from service.wire import API_PREFIX
 
@@ -131,6 +132,7 @@ POLICY: dict[tuple[str, str], Rule] = {
     ("GET", f"{V}/tokens"): needs("admin", studies="many"),
     ("POST", f"{V}/tokens"): needs("admin", studies="many"),
     ("DELETE", f"{V}/tokens/{{token_id}}"): needs("admin", studies="many"),
+    ("GET", f"{V}/audit"): needs("admin", studies="many"),
     # studies: submitters create and steer them, readers watch them, only admins delete
     ("POST", f"{V}/studies"): needs("submit", studies="many"),
     ("GET", f"{V}/studies"): needs("read", studies="many"),
@@ -214,14 +216,35 @@ def plausible_token(token: str) -> bool:
 
 
 def find_token(session: Session, token: str) -> TokenRow | None:
-    """The live (unrevoked) token row of a presented token, or None."""
+    """The token row of a presented token (revoked or expired ones too), or None."""
     digest = hash_token(token)
     row = session.scalars(select(TokenRow).where(TokenRow.token_hash == digest)).first()
     # The lookup is by hash, so timing reveals nothing about the token; compare_digest keeps
     # the final equality check constant-time as well.
-    if row is None or row.revoked_at is not None or not hmac.compare_digest(row.token_hash, digest):
+    if row is None or not hmac.compare_digest(row.token_hash, digest):
         return None
     return row
+
+
+def dead_because(row: TokenRow, now: datetime) -> str | None:
+    """Why a stored token no longer admits anyone ("revoked ...", "expired ..."), or None.
+
+    Said to whoever presents it: they hold the token, so this tells them nothing new.
+    """
+    if row.revoked_at is not None:
+        return f"token revoked at {_stamp(row.revoked_at)}"
+    if row.expires_at is not None and row.expires_at <= now:
+        return f"token expired at {_stamp(row.expires_at)}"
+    return None
+
+
+def has_live_token(session: Session, now: datetime) -> bool:
+    """Whether some token can still be used (neither revoked nor expired)."""
+    query = select(TokenRow.id).where(
+        TokenRow.revoked_at.is_(None),
+        or_(TokenRow.expires_at.is_(None), TokenRow.expires_at > now),
+    )
+    return session.scalar(query.limit(1)) is not None
 
 
 def principal_of(row: TokenRow) -> Principal:
@@ -238,11 +261,6 @@ def touch(row: TokenRow, now: datetime) -> bool:
     return True
 
 
-def utcnow() -> datetime:
-    """Now in UTC without tz, as every datetime of the database."""
-    return datetime.now(UTC).replace(tzinfo=None)
-
-
 def check_scopes(scopes: Sequence[str]) -> list[str]:
     """The scopes deduplicated in canonical order; ValueError naming an unknown one."""
     unknown = sorted(set(scopes) - set(SCOPES))
@@ -257,12 +275,16 @@ def create_token(
     session: Session,
     name: str,
     scopes: Sequence[str],
+    now: datetime,
     studies: Sequence[str] | None = None,
     token: str | None = None,
+    expires_in: timedelta | None = None,
+    by: Principal | None = None,
 ) -> tuple[TokenRow, str]:
     """Add a token (a fresh one unless given) and return its row and the clear token.
 
-    The clear token exists only in the return value: the caller shows it once.
+    The clear token exists only in the return value: the caller shows it once. ``by``: who
+    creates it, for the audit log (None: the command line).
     """
     clear = token if token is not None else new_token()
     row = TokenRow(
@@ -270,10 +292,22 @@ def create_token(
         token_hash=hash_token(clear),
         scopes=check_scopes(scopes),
         studies=None if studies is None else sorted(set(studies)),
-        created_at=utcnow(),
+        created_at=now,
+        expires_at=None if expires_in is None else now + expires_in,
     )
     session.add(row)
     session.flush()
+    audited(
+        session,
+        "token_created",
+        by,
+        f"token {row.id}",
+        now,
+        name=name,
+        scopes=row.scopes,
+        studies=row.studies,
+        expires_at=_stamp(row.expires_at),
+    )
     return row, clear
 
 
@@ -282,15 +316,48 @@ def list_tokens(session: Session) -> list[TokenRow]:
     return list(session.scalars(select(TokenRow).order_by(TokenRow.id)))
 
 
-def revoke_token(session: Session, token_id: int) -> TokenRow | None:
-    """Mark a token revoked (idempotent); None when there is no such token."""
+def revoke_token(
+    session: Session, token_id: int, now: datetime, by: Principal | None = None
+) -> TokenRow | None:
+    """Mark a token revoked (idempotent); None when there is no such token.
+
+    The workers it registered are stopped with it (service.fleet.workers.stop_token_workers): their
+    trials are offered to other workers at once rather than when their leases expire, and
+    the workers' next calls get a 401 that makes them exit.
+    """
+    from service.fleet.workers import stop_token_workers
+
     row = session.get(TokenRow, token_id)
     if row is not None and row.revoked_at is None:
-        row.revoked_at = utcnow()
+        row.revoked_at = now
+        stopped = stop_token_workers(session, token_id, row.revoked_at)
+        audited(
+            session,
+            "token_revoked",
+            by,
+            f"token {row.id}",
+            now,
+            name=row.name,
+            workers_stopped=stopped,
+        )
     return row
 
 
-def first_admin_token(session: Session, preset: str | None) -> str | None:
+def audited(
+    session: Session,
+    event: audit.AuditEvent,
+    by: Principal | None,
+    target: str,
+    now: datetime,
+    **detail: Any,
+) -> None:
+    """Record an audit event done by a principal (None: the command line) at ``now``."""
+    actor = by.name if by is not None else audit.command_line_actor()
+    token_id = None if by is None else by.token_id
+    audit.record(session, event, actor, token_id, target, now, **detail)
+
+
+def first_admin_token(session: Session, preset: str | None, now: datetime) -> str | None:
     """On a database without tokens, store an admin token and return it; else None.
 
     ``preset`` (VRAMTUNE_ADMIN_TOKEN) is stored (hashed) instead of a generated token.
@@ -302,5 +369,9 @@ def first_admin_token(session: Session, preset: str | None) -> str | None:
             f"VRAMTUNE_ADMIN_TOKEN must be {MIN_TOKEN_CHARS} to {MAX_TOKEN_CHARS} ASCII "
             f"characters (use `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)"
         )
-    _row, clear = create_token(session, "first-admin", ["admin"], token=preset)
+    _row, clear = create_token(session, "first-admin", ["admin"], now, token=preset)
     return clear
+
+
+def _stamp(moment: datetime | None) -> str | None:
+    return None if moment is None else f"{moment.isoformat(timespec='seconds')}Z"

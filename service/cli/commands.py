@@ -15,10 +15,10 @@ from typing import Any
 
 import yaml
 
+from common.logs import configure_logging, json_logging_config
 from service.cli import parser
 from service.cli.console import emit_json, show_study, study_rows, trial_rows
 from service.client import Client
-from service.logs import add_log_format_option, configure_logging, json_logging_config
 from service.wire import ParetoFront
 
 # ---------------------------------------------------------------- serve and db
@@ -29,7 +29,7 @@ def _settings(args: argparse.Namespace) -> Any:
 
     from service.settings import Settings
 
-    names = ("host", "port", "database_url", "log_level", "processes")
+    names = ("host", "port", "database_url", "log_level", "log_format", "processes")
     given = {k: getattr(args, k, None) for k in names}
     try:
         return Settings(**{k: v for k, v in given.items() if v is not None})
@@ -40,28 +40,55 @@ def _settings(args: argparse.Namespace) -> Any:
         raise ValueError("invalid settings: " + "; ".join(problems)) from None
 
 
+NO_TOKENS = (
+    "auth is on and the database holds no live API token: run `vramtune db upgrade` (it prints "
+    "the first admin token) or `vramtune token create --scope admin`; for a loopback-only demo "
+    "set VRAMTUNE_AUTH=off"
+)
+
+
+def refusal_to_serve(settings: Any, insecure: bool) -> str | None:
+    """Why the server must not start with these settings (one line), or None."""
+    from service.auth.guard import is_loopback
+    from service.auth.tokens import has_live_token
+    from service.db.engine import make_engine, make_sessions
+    from service.db.migrate import NotMigrated, require_migrated
+    from service.state import utcnow
+
+    if settings.auth == "off" and not is_loopback(settings.host) and not insecure:
+        return (
+            f"VRAMTUNE_AUTH=off on {settings.host} lets anyone who reaches the port run and "
+            "delete studies: listen on 127.0.0.1, set VRAMTUNE_AUTH=on, or pass --insecure"
+        )
+    engine = make_engine(settings.database_url)
+    try:
+        require_migrated(engine)
+        if settings.auth == "on":
+            with make_sessions(engine)() as session:
+                return None if has_live_token(session, utcnow()) else NO_TOKENS
+    except NotMigrated as exc:
+        return f"{exc}{' (it prints the first admin token)' if settings.auth == 'on' else ''}"
+    finally:
+        engine.dispose()
+    return None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Run the server with uvicorn, after checking the database is migrated."""
+    """Run the server with uvicorn, after checking the database is migrated and guarded."""
     import uvicorn
     from uvicorn.config import LOGGING_CONFIG
 
     from service.app import create_app
-    from service.db.engine import make_engine
-    from service.db.migrate import NotMigrated, require_migrated
 
     settings = _settings(args)
-    engine = make_engine(settings.database_url)
-    try:
-        require_migrated(engine)
-    except NotMigrated as exc:
-        print(f"vramtune: {exc}", file=sys.stderr)
+    refusal = refusal_to_serve(settings, args.insecure)
+    if refusal is not None:
+        print(f"vramtune: {refusal}", file=sys.stderr)
         return 2
-    finally:
-        engine.dispose()
-    configure_logging(settings.log_level, args.log_format)
+    configure_logging(settings.log_level, settings.log_format)
     log_config: dict[str, Any] = LOGGING_CONFIG
     factory = "service.app:create_app"
-    if args.log_format == "json":
+    if settings.log_format == "json":
         # Uvicorn's and Optuna's records through the root handler too: every line is JSON
         # (uvicorn applies log_config in each of its processes, the factory runs in each).
         log_config = json_logging_config(settings.log_level)
@@ -239,7 +266,17 @@ def _add_server_commands(subparsers: Any) -> None:
         "--database-url", help="default: env VRAMTUNE_DATABASE_URL or sqlite:///./vramtune.db"
     )
     serve.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
-    add_log_format_option(serve, default="text")
+    serve.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        help="json: one JSON object per line; text: 'event key=value ...' "
+        "(env VRAMTUNE_LOG_FORMAT, default text)",
+    )
+    serve.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow VRAMTUNE_AUTH=off on an address other than loopback",
+    )
     serve.add_argument(
         "--processes", type=int, help="server processes (PostgreSQL only; env VRAMTUNE_PROCESSES)"
     )

@@ -13,6 +13,7 @@ from service.wire import StudySummary, TrialOut
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """Rows under their headers in aligned columns (None prints as an empty cell)."""
     cells = [[str(h) for h in headers], *[["" if c is None else str(c) for c in r] for r in rows]]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     lines = [
@@ -22,6 +23,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 
 
 def emit_json(value: BaseModel | list[BaseModel]) -> None:
+    """Print a wire model (or a list of them) as indented JSON, for scripts."""
     if isinstance(value, list):
         print(json.dumps([v.model_dump(mode="json") for v in value], indent=2))
     else:
@@ -29,10 +31,12 @@ def emit_json(value: BaseModel | list[BaseModel]) -> None:
 
 
 def finished(summary: StudySummary) -> int:
+    """Trials of the study that ended: complete, pruned or failed."""
     return sum(summary.counts.get(s, 0) for s in ("COMPLETE", "PRUNED", "FAIL"))
 
 
 def study_rows(studies: Sequence[StudySummary]) -> str:
+    """The `study list` table."""
     headers = ["NAME", "TASK", "STATE", "TRIALS", "RUNNING", "BEST"]
     rows = [
         [
@@ -49,6 +53,7 @@ def study_rows(studies: Sequence[StudySummary]) -> str:
 
 
 def trial_rows(trials: Sequence[TrialOut]) -> str:
+    """The `study trials` and `study best` table."""
     headers = ["NUMBER", "STATE", "VALUES", "ATTEMPT", "OUTCOME", "WORKER", "PARAMS"]
     rows = [
         [t.number, t.state, t.values, t.attempt, t.outcome, t.worker, json.dumps(t.params)]
@@ -58,6 +63,7 @@ def trial_rows(trials: Sequence[TrialOut]) -> str:
 
 
 def show_study(summary: StudySummary) -> str:
+    """`study show`: one study, a field a line."""
     spec = summary.spec
     lines = [
         f"study      {summary.name} (id {summary.id})",
@@ -76,6 +82,7 @@ def show_study(summary: StudySummary) -> str:
 
 
 def print_api_error(exc: ApiError) -> None:
+    """The server's refusal on stderr: one line per invalid field, else its detail."""
     if isinstance(exc.detail, list):
         for error in exc.detail:
             loc = ".".join(str(part) for part in error.get("loc", []) if part != "body")

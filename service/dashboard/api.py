@@ -7,7 +7,8 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Path, Query
 from optuna.trial import TrialState
 
-from service.api.deps import SessionDep, SettingsDep
+from service.api.deps import NowDep, SessionDep, SettingsDep
+from service.auth.tokens import PrincipalDep
 from service.dashboard import fleet as fleet_view, importance, plots, studies_view, trial_table
 from service.dashboard.models import (
     Calibration,
@@ -46,9 +47,9 @@ StateName = Literal["RUNNING", "COMPLETE", "PRUNED", "FAIL", "WAITING"]
 
 
 @router.get("/studies")
-def list_studies(session: SessionDep) -> StudyListOut:
+def list_studies(session: SessionDep, now: NowDep) -> StudyListOut:
     """Every study with state counts, best value, trials per hour and running trials."""
-    return studies_view.list_studies(session)
+    return studies_view.list_studies(session, now)
 
 
 @router.get("/studies/{name:path}/history")
@@ -109,9 +110,11 @@ def regions(
 
 
 @router.get("/studies/{name:path}/importances")
-def importances(name: StudyName, session: SessionDep, objective: Objective = 0) -> Importances:
+def importances(
+    name: StudyName, session: SessionDep, now: NowDep, objective: Objective = 0
+) -> Importances:
     """Optuna's parameter importances over a bounded sample of completed trials (cached)."""
-    return importance.importances(session, name, objective)
+    return importance.importances(session, name, objective, now)
 
 
 @router.get("/studies/{name:path}/trials")
@@ -164,13 +167,16 @@ def trial(
 
 
 @router.get("/fleet")
-def fleet(session: SessionDep, settings: SettingsDep) -> Fleet:
-    """Every worker: card, memory, current trials, last heartbeat, stale or lost."""
-    return fleet_view.fleet(session, settings)
+def fleet(
+    session: SessionDep, settings: SettingsDep, now: NowDep, principal: PrincipalDep
+) -> Fleet:
+    """Every worker: card, memory, current trials, last heartbeat, stale or lost (a token
+    limited to some studies: the workers running their trials only)."""
+    return fleet_view.fleet(session, settings, now, principal.studies)
 
 
 # Last: {name:path} also matches the suffixed paths above, which must win.
 @router.get("/studies/{name:path}")
-def study_overview(name: StudyName, session: SessionDep) -> StudyOverview:
+def study_overview(name: StudyName, session: SessionDep, now: NowDep) -> StudyOverview:
     """One study's header: counts, best trial, parameters, card models and a revision token."""
-    return studies_view.overview(session, name)
+    return studies_view.overview(session, name, now)

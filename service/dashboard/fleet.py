@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from datetime import datetime
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from service.dashboard import schema
@@ -35,17 +35,24 @@ def worker_state(stopped: bool, age_s: float, stale_s: float, lost_s: float) -> 
     return "live"
 
 
-def fleet(session: Session, settings: Settings) -> Fleet:
-    """Every worker, newest heartbeat first, with the trials it holds leases on."""
-    now = schema.utcnow()
+def fleet(
+    session: Session, settings: Settings, now: datetime, allowed: frozenset[str] | None = None
+) -> Fleet:
+    """Every worker, newest heartbeat first, with the trials it holds leases on.
+
+    ``allowed``: the studies of a study-limited token, which sees only the workers running
+    their trials, and only those trials (as GET /api/v1/workers).
+    """
     stale_s, lost_s = thresholds(settings)
-    rows = list(
-        session.scalars(
-            select(WorkerRow).order_by(WorkerRow.last_heartbeat.desc()).limit(MAX_WORKERS)
-        )
-    )
-    current = _current_trials(session)
-    workers = [_worker(w, current.get(w.id, []), now, stale_s, lost_s) for w in rows]
+    current = _current_trials(session, allowed)
+    query = select(WorkerRow).order_by(WorkerRow.last_heartbeat.desc()).limit(MAX_WORKERS)
+    if allowed is not None:
+        query = query.where(WorkerRow.id.in_(current))
+    rows = list(session.scalars(query))
+    runs = _runs(session, [w.id for w in rows])
+    workers = [
+        _worker(w, current.get(w.id, []), runs.get(w.id, 0), now, stale_s, lost_s) for w in rows
+    ]
     return Fleet(
         workers=workers,
         totals=_totals(workers),
@@ -56,7 +63,12 @@ def fleet(session: Session, settings: Settings) -> Fleet:
 
 
 def _worker(
-    row: WorkerRow, current: list[CurrentTrial], now: datetime, stale_s: float, lost_s: float
+    row: WorkerRow,
+    current: list[CurrentTrial],
+    runs: int,
+    now: datetime,
+    stale_s: float,
+    lost_s: float,
 ) -> FleetWorker:
     age = max(0.0, (now - row.last_heartbeat).total_seconds())
     return FleetWorker(
@@ -73,11 +85,25 @@ def _worker(
         heartbeat_age_s=age,
         registered_at=schema.utc(row.registered_at),
         current=current,
+        trials_run=runs,
         trials_done=row.trials_done,
     )
 
 
-def _current_trials(session: Session) -> dict[int, list[CurrentTrial]]:
+def _runs(session: Session, worker_ids: list[int]) -> dict[int, int]:
+    """Per worker, its leases that did not end in a hand-back (the trial did not fit its card)."""
+    ended_by = func.coalesce(LeaseRow.resolution["call"].as_string(), "")  # "" while active
+    query = (
+        select(LeaseRow.worker_id, func.count())
+        .where(LeaseRow.worker_id.in_(worker_ids), ended_by != "handback")
+        .group_by(LeaseRow.worker_id)
+    )
+    return {worker_id: count for worker_id, count in session.execute(query)}
+
+
+def _current_trials(
+    session: Session, allowed: frozenset[str] | None
+) -> dict[int, list[CurrentTrial]]:
     """Active leases by worker, with the study and number of each leased trial."""
     query = (
         select(
@@ -88,6 +114,8 @@ def _current_trials(session: Session) -> dict[int, list[CurrentTrial]]:
         .where(LeaseRow.active.is_(True))
         .order_by(LeaseRow.id)
     )
+    if allowed is not None:
+        query = query.where(StudyRow.name.in_(allowed))
     found: dict[int, list[CurrentTrial]] = defaultdict(list)
     for worker_id, trial_id, attempt, number, study in session.execute(query):
         found[worker_id].append(

@@ -22,6 +22,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import optuna
@@ -39,6 +40,8 @@ from service.dashboard.studies_view import StudyFacts, infeasible, study_facts
 T, V, P = schema.trials, schema.values, schema.params
 MAX_SAMPLE = 1000
 MIN_TRIALS = 2
+# Below this many completed trials importances are computed but mostly reflect noise.
+FEW_TRIALS = 10
 # A running study changes with every trial: its importances are recomputed at most this often
 # (a finished study's revision stays, so they are computed once per process).
 FRESH_S = 30.0
@@ -145,7 +148,7 @@ def _evaluator() -> Any:
     return module.PedAnovaImportanceEvaluator()
 
 
-def importances(session: Session, name: str, objective: int) -> Importances:
+def importances(session: Session, name: str, objective: int, now: datetime) -> Importances:
     """Importances of the study's parameters for one objective, cached per study revision."""
     facts = study_facts(session, name)
     if objective >= len(facts.directions):
@@ -160,12 +163,12 @@ def importances(session: Session, name: str, objective: int) -> Importances:
         entry = _cache.get(key)
         if entry and (entry.revision == revision or time.monotonic() - entry.computed < FRESH_S):
             return entry.result
-        result = _compute(session, facts, objective)
+        result = _compute(session, facts, objective, now)
         _cache[key] = _Entry(revision, time.monotonic(), result)
         return result
 
 
-def _compute(session: Session, facts: StudyFacts, objective: int) -> Importances:
+def _compute(session: Session, facts: StudyFacts, objective: int, now: datetime) -> Importances:
     skip = infeasible(session, facts)  # their values are placeholders
     ids = [tid for tid in session.scalars(_complete_ids(facts.study_id)) if tid not in skip]
     trials = sample_trials(session, facts, ids)
@@ -190,7 +193,18 @@ def _compute(session: Session, facts: StudyFacts, objective: int) -> Importances
         n_used=len(trials),
         importances=[Importance(name=k, importance=float(v)) for k, v in found.items()],
         note=note if note or found else "no parameter varies across the sampled trials",
-        computed_at=schema.utc(schema.utcnow()),
+        caveat=_caveat(len(trials)) if found else None,
+        computed_at=schema.utc(now),
+    )
+
+
+def _caveat(n_used: int) -> str | None:
+    """A warning to show beside importances drawn from too few completed trials."""
+    if n_used >= FEW_TRIALS:
+        return None
+    return (
+        f"from {n_used} completed trials only: below {FEW_TRIALS}, importances mostly reflect "
+        "noise and change as trials complete"
     )
 
 

@@ -13,6 +13,15 @@ DashboardState = Literal["running", "paused", "done", "idle"]
 WorkerState = Literal["live", "stale", "lost", "stopped"]
 
 
+class MemoryCounts(BaseModel):
+    """A vramtune study's trials by what memory did to them."""
+
+    resized: int = Field(0, description="Completed smaller: micro-batch, checkpointing or bf16.")
+    routed: int = Field(0, description="Completed on a larger card after a hand-back.")
+    infeasible: int = Field(0, description="Fit no card of the fleet.")
+    oom: int = Field(0, description="Ran out of memory at least once (retried or failed).")
+
+
 class StudyListItem(BaseModel):
     """One study as the studies page lists it."""
 
@@ -23,6 +32,7 @@ class StudyListItem(BaseModel):
     directions: list[str]
     n_trials: int | None = Field(description="The trial budget (None for a plain Optuna study).")
     counts: dict[str, int] = Field(description="Trials by Optuna TrialState name.")
+    memory: MemoryCounts | None = Field(description="None for a plain Optuna study.")
     finished: int
     running: int
     best_value: float | None
@@ -133,7 +143,10 @@ class CardCalibration(BaseModel):
     """Predicted against measured peaks of every run on one card model."""
 
     card_model: str
-    n: int
+    n: int = Field(description="Runs with a prediction: the sample the figures are of.")
+    median_bias: float | None = Field(
+        description="Median of measured/predicted - 1: above 0, runs used more than predicted."
+    )
     median_abs_error: float | None = Field(description="Median of |measured/predicted - 1|.")
     p95_abs_error: float | None
     under_fraction: float | None = Field(description="Share of runs that used more than predicted.")
@@ -147,6 +160,10 @@ class Calibration(BaseModel):
     """The calibration picture of a study, one card model at a time."""
 
     cards: list[CardCalibration]
+    target_under_fraction: float = Field(
+        description="The share of runs the calibration served to workers lets exceed its "
+        "corrected prediction plus margin."
+    )
     downsampled: bool
 
 
@@ -158,6 +175,7 @@ class RegionCategory(BaseModel):
     numbers: list[int]
     x: list[ParamValue]
     y: list[ParamValue]
+    pruned: list[bool] = Field(description="Whether each trial was pruned (drawn as a shape).")
 
 
 class Regions(BaseModel):
@@ -186,6 +204,7 @@ class Importances(BaseModel):
     n_used: int
     importances: list[Importance]
     note: str | None = Field(None, description="Why there are none, when there are none.")
+    caveat: str | None = Field(None, description="Why to doubt them, when there are few trials.")
     computed_at: datetime
 
 
@@ -274,7 +293,10 @@ class FleetWorker(BaseModel):
     heartbeat_age_s: float
     registered_at: datetime
     current: list[CurrentTrial]
-    trials_done: int
+    trials_run: int = Field(
+        description="Trials it was leased and did not hand back: run, running, or lost mid-run."
+    )
+    trials_done: int = Field(description="Trials it completed.")
 
 
 class FleetTotals(BaseModel):

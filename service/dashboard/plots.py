@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from typing import Any
+from typing import Any, NamedTuple
 
 from optuna.distributions import BaseDistribution
 from optuna.study import StudyDirection
@@ -12,6 +12,7 @@ from optuna.trial import TrialState
 from sqlalchemy import Select, and_, select
 from sqlalchemy.orm import Session
 
+from service.calibration import UNDER_PREDICTION_RATE
 from service.dashboard import cache, schema, series
 from service.dashboard.errors import invalid_query
 from service.dashboard.models import (
@@ -24,24 +25,26 @@ from service.dashboard.models import (
     Regions,
 )
 from service.dashboard.studies_view import StudyFacts, infeasible, study_facts, study_space
-from service.wire import ParamValue
+from service.wire import ParamValue, PlanOut, ran_as
 
 T, V = schema.trials, schema.values
 
-# Region categories, most telling first: the legend lists them in this order.
+# Region categories, most telling first: the legend lists them in this order. A trial's
+# category is what memory did to it (as asked, resized, routed, oom, infeasible) or, when it
+# has not run to an end, its state; pruned is not a category but a mark on its points
+# (RegionCategory.pruned), so that a pruned trial still shows how it ran.
 REGION_ORDER = (
     "infeasible",
     "oom",
-    "resized after oom",
     "waiting for a larger card",
     "resized",
     "routed",
     "as asked",
-    "pruned",
     "failed",
     "running",
     "waiting",
 )
+RAN = (TrialState.COMPLETE, TrialState.PRUNED)
 
 
 def _direction(facts: StudyFacts, objective: int, field: str = "objective") -> StudyDirection:
@@ -237,16 +240,22 @@ def _calibration(session: Session, facts: StudyFacts, max_points: int) -> Calibr
         by_card[row[0]].append(row)
     per_card = max(1, max_points // max(1, len(by_card)))
     cards = [_card_calibration(card, rows, per_card) for card, rows in sorted(by_card.items())]
-    return Calibration(cards=cards, downsampled=any(len(c.numbers) < c.n for c in cards))
+    return Calibration(
+        cards=cards,
+        target_under_fraction=UNDER_PREDICTION_RATE,
+        downsampled=any(len(c.numbers) < c.n for c in cards),
+    )
 
 
 def _card_calibration(card: str, rows: list[Any], max_points: int) -> CardCalibration:
-    errors = sorted(abs(r[3] / r[2] - 1) for r in rows if r[2] > 0)
+    biases = sorted(r[3] / r[2] - 1 for r in rows if r[2] > 0)
+    errors = sorted(abs(b) for b in biases)
     under = [i for i, r in enumerate(rows) if r[3] > r[2]]
     kept = series.spread(len(rows), max_points, keep=under)
     return CardCalibration(
         card_model=card,
         n=len(rows),
+        median_bias=series.quantile(biases, 0.5),
         median_abs_error=series.quantile(errors, 0.5),
         p95_abs_error=series.quantile(errors, 0.95),
         under_fraction=len(under) / len(rows) if rows else None,
@@ -300,13 +309,20 @@ def _regions(
 ) -> Regions:
     oomed = _oomed(session, facts.study_id)
     skip = infeasible(session, facts)
-    grouped: dict[str, list[tuple[int, ParamValue, ParamValue]]] = defaultdict(list)
-    for tid, number, xv, yv, state, outcome, status in session.execute(
+    grouped: dict[str, list[Point]] = defaultdict(list)
+    for tid, number, xv, yv, state, outcome, status, plan, min_bytes in session.execute(
         _plane(facts.study_id, x, y)
     ):
+        if state == TrialState.PRUNED and outcome == "pruned":  # how it ran, from its plan
+            outcome = ran_as(PlanOut.model_validate(plan or {}), routed=bool(min_bytes))
         category = region_category(state, outcome, status, tid in oomed, tid in skip)
         grouped[category].append(
-            (number, schema.external_of(xv, space[x]), schema.external_of(yv, space[y]))
+            Point(
+                number,
+                schema.external_of(xv, space[x]),
+                schema.external_of(yv, space[y]),
+                state == TrialState.PRUNED,
+            )
         )
     total = sum(len(points) for points in grouped.values())
     out = _thin_categories(grouped, max_points)
@@ -327,6 +343,8 @@ def _plane(study_id: int, x: str, y: str) -> Select[Any]:
             T.c.state,
             VT.c.outcome,
             VT.c.status,
+            VT.c.plan,
+            VT.c.min_bytes,
         )
         .join(px, and_(px.c.trial_id == T.c.trial_id, px.c.param_name == x))
         .join(py, and_(py.c.trial_id == T.c.trial_id, py.c.param_name == y))
@@ -344,35 +362,39 @@ def _oomed(session: Session, study_id: int) -> set[int]:
     return set(session.scalars(query))
 
 
+class Point(NamedTuple):
+    """One trial on the region map."""
+
+    number: int
+    x: ParamValue
+    y: ParamValue
+    pruned: bool
+
+
 def region_category(
     state: TrialState, outcome: str | None, status: str | None, had_oom: bool, infeasible: bool
 ) -> str:
-    """Where a trial lands on the region map."""
+    """Where a trial lands on the region map: its memory outcome, else its state.
+
+    ``outcome`` of a pruned trial is how it ran (as_asked, resized, routed); a trial that ran
+    out of memory once is "oom" whatever came after, since its prediction missed.
+    """
     if status == "waiting":
         return "waiting for a larger card"
     if outcome == "infeasible" or infeasible:
         return "infeasible"
-    if outcome == "oom":
+    if outcome == "oom" or (had_oom and state != TrialState.RUNNING):
         return "oom"
-    if state == TrialState.COMPLETE:
-        if had_oom:
-            return "resized after oom"
-        if outcome in ("resized", "routed"):
-            return outcome
-        return "as asked"
-    if had_oom and state == TrialState.FAIL:
-        return "oom"
+    if state in RAN:
+        return outcome if outcome in ("resized", "routed") else "as asked"
     return {
-        TrialState.PRUNED: "pruned",
         TrialState.FAIL: "failed",
         TrialState.RUNNING: "running",
         TrialState.WAITING: "waiting",
     }.get(state, state.name.lower())
 
 
-def _thin_categories(
-    grouped: dict[str, list[tuple[int, ParamValue, ParamValue]]], max_points: int
-) -> list[RegionCategory]:
+def _thin_categories(grouped: dict[str, list[Point]], max_points: int) -> list[RegionCategory]:
     """Share ``max_points`` so that small categories keep every point and large ones are thinned."""
     budget = max_points
     remaining = len(grouped)
@@ -386,9 +408,10 @@ def _thin_categories(
             RegionCategory(
                 name=name,
                 count=len(points),
-                numbers=[p[0] for p in kept],
-                x=[p[1] for p in kept],
-                y=[p[2] for p in kept],
+                numbers=[p.number for p in kept],
+                x=[p.x for p in kept],
+                y=[p.y for p in kept],
+                pruned=[p.pruned for p in kept],
             )
         )
     rank = {name: i for i, name in enumerate(REGION_ORDER)}

@@ -57,11 +57,6 @@ INF_NEG = models.TrialValueModel.TrialValueType.INF_NEG
 IV_FINITE = models.TrialIntermediateValueModel.TrialIntermediateValueType.FINITE
 
 
-def utcnow() -> datetime:
-    """Now in UTC without tz, as both Optuna and vramtune store datetimes."""
-    return datetime.now(UTC).replace(tzinfo=None)
-
-
 def utc(moment: datetime) -> datetime:
     """A stored naive-UTC datetime made explicit, so that browsers do not read it as local."""
     return moment.replace(tzinfo=UTC)

@@ -11,7 +11,7 @@ from typing import Any
 from optuna.distributions import BaseDistribution
 from optuna.study import StudyDirection
 from optuna.trial import TrialState
-from sqlalchemy import and_, case, func, select
+from sqlalchemy import ColumnElement, and_, case, func, or_, select
 from sqlalchemy.orm import Session
 
 from service.api.errors import NotFound
@@ -19,6 +19,7 @@ from service.dashboard import cache, schema
 from service.dashboard.models import (
     BestTrial,
     DashboardState,
+    MemoryCounts,
     ParamInfo,
     StudyListItem,
     StudyListOut,
@@ -63,18 +64,24 @@ def infeasible(session: Session, facts: StudyFacts) -> set[int]:
     return facts.infeasible_ids
 
 
-def list_studies(session: Session) -> StudyListOut:
+def list_studies(session: Session, now: datetime) -> StudyListOut:
     """Every Optuna study in the database, vramtune's with their task and budget."""
-    now = schema.utcnow()
     facts = _facts(session, None)
     ids = [f.study_id for f in facts]
     activity = _activity(session, ids, now)
-    items = [_list_item(session, f, activity.get(f.study_id), now) for f in facts]
+    memory = _memory_counts(session, ids)
+    items = [
+        _list_item(session, f, activity.get(f.study_id), memory.get(f.study_id), now) for f in facts
+    ]
     return StudyListOut(studies=items, now=schema.utc(now))
 
 
 def _list_item(
-    session: Session, facts: StudyFacts, activity: Activity | None, now: datetime
+    session: Session,
+    facts: StudyFacts,
+    activity: Activity | None,
+    memory: MemoryCounts | None,
+    now: datetime,
 ) -> StudyListItem:
     best = best_feasible(session, facts) if len(facts.directions) == 1 else None
     return StudyListItem(
@@ -85,6 +92,7 @@ def _list_item(
         directions=[d.name.lower() for d in facts.directions],
         n_trials=spec_of(facts.row).n_trials if facts.row else None,
         counts=facts.counts,
+        memory=(memory or MemoryCounts()) if facts.row else None,
         finished=_finished(facts.counts),
         running=facts.counts.get(TrialState.RUNNING.name, 0),
         best_value=best[2] if best else None,
@@ -92,6 +100,35 @@ def _list_item(
         created_at=schema.aware(facts.row.created_at if facts.row else None),
         last_activity=schema.aware(activity.last if activity else None),
     )
+
+
+def _memory_counts(session: Session, ids: list[int]) -> dict[int, MemoryCounts]:
+    """Each vramtune study's resized, routed, infeasible and ever-OOMed trials, in one query."""
+    VT, OBS = schema.vt_trials, schema.vt_observations
+    oomed = select(OBS.c.trial_id).where(OBS.c.outcome == "oom")
+    ran_out = or_(VT.c.outcome == "oom", VT.c.trial_id.in_(oomed.scalar_subquery()))
+
+    def count(condition: ColumnElement[bool]) -> ColumnElement[int]:
+        return func.sum(case((condition, 1), else_=0))
+
+    query = (
+        select(
+            VT.c.study_id,
+            count(VT.c.outcome == "resized"),
+            count(VT.c.outcome == "routed"),
+            count(VT.c.outcome == "infeasible"),
+            count(ran_out),
+        )
+        .where(VT.c.study_id.in_(ids))
+        .group_by(VT.c.study_id)
+    )
+    fields = ("resized", "routed", "infeasible", "oom")
+    return {
+        sid: MemoryCounts.model_validate(
+            {name: int(n or 0) for name, n in zip(fields, counts, strict=True)}
+        )
+        for sid, *counts in session.execute(query)
+    }
 
 
 def _facts(session: Session, name: str | None, counted: bool = True) -> list[StudyFacts]:
@@ -234,10 +271,9 @@ class _Settled:
     card_models: list[str]
 
 
-def overview(session: Session, name: str) -> StudyOverview:
+def overview(session: Session, name: str, now: datetime) -> StudyOverview:
     """The study page's header: state, counts, best trial, parameters, card models, revision."""
     facts = study_facts(session, name, counted=True)
-    now = schema.utcnow()
     activity = _activity(session, [facts.study_id], now).get(facts.study_id)
     spec = spec_of(facts.row) if facts.row else None
     peak_memory = bool(spec and spec.minimize_peak_memory)
@@ -278,7 +314,10 @@ def _settled(session: Session, facts: StudyFacts, peak_memory: bool) -> _Settled
 
 
 def _objective_names(session: Session, facts: StudyFacts, peak_memory_last: bool) -> list[str]:
-    """Optuna's metric names when set, else objective 0, 1...; the peak-memory objective named."""
+    """The spec's or Optuna's metric names, else objective 0, 1...; peak memory named as such."""
+    given = spec_of(facts.row).metric_names if facts.row else None
+    if given:
+        return [*given, "peak memory (bytes)"] if peak_memory_last else list(given)
     a = schema.study_system_attrs
     stored = session.scalar(
         select(a.c.value_json).where(

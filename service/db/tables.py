@@ -59,6 +59,10 @@ class WorkerRow(Base):
     last_heartbeat: Mapped[datetime] = mapped_column(DateTime, index=True)
     stopped: Mapped[bool] = mapped_column(Boolean, default=False)
     trials_done: Mapped[int] = mapped_column(Integer, default=0)
+    # The token that registered the worker: only it may act as the worker (NULL: auth off).
+    token_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+    __table_args__ = (Index("ix_vramtune_workers_token", "token_id", "stopped"),)
 
 
 class TrialRow(Base):
@@ -148,3 +152,19 @@ class TokenRow(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime)
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
     last_used_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+
+
+class AuditRow(Base):
+    """Who did what to tokens and studies: one row per event, never updated or deleted."""
+
+    __tablename__ = "vramtune_audit"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    at: Mapped[datetime] = mapped_column(DateTime, index=True)
+    event: Mapped[str] = mapped_column(String(64))
+    # The acting token (NULL and actor "cli" for the command line, "local" with auth off).
+    token_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    actor: Mapped[str] = mapped_column(String(128))
+    target: Mapped[str] = mapped_column(String(256))
+    detail: Mapped[dict[str, Any]] = mapped_column(JSON)

@@ -1,2 +1,3 @@
-"""The fleet: workers and their heartbeats (workers.py), trial calls under a lease (trials.py),
-leases, routing of trials that do not fit, the reaper, and calibration served to workers."""
+"""The fleet: workers and their heartbeats (workers.py), which trial a worker gets (dispatch.py),
+trial calls under a lease (trials.py), leases, routing of trials that do not fit, the reaper,
+and the calibration served to workers."""

@@ -23,6 +23,7 @@ from optuna.trial import TrialState
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from common.logs import log_event
 from service.db.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
 from service.fleet.leases import end, expired_lease, resolution
 from service.fleet.routing import (
@@ -34,11 +35,9 @@ from service.fleet.routing import (
     tell_infeasible,
 )
 from service.fleet.workers import fleet_transaction
-from service.logs import log_event
 from service.metrics import record_reaper_action
 from service.optuna.glue import spec_of
 from service.state import AppState
-from service.studies import utcnow
 
 log = logging.getLogger("vramtune.reaper")
 
@@ -64,7 +63,7 @@ class _Pass:
 
 def reap_once(state: AppState, now: datetime | None = None) -> Reaped:
     """One pass over expired leases and stranded waiting trials, each in its own transaction."""
-    run = _Pass(state, now or utcnow(), Reaped())
+    run = _Pass(state, now or state.clock(), Reaped())
     while _reap_one_lease(run):
         pass
     for trial_id in _waiting_trial_ids(state):

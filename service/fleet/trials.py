@@ -22,7 +22,6 @@ from optuna.trial import TrialState
 from sqlalchemy.orm import Session
 
 from service.api.errors import Invalid
-from service.calibration import raw_peaks
 from service.db.tables import MemoryObservationRow, WorkerRow
 from service.fleet.leases import Fenced, end, fence, resolution
 from service.fleet.routing import (
@@ -37,6 +36,7 @@ from service.fleet.routing import (
     write_attrs,
     write_constraint,
 )
+from service.fleet.workers import check_owner
 from service.optuna import rows as optuna_rows
 from service.optuna.glue import load_optuna_study, spec_of, tell
 from service.settings import Settings
@@ -54,17 +54,30 @@ from service.wire import (
     StudyCreate,
     TrialAck,
     TrialResolution,
+    ran_as,
+    raw_peaks,
 )
 
 
 @dataclass(frozen=True)
 class TrialCall:
-    """What every trial call needs: the session, Optuna's storage, settings and the time."""
+    """What every trial call needs: the session, Optuna's storage, settings, the time, and
+    the calling token (None: auth off), which must be the one that registered the worker."""
 
     session: Session
     storage: BaseStorage
     settings: Settings
     now: datetime
+    token_id: int | None = None
+
+    def fence(self, trial_id: int, lease: str, call: str, kind: str | None = None) -> Fenced:
+        """The call admitted under its lease (service.fleet.leases.fence), by the worker's token.
+
+        Checked before a replay too: a lease token is no use to another token's worker.
+        """
+        fenced = fence(self.session, trial_id, lease, self.now, call, kind)
+        check_owner(fenced.worker, self.token_id)
+        return fenced
 
     def telling(self, fenced: Fenced) -> OptunaTell:
         """Where to tell Optuna about the fenced trial."""
@@ -109,7 +122,7 @@ _OUTCOMES = {"infeasible": "infeasible", "pruned": "pruned"}
 
 def start(call: TrialCall, trial_id: int, body: StartRequest) -> TrialAck:
     """The worker chose its plan and runs it: store the plan and the prediction."""
-    fenced = fence(call.session, trial_id, body.lease, call.now, "start")  # never a replay
+    fenced = call.fence(trial_id, body.lease, "start")  # never a replay
     predicted = _predicted(body.prediction)
     write_attrs(
         call.session,
@@ -131,7 +144,7 @@ def start(call: TrialCall, trial_id: int, body: StartRequest) -> TrialAck:
 
 def report(call: TrialCall, trial_id: int, body: ReportRequest) -> ReportReply:
     """An intermediate value; the study's pruner decides on it (single-objective studies)."""
-    fenced = fence(call.session, trial_id, body.lease, call.now, "report")
+    fenced = call.fence(trial_id, body.lease, "report")
     frozen = call.storage.get_trial(trial_id)  # the values reported before, as committed
     if body.step in frozen.intermediate_values:
         return ReportReply(prune=False)  # as Optuna's Trial.report: a step is reported once
@@ -172,7 +185,7 @@ def objective_values(spec: StudyCreate, body: CompleteRequest) -> list[float]:
 
 def complete(call: TrialCall, trial_id: int, body: CompleteRequest) -> TrialAck:
     """Tell Optuna the value(s), with the plan, the peaks and a feasible memory constraint."""
-    fenced = fence(call.session, trial_id, body.lease, call.now, "complete")
+    fenced = call.fence(trial_id, body.lease, "complete")
     if fenced.replay is not None:
         return fenced.replay
     spec = spec_of(fenced.study)
@@ -213,10 +226,7 @@ def _predicted(prediction: Prediction | None) -> int | None:
 
 def _outcome_of(plan: Plan, routed: bool) -> str:
     """routed (ran on a larger card after a hand-back), resized, or as_asked."""
-    if routed:
-        return "routed"
-    resized = plan.accumulation > 1 or plan.checkpointing or plan.bf16
-    return "resized" if resized else "as_asked"
+    return ran_as(plan, routed)
 
 
 def observe(
@@ -259,7 +269,7 @@ def observe(
 
 def fail(call: TrialCall, trial_id: int, body: FailRequest) -> TrialAck:
     """OOM: retry once with a smaller plan; error: FAIL; interrupted: offer again; pruned."""
-    fenced = fence(call.session, trial_id, body.lease, call.now, "fail", body.kind)
+    fenced = call.fence(trial_id, body.lease, "fail", body.kind)
     if fenced.replay is not None:
         return fenced.replay
     if body.kind == "oom":
@@ -304,7 +314,7 @@ def _out_of_memory(call: TrialCall, fenced: Fenced, body: FailRequest) -> TrialA
 
 def hand_back(call: TrialCall, trial_id: int, body: HandBackRequest) -> TrialAck:
     """Route a trial that does not fit: wait for a larger live card, or end it infeasible."""
-    fenced = fence(call.session, trial_id, body.lease, call.now, "handback")
+    fenced = call.fence(trial_id, body.lease, "handback")
     if fenced.replay is not None:
         return fenced.replay
     trial, worker = fenced.trial, fenced.worker

@@ -1,4 +1,6 @@
-"""Fleet use cases: workers register, heartbeat, pull trials and leave; helpers never commit.
+"""Workers: they register, heartbeat and leave, and are listed; helpers never commit.
+
+What a worker that asks for work gets is service.fleet.dispatch.
 
 Each use case runs in one ``fleet_transaction``, which writes Optuna's rows of a trial and
 vramtune's together (service.optuna.rows): a call either happened whole or not at all. On
@@ -13,30 +15,23 @@ import logging
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Literal
 
-from optuna.trial import FrozenTrial
-from sqlalchemy import case, func, or_, select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from service.api.errors import Conflict, NotFound
+from service.api.errors import Conflict, Forbidden, NotFound, TooMany
 from service.db.engine import is_sqlite
-from service.db.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
-from service.fleet.leases import active_leases, end, ended_since, grant, renew, resolution
-from service.fleet.routing import plans_on, reoffer
-from service.optuna import rows as optuna_rows
-from service.optuna.drafts import draft_trial
-from service.optuna.glue import asked_trial, spec_of, strategy
+from service.db.tables import LeaseRow, StudyRow, TokenRow, TrialRow, WorkerRow
+from service.fleet.leases import active_leases, end, ended_since, renew, resolution
+from service.fleet.routing import reoffer
 from service.settings import Settings
 from service.state import AppState
 from service.wire import (
-    Assignment,
     CardInfo,
     Heartbeat,
     HeartbeatReply,
-    NextRequest,
-    PlanOut,
     StopOrder,
     WorkerList,
     WorkerOut,
@@ -49,14 +44,6 @@ log = logging.getLogger("vramtune.fleet")
 WorkerState = Literal["live", "stale", "stopped"]
 
 _sqlite_writes = threading.Lock()
-
-# Samplers that draw without reading the study's trials (random, quasi-Monte Carlo) lose
-# nothing when trials are asked ahead of the workers: one transaction asks several, and the
-# extra ones wait as pending trials (RUNNING in Optuna) for the next calls. As many as half
-# the workers running the study's trials now, at most ASK_AHEAD_MAX: a lone worker asks one
-# at a time. The other samplers see each result before they propose again: one at a time.
-ASK_AHEAD_SAMPLERS = frozenset({"random", "qmc"})
-ASK_AHEAD_MAX = 8
 
 
 @contextmanager
@@ -71,9 +58,26 @@ def fleet_transaction(state: AppState) -> Iterator[Session]:
 
 
 def register(
-    session: Session, settings: Settings, body: WorkerRegister, now: datetime
+    session: Session,
+    settings: Settings,
+    body: WorkerRegister,
+    now: datetime,
+    token_id: int | None = None,
 ) -> WorkerRegistered:
-    """Record a worker and its card; the answer carries its id and the heartbeat period."""
+    """Record a worker and its card, bound to the token registering it (None: auth off).
+
+    A token may hold ``settings.max_workers_per_token`` live workers: one leaked or looping
+    token cannot fill the fleet tables. The count reads one index (token_id, stopped).
+    """
+    if token_id is not None:  # one token's registrations in turn (PostgreSQL): an exact count
+        session.execute(select(TokenRow.id).where(TokenRow.id == token_id).with_for_update())
+    live = _live_workers_of(session, token_id, now - timedelta(seconds=settings.worker_stale_s))
+    if live >= settings.max_workers_per_token:
+        raise TooMany(
+            f"this token has {live} live workers, the limit (VRAMTUNE_MAX_WORKERS_PER_TOKEN) "
+            f"is {settings.max_workers_per_token}: stop some (POST /workers/ID/stop) or wait "
+            f"{settings.worker_stale_s:g} s for silent ones to go stale"
+        )
     worker = WorkerRow(
         name=body.name,
         device=body.device,
@@ -87,6 +91,7 @@ def register(
         last_heartbeat=now,
         stopped=False,
         trials_done=0,
+        token_id=token_id,
     )
     session.add(worker)
     session.flush()
@@ -97,17 +102,35 @@ def register(
     )
 
 
-def get_worker(session: Session, worker_id: int) -> WorkerRow:
-    """The worker row; NotFound if there is none."""
+def _live_workers_of(session: Session, token_id: int | None, heard_since: datetime) -> int:
+    bound = WorkerRow.token_id.is_(None) if token_id is None else WorkerRow.token_id == token_id
+    query = select(func.count()).where(
+        bound, WorkerRow.stopped.is_(False), WorkerRow.last_heartbeat >= heard_since
+    )
+    return int(session.scalar(query) or 0)
+
+
+def check_owner(worker: WorkerRow, token_id: int | None) -> None:
+    """Forbidden unless the calling token (None: auth off, anyone) registered the worker."""
+    if token_id is not None and worker.token_id != token_id:
+        raise Forbidden(
+            f"worker {worker.id} was registered with another token: only that token may act "
+            "as this worker or on its trials"
+        )
+
+
+def get_worker(session: Session, worker_id: int, token_id: int | None = None) -> WorkerRow:
+    """The worker row, if the calling token registered it; NotFound if there is none."""
     worker = session.get(WorkerRow, worker_id)
     if worker is None:
         raise NotFound(f"worker {worker_id} not found: register first (POST /workers)")
+    check_owner(worker, token_id)
     return worker
 
 
-def running_worker(session: Session, worker_id: int) -> WorkerRow:
+def running_worker(session: Session, worker_id: int, token_id: int | None = None) -> WorkerRow:
     """The worker row of a worker that has not stopped; Conflict if it has."""
-    worker = get_worker(session, worker_id)
+    worker = get_worker(session, worker_id, token_id)
     if worker.stopped:
         raise Conflict(f"worker {worker_id} has stopped: register again to rejoin")
     return worker
@@ -121,7 +144,12 @@ def worker_state(worker: WorkerRow, now: datetime, stale_s: float) -> WorkerStat
 
 
 def heartbeat(
-    session: Session, settings: Settings, worker_id: int, body: Heartbeat, now: datetime
+    session: Session,
+    settings: Settings,
+    worker_id: int,
+    body: Heartbeat,
+    now: datetime,
+    token_id: int | None = None,
 ) -> HeartbeatReply:
     """Renew the leases of the trials the worker runs; order stopped what it must not run on.
 
@@ -130,7 +158,7 @@ def heartbeat(
     sent before a next's answer arrived may be read after that next.
     """
     leases = active_leases(session, worker_id)  # leases before the worker: the lock order
-    worker = running_worker(session, worker_id)
+    worker = running_worker(session, worker_id, token_id)
     stops = [
         StopOrder(trial_id=lease.trial_id, reason=lease.resolution["stop"])
         for lease in ended_since(session, worker_id, worker.last_heartbeat)
@@ -169,10 +197,12 @@ def _paused_studies(session: Session, study_ids: set[int]) -> set[int]:
     return set(session.scalars(query))
 
 
-def stop_worker(session: Session, worker_id: int, now: datetime) -> None:
+def stop_worker(
+    session: Session, worker_id: int, now: datetime, token_id: int | None = None
+) -> None:
     """The worker leaves: its leases end now and their trials are offered again."""
     leases = active_leases(session, worker_id)
-    worker = get_worker(session, worker_id)
+    worker = get_worker(session, worker_id, token_id)
     trials = _trials_by_id(session, [lease.trial_id for lease in leases])
     for lease in leases:
         end(lease, now, resolution("stop"))
@@ -182,13 +212,37 @@ def stop_worker(session: Session, worker_id: int, now: datetime) -> None:
     worker.stopped = True
 
 
-def list_workers(session: Session, settings: Settings, now: datetime) -> WorkerList:
-    """The fleet: every worker with its card, state and the trials it holds now."""
+def stop_token_workers(session: Session, token_id: int, now: datetime) -> int:
+    """Stop every worker a (revoked) token registered; how many were running."""
+    query = select(WorkerRow.id).where(WorkerRow.token_id == token_id, WorkerRow.stopped.is_(False))
+    worker_ids = list(session.scalars(query.order_by(WorkerRow.id)))
+    for worker_id in worker_ids:
+        stop_worker(session, worker_id, now)
+    return len(worker_ids)
+
+
+def list_workers(
+    session: Session, settings: Settings, now: datetime, allowed: frozenset[str] | None = None
+) -> WorkerList:
+    """The fleet: every worker with its card, state and the trials it holds now.
+
+    ``allowed``: the studies of a study-limited token; then only the workers running trials
+    of those studies are listed, with those trials only (what others run is not its to see).
+    """
     current: dict[int, list[int]] = {}
     holding = select(LeaseRow.worker_id, LeaseRow.trial_id).where(LeaseRow.active.is_(True))
+    if allowed is not None:
+        holding = (
+            holding.join(TrialRow, TrialRow.trial_id == LeaseRow.trial_id)
+            .join(StudyRow, StudyRow.study_id == TrialRow.study_id)
+            .where(StudyRow.name.in_(allowed))
+        )
     for worker_id, trial_id in session.execute(holding.order_by(LeaseRow.id)):
         current.setdefault(worker_id, []).append(trial_id)
-    workers = session.scalars(select(WorkerRow).order_by(WorkerRow.id))
+    query = select(WorkerRow).order_by(WorkerRow.id)
+    if allowed is not None:
+        query = query.where(WorkerRow.id.in_(current))
+    workers = session.scalars(query)
     return WorkerList(
         workers=[
             WorkerOut(
@@ -205,164 +259,3 @@ def list_workers(session: Session, settings: Settings, now: datetime) -> WorkerL
             for w in workers
         ]
     )
-
-
-# ---------------------------------------------------------------- next trial
-
-
-def next_assignment(
-    state: AppState,
-    worker_id: int,
-    body: NextRequest,
-    now: datetime,
-    allowed: frozenset[str] | None = None,
-) -> Assignment | None:
-    """Lease the worker a trial: a re-offered one that fits its card, else a new ask; or None.
-
-    ``allowed``: the study names the caller's token is limited to (None: every study). The
-    sampler runs between two transactions, holding neither a lock nor a connection.
-    """
-    with fleet_transaction(state) as session:
-        worker = running_worker(session, worker_id)
-        worker.free_bytes = body.free_bytes
-        studies = _open_studies(session, worker.tasks, allowed)
-        offered = _offered(session, worker, studies)
-        if offered is not None:
-            return _lease(session, state, offered, worker, now)
-        askable = [
-            (row, optuna_rows.count_trials(session, row.study_id), _ask_count(session, row, left))
-            for row, left in _budgets_left(session, studies)
-        ]
-    for row, number, count in askable:
-        how = strategy(state.storage, row)
-        try:
-            drafts = [
-                draft_trial(
-                    state.storage, row.study_id, row.name, how.sampler, how.space, number + i
-                )
-                for i in range(count)
-            ]
-        except KeyError:  # deleted from Optuna underneath; the other studies may have work
-            continue
-        with fleet_transaction(state) as session:
-            asked = _record_asked(session, row.study_id, drafts, now)
-            if asked:
-                return _lease(session, state, asked[0], running_worker(session, worker_id), now)
-    return None
-
-
-def _lease(
-    session: Session, state: AppState, trial: TrialRow, worker: WorkerRow, now: datetime
-) -> Assignment:
-    """Grant the worker a lease on the trial; the assignment it is answered with."""
-    row = session.get_one(StudyRow, trial.study_id)
-    lease = grant(session, trial, worker, now, state.settings.lease_ttl_s)
-    session.flush()
-    spec = spec_of(row)
-    return Assignment(
-        trial_id=trial.trial_id,
-        number=trial.number,
-        attempt=trial.attempt,
-        lease=lease.token,
-        lease_expires_at=lease.expires_at,
-        study=row.name,
-        task=row.task,
-        params=asked_trial(state.storage, row, trial).params,
-        task_config=spec.task_config,
-        budget=spec.budget,
-        memory_policy=spec.memory_policy,
-        n_objectives=len(spec.objective_directions),
-        minimize_peak_memory=spec.minimize_peak_memory,
-        plans_tried=[
-            PlanOut.model_validate(plan) for plan in plans_on(trial.plans_tried, worker.card_model)
-        ],
-    )
-
-
-def _open_studies(
-    session: Session, tasks: Sequence[str], allowed: frozenset[str] | None
-) -> list[StudyRow]:
-    """Unpaused studies of the tasks a worker runs, oldest first (a queue of studies)."""
-    query = select(StudyRow).where(StudyRow.paused.is_(False), StudyRow.task.in_(tasks))
-    if allowed is not None:
-        query = query.where(StudyRow.name.in_(allowed))
-    return list(session.scalars(query.order_by(StudyRow.created_at, StudyRow.study_id)))
-
-
-def _offered(session: Session, worker: WorkerRow, studies: Sequence[StudyRow]) -> TrialRow | None:
-    """A pending or waiting trial this card can hold; waiting ones (for a larger card) first."""
-    if not studies:
-        return None
-    query = (
-        select(TrialRow)
-        .where(
-            TrialRow.study_id.in_([row.study_id for row in studies]),
-            TrialRow.status.in_(("pending", "waiting")),
-            TrialRow.min_bytes <= worker.total_bytes,
-            # a waiting trial is not offered back to the card that handed it back
-            or_(TrialRow.status == "pending", TrialRow.worker_id != worker.id),
-        )
-        .order_by(
-            case((TrialRow.status == "waiting", 0), else_=1), TrialRow.updated_at, TrialRow.trial_id
-        )
-        .limit(1)
-        .with_for_update(skip_locked=True)  # replicas take different trials, never the same
-    )
-    return session.scalar(query)
-
-
-def _budgets_left(session: Session, studies: Sequence[StudyRow]) -> list[tuple[StudyRow, int]]:
-    """The studies that have trials of their budget left to ask, with how many."""
-    lefts = [(row, _budget_left(session, row)) for row in studies]
-    return [(row, left) for row, left in lefts if left > 0]
-
-
-def _budget_left(session: Session, row: StudyRow) -> int:
-    """Trials of the study's budget not asked yet (vramtune asks every trial of its studies)."""
-    used = select(func.count()).select_from(TrialRow).where(TrialRow.study_id == row.study_id)
-    return spec_of(row).n_trials - int(session.scalar(used) or 0)
-
-
-def _ask_count(session: Session, row: StudyRow, left: int) -> int:
-    """How many trials to ask in one go (see ASK_AHEAD_SAMPLERS), within the budget left."""
-    if spec_of(row).sampler.name not in ASK_AHEAD_SAMPLERS:
-        return 1
-    running = select(func.count()).where(
-        TrialRow.study_id == row.study_id, TrialRow.status == "leased"
-    )
-    return max(1, min(left, ASK_AHEAD_MAX, int(session.scalar(running) or 0) // 2))
-
-
-def _record_asked(
-    session: Session, study_id: int, drafts: Sequence[FrozenTrial], now: datetime
-) -> list[TrialRow]:
-    """Insert drafted trials, Optuna's rows and vramtune's, as far as the budget still allows.
-
-    Optuna's study row is locked until commit: replicas number and count one ask at a time,
-    for the few statements of the insert only (the sampler ran before). The trials are
-    pending: the caller leases the first, the next calls are offered the others.
-    """
-    row = session.scalar(
-        select(StudyRow).where(StudyRow.study_id == study_id, StudyRow.paused.is_(False))
-    )
-    if row is None or not optuna_rows.lock_study(session, study_id):
-        return []  # paused or deleted meanwhile
-    asked = optuna_rows.insert_trials(
-        session, study_id, drafts[: max(_budget_left(session, row), 0)], now
-    )
-    trials = [
-        TrialRow(
-            trial_id=trial._trial_id,
-            study_id=study_id,
-            number=trial.number,
-            status="pending",
-            attempt=0,
-            min_bytes=0,
-            params=trial.params,
-            plans_tried=[],
-            updated_at=now,
-        )
-        for trial in asked
-    ]
-    session.add_all(trials)
-    return trials

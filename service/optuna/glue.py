@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import math
 import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -46,7 +47,6 @@ from service.wire import (
 
 SEARCH_SPACE_ATTR = "vramtune.search_space"
 TASK_ATTR = "vramtune.task"
-GRID_MAX_POINTS = 100_000
 
 Param = FloatParam | IntParam | CategoricalParam
 
@@ -154,17 +154,44 @@ _SAMPLER_NEEDS = {"cmaes": "cmaes", "gp": "torch"}
 _SINGLE_OBJECTIVE_SAMPLERS = {"cmaes"}
 
 
+def _point_count(name: str, param: Param) -> int:
+    """How many values one parameter takes; Invalid for a continuous one (a grid needs none)."""
+    if isinstance(param, CategoricalParam):
+        return len(param.choices)
+    if isinstance(param, FloatParam) and param.step is None:
+        raise Invalid("sampler.name", f"grid needs discrete parameters; {name} is continuous")
+    return int((param.high - param.low) // (param.step or 1)) + 1
+
+
 def _grid_values(name: str, param: Param) -> list[Any]:
     """All points of one parameter, for the grid sampler."""
     if isinstance(param, CategoricalParam):
         return list(param.choices)
-    if isinstance(param, FloatParam) and param.step is None:
-        raise Invalid("sampler.name", f"grid needs discrete parameters; {name} is continuous")
     step = param.step or 1
-    count = int((param.high - param.low) // step) + 1
-    if count > GRID_MAX_POINTS:
-        raise Invalid("sampler.name", f"grid over {name} has {count} points")
-    return [param.low + i * step for i in range(count)]
+    return [param.low + i * step for i in range(_point_count(name, param))]
+
+
+def check_space_size(spec: StudyCreate, limit: int) -> None:
+    """Invalid when the points a study enumerates are over ``limit`` (max_search_space_points).
+
+    The grid sampler holds its whole grid (every parameter's values multiplied) in memory,
+    and samplers keep per-choice state for the combinations of categorical parameters; both
+    are counted without building them.
+    """
+    grid = spec.sampler.name == "grid"
+    counted = {
+        name: _point_count(name, param)
+        for name, param in spec.search_space.items()
+        if grid or isinstance(param, CategoricalParam)
+    }
+    points = math.prod(counted.values())
+    if points > limit:
+        what = "the grid" if grid else "the categorical parameters' combinations"
+        raise Invalid(
+            "search_space",
+            f"{what} ({' x '.join(map(str, counted.values()))}) make {points} points, over the "
+            f"limit of {limit} (setting VRAMTUNE_MAX_SEARCH_SPACE_POINTS)",
+        )
 
 
 def make_sampler(spec: StudyCreate) -> BaseSampler:

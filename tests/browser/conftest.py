@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 from service.auth import tokens as auth
 from service.client import Client
 from service.db.engine import make_engine
+from service.state import utcnow
 from service.testing import ServerProcess, server_factory, sqlite_url, upgrade_database
 from tests.browser.chromium import CHROMIUM, launch
 from tests.e2e.conftest import WorkerProcess
@@ -41,6 +42,7 @@ XSS_PARAM_STUDY = "dash-xss-params"
 XSS_PARAM = '<img src=x onerror="window.__xss=1">'
 XSS_STUDY = "<script>window.__xss=1</script>"
 N_TRIALS = 30
+METRIC = "quadratic loss"  # the metric name STUDY's axes are titled with
 
 
 def quadratic_spec(name: str, n_trials: int, **extra: Any) -> dict[str, Any]:
@@ -97,7 +99,9 @@ def make_tokens(url: str) -> dict[str, str]:
     engine = make_engine(url)
     try:
         with Session(engine) as session, session.begin():
-            return {s: auth.create_token(session, f"browser-{s}", [s])[1] for s in auth.SCOPES}
+            return {
+                s: auth.create_token(session, f"browser-{s}", [s], utcnow())[1] for s in auth.SCOPES
+            }
     finally:
         engine.dispose()
 
@@ -132,7 +136,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     with server_factory(directory) as start:
         server = start(url, auth="on", **FLEET)
         with Client(server.url, token=tokens["admin"]) as client:
-            client.create_study(quadratic_spec(STUDY, N_TRIALS))
+            client.create_study(quadratic_spec(STUDY, N_TRIALS, metric_names=[METRIC]))
             client.create_study(two_objective_spec())
             hostile = quadratic_spec(XSS_PARAM_STUDY, 3)
             hostile["search_space"] = {XSS_PARAM: {"type": "float", "low": 0.0, "high": 1.0}}

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from tests.browser.conftest import (
+    METRIC,
     MO_STUDY,
     N_TRIALS,
     STUDY,
@@ -89,6 +90,9 @@ def test_studies_page_lists_studies_with_their_counts(live: Live, open_page: Ope
     assert "done" in text
     assert f"{N_TRIALS} / {N_TRIALS}" in text
     assert "quadratic" in text
+    memory = row.locator("td[data-col='memory']")
+    assert "infeasible" in memory.inner_text()  # width 4096 fits no card of the fleet
+    assert "resized" in memory.inner_text() or "routed" in memory.inner_text()
     page.screenshot("dashboard-studies")
     assert page.errors == []
 
@@ -107,7 +111,66 @@ def test_study_page_draws_every_plot_with_points(live: Live, open_page: OpenPage
     assert "infeasible" in legend, legend  # width 4096 fits no card of the fleet
     assert "as asked" in legend, legend
     assert page.page.locator("#calibration-stats tbody tr").count() >= 1
+    headers = page.page.locator("#calibration-stats th").all_inner_texts()
+    assert {"samples", "median bias", "under-predicted"} <= set(headers), headers
+    bias = text(page, "#calibration-stats td[data-col='median bias']")
+    assert re.fullmatch(r"[+-]?\d+\.\d %", bias), bias  # signed when not zero
+    assert "Under-predicted: runs that used more memory" in text(page, "#calibration-note")
     page.screenshot("dashboard-study")
+    assert page.errors == []
+
+
+def test_axes_are_named_with_the_metric(live: Live, open_page: OpenPage) -> None:
+    page = open_page(study_url(live, STUDY))
+    wait_rendered(page)
+    assert text(page, "#plot-history .axis-y") == METRIC
+    assert text(page, "#plot-memory .axis-y") == METRIC
+    assert text(page, "#memory-title") == f"{METRIC} vs peak memory"
+    assert page.errors == []
+
+
+def memory_answer(peaks_mib: list[int]) -> dict[str, Any]:
+    """A /memory answer with these measured peaks (what the page is given instead of STUDY's)."""
+    n = len(peaks_mib)
+    return {
+        "objective": 0, "direction": "minimize", "total": n, "numbers": list(range(n)),
+        "values": [float(i) for i in range(n)], "measured_bytes": [p * 2**20 for p in peaks_mib],
+        "card_models": ["sim"] * n, "outcomes": ["as_asked"] * n, "front_numbers": [0],
+        "front_values": [0.0], "front_bytes": [peaks_mib[0] * 2**20], "downsampled": False,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(("peaks_mib", "log"), [([2, 40, 2048], True), ([200, 400, 900], False)])
+def test_memory_axes_are_logarithmic_when_peaks_span_decades(
+    live: Live, open_page: OpenPage, peaks_mib: list[int], log: bool
+) -> None:
+    context = open_page(f"{live.url}/fleet").page.context  # a context to route, then navigate
+    answer = memory_answer(peaks_mib)
+    context.route(re.compile(r"/memory\?"), lambda route: route.fulfill(json=answer))
+    page = Page(context.new_page())
+    page.page.on("console", lambda m: page.errors.append(m.text) if m.type == "error" else None)
+    page.page.goto(study_url(live, STUDY))
+    wait_rendered(page)
+    assert points(page, "memory") >= len(peaks_mib)
+    assert text(page, "#plot-memory .axis-x").endswith(", log)") is log
+    assert page.errors == []
+
+
+def test_importances_from_few_trials_carry_a_caveat(live: Live, open_page: OpenPage) -> None:
+    page = open_page(study_url(live, STUDY))
+    wait_importances(page)
+    assert text(page, "#importances-caveat") == ""  # 15 completed trials: no caveat
+    context = page.page.context
+    few = {
+        "objective": 0, "evaluator": "PedAnovaImportanceEvaluator", "n_complete": 4,
+        "n_used": 4, "importances": [{"name": "x", "importance": 1.0}],
+        "caveat": "from 4 completed trials only", "computed_at": "2030-01-01T00:00:00Z",
+    }  # fmt: skip
+    context.route(re.compile(r"/importances\?"), lambda route: route.fulfill(json=few))
+    page.page.reload()
+    wait_importances(page)
+    assert text(page, "#importances-caveat") == "Caveat: from 4 completed trials only."
+    assert page.page.locator("#importances-caveat").is_visible()
     assert page.errors == []
 
 
@@ -259,10 +322,32 @@ def test_fleet_page_shows_workers_their_cards_and_trials(live: Live, open_page: 
         row = page.page.locator(f"tr[data-worker='{name}'][data-state='live']")
         row.wait_for(timeout=WAIT_MS)  # a heartbeat late on a busy machine passes
         assert "MiB" in row.inner_text()
-    done = [int(t) for t in page.page.locator("#workers tbody td.num").all_inner_texts()]
-    assert sum(done) >= N_TRIALS // 2
+    cells = page.page.locator("#workers tbody td[data-col='trials']").all_inner_texts()
+    run_done = [[int(n.replace(",", "")) for n in cell.split(" / ")] for cell in cells]
+    assert all(run >= done for run, done in run_done), cells  # every completed trial was run
+    assert sum(done for _, done in run_done) >= N_TRIALS // 2
     assert "Live workers" in page.page.locator("#fleet-summary").inner_text()
     page.screenshot("dashboard-fleet")
+    assert page.errors == []
+
+
+def test_a_stopped_worker_is_greyed_out(live: Live, open_page: OpenPage) -> None:
+    import httpx
+
+    card = {"model": "sim-gone", "total_bytes": 2**30, "free_bytes": 2**30, "simulated": True}
+    worker = {"name": "gone-worker", "device": "cpu", "card": card, "tasks": ["nothing"]}
+    headers = {"Authorization": f"Bearer {live.tokens['worker']}"}
+    with httpx.Client(base_url=f"{live.url}/api/v1", headers=headers) as http:
+        worker_id = http.post("/workers", json=worker).json()["worker_id"]
+        assert http.post(f"/workers/{worker_id}/stop").status_code == 204
+    page = open_page(f"{live.url}/fleet")
+    row = page.page.locator("tr[data-worker='gone-worker'][data-state='stopped']")
+    row.wait_for(timeout=WAIT_MS)
+    assert "stopped" in (row.get_attribute("class") or "")
+    opacity = row.locator("td").first.evaluate("td => getComputedStyle(td).opacity")
+    assert float(opacity) < 1
+    live_row = page.page.locator("tr[data-worker='small-card']")
+    assert live_row.locator("td").first.evaluate("td => getComputedStyle(td).opacity") == "1"
     assert page.errors == []
 
 

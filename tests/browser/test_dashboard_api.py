@@ -111,6 +111,37 @@ def test_studies_list_counts_and_best_feasible_value(client: TestClient) -> None
     assert sum(study["counts"].values()) == N_TRIALS
     # numbers 3, 7, 11 were handed back (infeasible): their placeholder values never count
     assert study["best_value"] == 0.0
+    # 1, 5, 9 resized; 2, 6, 10 ran out of memory once (then ran again); one card: none routed
+    assert study["memory"] == {"resized": 3, "routed": 0, "infeasible": 3, "oom": 3}
+
+
+def test_metric_names_name_the_objectives(client: TestClient) -> None:
+    space = {"x": {"type": "float", "low": 0.0, "high": 1.0}}
+    spec = {"task": "quadratic", "search_space": space, "metric_names": ["val_loss"]}
+    assert client.post(f"{V}/studies", json=spec | {"name": "api-named"}).status_code == 201
+    assert get(client, f"{D}/api-named")["objective_names"] == ["val_loss"]
+    with_peak = spec | {"name": "api-named-peak", "minimize_peak_memory": True}
+    assert client.post(f"{V}/studies", json=with_peak).status_code == 201
+    names = get(client, f"{D}/api-named-peak")["objective_names"]
+    assert names == ["val_loss", "peak memory (bytes)"]
+    for name in ("api-named", "api-named-peak"):  # no worker is to run them
+        ok(client.post(f"{V}/studies/{name}/pause"))
+    two = spec | {"name": "api-named-bad", "metric_names": ["a", "b"]}
+    refused = client.post(f"{V}/studies", json=two)
+    assert refused.status_code == 422
+    assert refused.json()["detail"][0]["loc"] == ["body", "metric_names"]
+
+
+def test_a_plain_optuna_study_has_no_memory_counts(client: TestClient) -> None:
+    import optuna
+
+    url = client.app.state.vt.settings.database_url  # type: ignore[attr-defined]
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    optuna.create_study(storage=url, study_name="plain-no-memory").optimize(
+        lambda t: t.suggest_float("x", 0, 1), n_trials=1
+    )
+    (plain,) = [s for s in get(client, D)["studies"] if s["name"] == "plain-no-memory"]
+    assert plain["memory"] is None
 
 
 def test_overview_history_and_memory_exclude_infeasible_trials(client: TestClient) -> None:
@@ -133,13 +164,38 @@ def test_calibration_counts_every_run_per_card(client: TestClient) -> None:
     assert card["n"] >= 9  # every started run, the OOM attempts included
     assert card["under_fraction"] == 1.0  # every run measured 5 % above its prediction
     assert card["median_abs_error"] == pytest.approx(0.05, abs=0.001)
+    assert card["median_bias"] == pytest.approx(0.05, abs=0.001)  # signed: above, not below
+    assert get(client, f"{D}/{STUDY}/calibration")["target_under_fraction"] == 0.01
 
 
-def test_regions_name_each_outcome(client: TestClient) -> None:
+def test_regions_name_each_memory_outcome(client: TestClient) -> None:
     regions = get(client, f"{D}/{STUDY}/regions", x="x", y="width")
     names = {c["name"]: c["count"] for c in regions["categories"]}
-    assert names == {"infeasible": 3, "resized after oom": 3, "resized": 3, "as asked": 3}
+    # 2, 6, 10 ran out of memory once, then completed: their prediction missed, so "oom"
+    assert names == {"infeasible": 3, "oom": 3, "resized": 3, "as asked": 3}
     assert regions["total"] == N_TRIALS
+    assert not any(p for c in regions["categories"] for p in c["pruned"])  # none was pruned
+
+
+def test_a_pruned_trial_keeps_the_colour_of_how_it_ran(client: TestClient) -> None:
+    """Pruned is a mark on a point, not a category: a resized run that was pruned is resized."""
+    spec = {
+        "name": "api-pruned",
+        "task": "quadratic",
+        "search_space": {"x": {"type": "float", "low": -1.0, "high": 1.0}},
+        "n_trials": 1,
+    }
+    assert client.post(f"{V}/studies", json=spec).status_code == 201
+    (worker,) = [w for w in get(client, f"{V}/workers")["workers"] if w["name"] == "api-worker"]
+    job = ok(client.post(f"{V}/workers/{worker['id']}/next", json={"free_bytes": CARD}))
+    assert job["study"] == "api-pruned"  # the only vramtune study with trials left
+    lease, trial = job["lease"], job["trial_id"]
+    plan = {"micro_batch": 4, "accumulation": 2}
+    ok(client.post(f"{V}/trials/{trial}/start", json={"lease": lease, "plan": plan}))
+    pruned = {"lease": lease, "kind": "pruned", "plan": plan}
+    ok(client.post(f"{V}/trials/{trial}/fail", json=pruned))
+    (category,) = get(client, f"{D}/api-pruned/regions", x="x", y="x")["categories"]
+    assert (category["name"], category["pruned"]) == ("resized", [True])
 
 
 def test_trial_table_sorts_filters_and_pages(client: TestClient) -> None:
@@ -171,6 +227,7 @@ def test_importances_use_optunas_evaluator(client: TestClient) -> None:
     assert found["evaluator"] == "PedAnovaImportanceEvaluator"
     assert found["n_used"] == N_TRIALS - 3
     assert {i["name"] for i in found["importances"]} <= {"x", "width"}
+    assert found["caveat"].startswith("from 9 completed trials only")  # fewer than 10
 
 
 def two_objectives(trial: Any) -> tuple[float, float]:
@@ -199,8 +256,10 @@ def test_two_objectives_have_a_front_and_importances_of_their_own(client: TestCl
     swapped = get(client, f"{path}/pareto", x=1, y=0)
     assert sorted(swapped["front_numbers"]) == sorted(pareto["front_numbers"])
     for objective, driver in ((0, "a"), (1, "c")):  # Optuna's target= picks the objective
-        found = get(client, f"{path}/importances", objective=objective)["importances"]
+        answer = get(client, f"{path}/importances", objective=objective)
+        found = answer["importances"]
         assert max(found, key=lambda i: i["importance"])["name"] == driver
+        assert answer["caveat"] is None  # 40 completed trials
     history = get(client, f"{path}/history", objective=1)
     assert history["direction"] == "maximize"
     assert history["best_values"][-1] == max(t.values[1] for t in study.trials)
@@ -214,7 +273,10 @@ def test_fleet_lists_the_worker_and_its_card(client: TestClient) -> None:
     (worker,) = get(client, f"{V}/dashboard/fleet")["workers"]
     assert worker["name"] == "api-worker"
     assert worker["total_bytes"] == CARD
-    assert worker["trials_done"] >= 1
+    # 12 trials: 9 completed; 2, 6 and 10 ran twice (an OOM, then a retry); 3, 7, 11 handed back
+    assert worker["trials_done"] == 9
+    pruned_run = any(s["name"] == "api-pruned" for s in get(client, D)["studies"])
+    assert worker["trials_run"] == 12 + pruned_run
 
 
 @pytest.mark.parametrize(

@@ -69,7 +69,7 @@ class WorkerProcess:
         return self.process.poll() is None
 
     def events(self) -> list[dict[str, Any]]:
-        """The events of its JSON log lines (service.logs): registered, leased, completed, ..."""
+        """The events of its JSON log lines (common.logs): registered, leased, completed, ..."""
         return json_events(self.log_path)
 
     def worker_id(self) -> int:

@@ -1,4 +1,4 @@
-"""service.logs and worker.spool on their own (no server): what a line and a kept call hold."""
+"""common.logs and worker.spool on their own (no server): what a line and a kept call hold."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from service.logs import configure_logging, log_event
+from common.logs import configure_logging, log_event
 from service.wire import FailRequest
 from worker.spool import Spool
 

@@ -13,6 +13,7 @@ from service.auth import tokens as auth
 from service.db.engine import make_engine
 from service.db.migrate import upgrade
 from service.db.tables import StudyRow, TrialRow
+from service.state import utcnow
 from service.testing import ServerProcess
 
 OWN, OTHER = "own-study", "other-study"
@@ -68,7 +69,7 @@ class Secured:
     def add_token(self, scopes: list[str], studies: list[str] | None = None) -> tuple[int, str]:
         """Store a token directly; its id and clear value."""
         with self.app.state.vt.sessions.begin() as session:
-            row, clear = auth.create_token(session, "test", scopes, studies)
+            row, clear = auth.create_token(session, "test", scopes, utcnow(), studies)
             return row.id, clear
 
     def ensure_studies(self) -> None:
@@ -96,7 +97,7 @@ class Secured:
                     attempt=0,
                     min_bytes=0,
                     plans_tried=[],
-                    updated_at=auth.utcnow(),
+                    updated_at=utcnow(),
                 )
             )
         return trial_id

@@ -169,3 +169,52 @@ def test_non_finite_scan_finds_the_path() -> None:
     assert non_finite_number(b'{"a": 1e308, "b": "NaN"}') is None
     assert non_finite_number(b"not json") is None
     assert non_finite_number(b"[" * 100_000) is None
+
+
+def _spec_with(space: dict[str, object], sampler: str) -> dict[str, object]:
+    return {
+        **study_spec(f"space-{sampler}-{len(space)}"),
+        "search_space": space,
+        "sampler": {"name": sampler},
+    }
+
+
+HUGE_GRID = {
+    "n": {"type": "int", "low": 0, "high": 10**6},
+    "lr": {"type": "float", "low": 0.0, "high": 1.0, "step": 1e-6},
+}
+CHOICES = {f"c{i}": {"type": "categorical", "choices": list(range(20))} for i in range(4)}
+
+
+@pytest.mark.parametrize(
+    ("space", "sampler"),
+    [
+        (HUGE_GRID, "grid"),
+        (CHOICES, "tpe"),
+        ({"n": {"type": "int", "low": 0, "high": 10**6}}, "grid"),
+    ],
+    ids=["int-and-fine-float-grid", "categorical-combinations", "one-large-int-grid"],
+)
+def test_a_search_space_over_the_limit_is_422_naming_it(
+    client: TestClient, space: dict[str, object], sampler: str
+) -> None:
+    """Grid over max_search_space_points, or categorical combinations over it: 422 naming the
+    limit and its setting, nothing written."""
+    before = study_count(client)
+    response = client.post("/api/v1/studies", json=_spec_with(space, sampler))
+    assert response.status_code == 422, response.text
+    error = response.json()["detail"][0]
+    assert error["loc"] == ["body", "search_space"]
+    assert "100000" in error["msg"] and "VRAMTUNE_MAX_SEARCH_SPACE_POINTS" in error["msg"]
+    assert study_count(client) == before
+
+
+def test_a_search_space_within_the_limit_is_accepted(client: TestClient) -> None:
+    """The same fine float is fine for a sampler that never enumerates it; a small grid too."""
+    fine = _spec_with(HUGE_GRID, "random")
+    assert client.post("/api/v1/studies", json=fine).status_code == 201
+    small = {
+        "a": {"type": "int", "low": 0, "high": 99},
+        "b": {"type": "categorical", "choices": [1, 2]},
+    }
+    assert client.post("/api/v1/studies", json=_spec_with(small, "grid")).status_code == 201

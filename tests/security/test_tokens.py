@@ -18,6 +18,7 @@ from service.auth.cli import ADMIN_TOKEN_ENV, print_first_admin_token
 from service.cli.parser import main
 from service.db.engine import make_engine
 from service.settings import Settings
+from service.state import utcnow
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -172,3 +173,59 @@ def test_warning_when_exposed_without_auth(
         create_app(Settings(database_url="sqlite://", host=host, auth=auth_mode))
     warned = [r for r in caplog.records if "VRAMTUNE_AUTH=off" in r.getMessage()]
     assert bool(warned) == warns
+
+
+def test_cli_tokens_expire_and_list_shows_expiry_and_last_use(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--expires 30d sets the expiry; `token list` shows it and the last use, never a secret;
+    a bad duration is refused naming the field; an expired token is refused with a 401."""
+    from datetime import datetime, timedelta
+
+    url = migrated_sqlite(tmp_path)
+    code, out, _ = cli(
+        capsys,
+        "token",
+        "create",
+        "--scope",
+        "read",
+        "--expires",
+        "30d",
+        "--json",
+        "--database-url",
+        url,
+    )
+    assert code == 0
+    issued = json.loads(out)
+    expires = datetime.fromisoformat(issued["expires_at"])
+    created = datetime.fromisoformat(issued["created_at"])
+    assert expires - created == timedelta(days=30)
+    code, _, err = cli(
+        capsys, "token", "create", "--scope", "read", "--expires", "soon", "--database-url", url
+    )
+    assert code == 1 and "expires_in" in err
+    old = ["token", "create", "--scope", "read", "--name", "old", "--database-url", url]
+    expired = cli(capsys, *old)[1].strip()
+    engine = make_engine(url)
+    with engine.begin() as connection:  # as if created long ago with a short lifetime
+        past = {"t": utcnow() - timedelta(seconds=1)}
+        connection.execute(
+            text("UPDATE vramtune_tokens SET expires_at = :t WHERE name = 'old'"), past
+        )
+    engine.dispose()
+    with TestClient(create_app(Settings(database_url=url, auth="on"))) as client:
+        fresh = {"Authorization": f"Bearer {issued['token']}"}
+        assert client.get("/api/v1/studies", headers=fresh).status_code == 200
+        stale = client.get("/api/v1/studies", headers={"Authorization": f"Bearer {expired}"})
+        assert stale.status_code == 401 and "expired" in stale.json()["detail"]
+    code, listed, _ = cli(capsys, "token", "list", "--database-url", url)
+    assert (
+        code == 0 and "EXPIRES" in listed.splitlines()[0] and "LAST USED" in listed.splitlines()[0]
+    )
+    row = next(line for line in listed.splitlines() if line.split()[0] == str(issued["id"]))
+    assert (
+        issued["expires_at"][:10] in row and row.count(issued["created_at"][:10]) == 2
+    )  # used today
+    assert issued["token"] not in listed and expired not in listed
+    code, as_json, _ = cli(capsys, "token", "list", "--json", "--database-url", url)
+    assert all("token" not in entry and "token_hash" not in entry for entry in json.loads(as_json))

@@ -8,16 +8,15 @@ import sys
 
 import pytest
 
-from service.calibration import (
-    DEFAULT_MARGIN,
+from service.calibration import DEFAULT_MARGIN, fit_calibration, under_prediction_rate
+from service.wire import (
     RAW_RESERVED,
+    Calibration,
+    Prediction,
     apply_calibration,
     calibrated_bytes,
-    fit_calibration,
     raw_peaks,
-    under_prediction_rate,
 )
-from service.wire import Calibration, Prediction
 
 MiB = 2**20
 

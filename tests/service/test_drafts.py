@@ -16,7 +16,7 @@ from service.db.engine import make_engine, make_sessions
 from service.optuna import rows as optuna_rows
 from service.optuna.drafts import DRAFT_ID, draft_trial
 from service.optuna.glue import dispose_storage, make_storage
-from service.studies import utcnow
+from service.state import utcnow
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")

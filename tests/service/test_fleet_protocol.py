@@ -27,12 +27,11 @@ from sqlalchemy import func, select
 
 from service.app import build_state
 from service.db.tables import LeaseRow, MemoryObservationRow, TrialRow
+from service.fleet.dispatch import next_assignment
 from service.fleet.reaper import reap_once
-from service.fleet.workers import next_assignment
 from service.optuna.glue import dispose_storage
 from service.settings import Settings
-from service.state import AppState
-from service.studies import utcnow
+from service.state import AppState, utcnow
 from service.testing import (
     ServerFactory,
     fresh_postgres_database,

@@ -69,7 +69,7 @@ def test_a_failed_row_insert_leaves_no_optuna_study(migrated_url: str) -> None:
         )
         session.add(stale)
     engine.dispose()
-    app = create_app(Settings(database_url=migrated_url))
+    app = create_app(Settings(database_url=migrated_url, auth="off"))
     body = {
         "name": "doomed",
         "task": "t",
@@ -86,7 +86,9 @@ def test_a_failed_row_insert_leaves_no_optuna_study(migrated_url: str) -> None:
 def test_a_database_that_goes_away_gives_503() -> None:
     with fresh_postgres_database() as url:
         upgrade_database(url)
-        client = TestClient(create_app(Settings(database_url=url)), raise_server_exceptions=False)
+        client = TestClient(
+            create_app(Settings(database_url=url, auth="off")), raise_server_exceptions=False
+        )
         client.__enter__()
     try:
         health = client.get("/api/v1/health")  # the database was dropped under the server

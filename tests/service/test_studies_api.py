@@ -70,7 +70,7 @@ def http_server(url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 @pytest.fixture(scope="module")
 def in_process(url: str) -> Iterator[TestClient]:
     """create_app in process on the module's database; paths are relative to /api/v1/."""
-    app = create_app(Settings(database_url=url))
+    app = create_app(Settings(database_url=url, auth="off"))
     with TestClient(app, base_url="http://testserver/api/v1/") as client:
         yield client
 

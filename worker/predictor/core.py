@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-from service.calibration import apply_calibration
-from service.wire import Calibration, CardConstants, Plan, Prediction
+from service.wire import Calibration, CardConstants, Plan, Prediction, apply_calibration
 from worker.predictor.allocator import replay
 from worker.predictor.probe import PhasePeaks, measure_point, probe_micro_batches, probe_prediction
 from worker.predictor.trace import CannotTrace, Target, Trace, target_for, trace_training

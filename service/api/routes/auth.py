@@ -1,17 +1,26 @@
-"""Who am I, and the admin's token endpoints (create, list, revoke)."""
+"""Who am I, and the admin's endpoints: tokens (create, list, revoke) and the audit log."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path
+from fastapi import APIRouter, Path, Query
 
-from service.api.deps import SessionDep
+from service.api.deps import NowDep, SessionDep
 from service.api.errors import NotFound
-from service.auth import tokens as auth
+from service.auth import audit, tokens as auth
 from service.auth.tokens import PrincipalDep
 from service.db.tables import TokenRow
-from service.wire import TokenCreate, TokenCreated, TokenList, TokenOut, WhoAmI
+from service.wire import (
+    AuditOut,
+    AuditPage,
+    TokenCreate,
+    TokenCreated,
+    TokenList,
+    TokenOut,
+    WhoAmI,
+    duration_of,
+)
 
 router = APIRouter(tags=["auth"])
 TokenId = Annotated[int, Path(ge=1, le=2**63 - 1, description="The token's id.")]
@@ -37,16 +46,35 @@ def list_tokens(session: SessionDep) -> TokenList:
 
 
 @router.post("/tokens", status_code=201)
-def create_token(body: TokenCreate, session: SessionDep) -> TokenCreated:
+def create_token(
+    body: TokenCreate, session: SessionDep, principal: PrincipalDep, now: NowDep
+) -> TokenCreated:
     """A new token, shown in clear in this answer only."""
-    row, clear = auth.create_token(session, body.name, body.scopes, body.studies)
+    lifetime = None if body.expires_in is None else duration_of(body.expires_in)
+    row, clear = auth.create_token(
+        session, body.name, body.scopes, now, body.studies, expires_in=lifetime, by=principal
+    )
     return TokenCreated(**token_out(row).model_dump(), token=clear)
 
 
 @router.delete("/tokens/{token_id}")
-def revoke_token(token_id: TokenId, session: SessionDep) -> TokenOut:
-    """Revoke a token: it stops working at once; revoking twice is harmless."""
-    row = auth.revoke_token(session, token_id)
+def revoke_token(
+    token_id: TokenId, session: SessionDep, principal: PrincipalDep, now: NowDep
+) -> TokenOut:
+    """Revoke a token: it stops working at once, as do the workers it registered (their
+    trials are offered again); revoking twice is harmless."""
+    row = auth.revoke_token(session, token_id, now, by=principal)
     if row is None:
         raise NotFound(f"token {token_id} not found")
     return token_out(row)
+
+
+@router.get("/audit")
+def audit_log(
+    session: SessionDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    before: Annotated[int | None, Query(ge=1, le=2**63 - 1)] = None,
+) -> AuditPage:
+    """Token creations and revocations, study deletions, pauses and resumes, newest first."""
+    rows = audit.recent(session, limit, before)
+    return AuditPage(events=[AuditOut.model_validate(row, from_attributes=True) for row in rows])

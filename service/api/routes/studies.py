@@ -8,7 +8,8 @@ from fastapi import APIRouter, Query, Response
 from optuna.trial import TrialState
 
 from service import studies
-from service.api.deps import SessionDep, StorageDep
+from service.api.deps import NowDep, SessionDep, SettingsDep, StorageDep
+from service.auth.tokens import PrincipalDep
 from service.wire import ParetoFront, StudyCreate, StudyList, StudySummary, TrialPage
 
 router = APIRouter(prefix="/studies", tags=["studies"])
@@ -17,9 +18,15 @@ StateName = Literal["RUNNING", "COMPLETE", "PRUNED", "FAIL", "WAITING"]
 
 
 @router.post("", status_code=201)
-def create_study(spec: StudyCreate, session: SessionDep, storage: StorageDep) -> StudySummary:
+def create_study(
+    spec: StudyCreate,
+    session: SessionDep,
+    storage: StorageDep,
+    settings: SettingsDep,
+    now: NowDep,
+) -> StudySummary:
     """Create a study: an Optuna study plus vramtune's record of its spec."""
-    row = studies.create_study(session, storage, spec)
+    row = studies.create_study(session, storage, spec, now, settings.max_search_space_points)
     return studies.summarize(storage, row)
 
 
@@ -56,19 +63,25 @@ def best(name: str, session: SessionDep, storage: StorageDep) -> ParetoFront:
 
 
 @router.post("/{name}/pause")
-def pause(name: str, session: SessionDep, storage: StorageDep) -> StudySummary:
+def pause(
+    name: str, session: SessionDep, storage: StorageDep, principal: PrincipalDep, now: NowDep
+) -> StudySummary:
     """Pause: no new trials are handed out, and workers are told to stop running ones."""
-    return studies.summarize(storage, studies.set_paused(session, name, True))
+    return studies.summarize(storage, studies.set_paused(session, name, True, now, principal))
 
 
 @router.post("/{name}/resume")
-def resume(name: str, session: SessionDep, storage: StorageDep) -> StudySummary:
+def resume(
+    name: str, session: SessionDep, storage: StorageDep, principal: PrincipalDep, now: NowDep
+) -> StudySummary:
     """Hand out trials again."""
-    return studies.summarize(storage, studies.set_paused(session, name, False))
+    return studies.summarize(storage, studies.set_paused(session, name, False, now, principal))
 
 
 @router.delete("/{name}", status_code=204)
-def delete_study(name: str, session: SessionDep, storage: StorageDep) -> Response:
+def delete_study(
+    name: str, session: SessionDep, storage: StorageDep, principal: PrincipalDep, now: NowDep
+) -> Response:
     """Delete the study, its trials and vramtune's records of them."""
-    studies.delete_study(session, storage, name)
+    studies.delete_study(session, storage, name, now, principal)
     return Response(status_code=204)

@@ -9,11 +9,11 @@ from fastapi import APIRouter, Path
 from pydantic import BaseModel
 
 from service.api.deps import StateDep
+from service.auth.tokens import Principal, PrincipalDep
 from service.fleet import trials as fleet_trials
 from service.fleet.trials import TrialCall
 from service.fleet.workers import fleet_transaction
 from service.state import AppState
-from service.studies import utcnow
 from service.wire import (
     CompleteRequest,
     FailRequest,
@@ -32,39 +32,53 @@ Reply = TypeVar("Reply", bound=BaseModel)
 
 
 def _run(
-    state: AppState, use_case: Callable[[TrialCall, int, Body], Reply], trial_id: int, body: Body
+    state: AppState,
+    principal: Principal,
+    use_case: Callable[[TrialCall, int, Body], Reply],
+    trial_id: int,
+    body: Body,
 ) -> Reply:
-    """One trial call in one fleet transaction."""
+    """One trial call in one fleet transaction, by the token of the lease's worker."""
     with fleet_transaction(state) as session:
-        call = TrialCall(session, state.storage, state.settings, utcnow())
+        call = TrialCall(session, state.storage, state.settings, state.clock(), principal.token_id)
         return use_case(call, trial_id, body)
 
 
 @router.post("/{trial_id}/start")
-def start(trial_id: TrialId, body: StartRequest, state: StateDep) -> TrialAck:
+def start(
+    trial_id: TrialId, body: StartRequest, state: StateDep, principal: PrincipalDep
+) -> TrialAck:
     """The worker starts the trial with the plan it chose; stores plan and prediction."""
-    return _run(state, fleet_trials.start, trial_id, body)
+    return _run(state, principal, fleet_trials.start, trial_id, body)
 
 
 @router.post("/{trial_id}/report")
-def report(trial_id: TrialId, body: ReportRequest, state: StateDep) -> ReportReply:
+def report(
+    trial_id: TrialId, body: ReportRequest, state: StateDep, principal: PrincipalDep
+) -> ReportReply:
     """An intermediate value; the answer says whether the study's pruner prunes the trial."""
-    return _run(state, fleet_trials.report, trial_id, body)
+    return _run(state, principal, fleet_trials.report, trial_id, body)
 
 
 @router.post("/{trial_id}/complete")
-def complete(trial_id: TrialId, body: CompleteRequest, state: StateDep) -> TrialAck:
+def complete(
+    trial_id: TrialId, body: CompleteRequest, state: StateDep, principal: PrincipalDep
+) -> TrialAck:
     """The trial's value(s), plan and peaks; told to Optuna once (idempotent per lease)."""
-    return _run(state, fleet_trials.complete, trial_id, body)
+    return _run(state, principal, fleet_trials.complete, trial_id, body)
 
 
 @router.post("/{trial_id}/fail")
-def fail(trial_id: TrialId, body: FailRequest, state: StateDep) -> TrialAck:
+def fail(
+    trial_id: TrialId, body: FailRequest, state: StateDep, principal: PrincipalDep
+) -> TrialAck:
     """OOM (retried once smaller), error (FAIL), interrupted (offered again) or pruned."""
-    return _run(state, fleet_trials.fail, trial_id, body)
+    return _run(state, principal, fleet_trials.fail, trial_id, body)
 
 
 @router.post("/{trial_id}/handback")
-def hand_back(trial_id: TrialId, body: HandBackRequest, state: StateDep) -> TrialAck:
+def hand_back(
+    trial_id: TrialId, body: HandBackRequest, state: StateDep, principal: PrincipalDep
+) -> TrialAck:
     """The trial does not fit this card: it waits for a larger one, or ends infeasible."""
-    return _run(state, fleet_trials.hand_back, trial_id, body)
+    return _run(state, principal, fleet_trials.hand_back, trial_id, body)

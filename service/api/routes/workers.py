@@ -8,9 +8,8 @@ from fastapi import APIRouter, Path, Query, Response
 
 from service.api.deps import StateDep
 from service.auth.tokens import PrincipalDep
-from service.fleet import workers as fleet
+from service.fleet import dispatch, workers as fleet
 from service.fleet.calibration import calibration_for
-from service.studies import utcnow
 from service.wire import (
     Assignment,
     Calibration,
@@ -29,17 +28,24 @@ Text = Annotated[str, Query(min_length=1, max_length=256)]
 
 
 @router.post("/workers", status_code=201)
-def register(body: WorkerRegister, state: StateDep) -> WorkerRegistered:
-    """Register a worker and its card; the answer has its id and the heartbeat period."""
+def register(body: WorkerRegister, state: StateDep, principal: PrincipalDep) -> WorkerRegistered:
+    """Register a worker and its card; the answer has its id and the heartbeat period.
+
+    The worker is bound to the calling token: its calls must come with that token (403).
+    """
     with fleet.fleet_transaction(state) as session:
-        return fleet.register(session, state.settings, body, utcnow())
+        return fleet.register(session, state.settings, body, state.clock(), principal.token_id)
 
 
 @router.post("/workers/{worker_id}/heartbeat")
-def heartbeat(worker_id: WorkerId, body: Heartbeat, state: StateDep) -> HeartbeatReply:
+def heartbeat(
+    worker_id: WorkerId, body: Heartbeat, state: StateDep, principal: PrincipalDep
+) -> HeartbeatReply:
     """Renew every lease of the worker; the answer lists trials it must stop, and why."""
     with fleet.fleet_transaction(state) as session:
-        return fleet.heartbeat(session, state.settings, worker_id, body, utcnow())
+        return fleet.heartbeat(
+            session, state.settings, worker_id, body, state.clock(), principal.token_id
+        )
 
 
 @router.post(
@@ -51,29 +57,35 @@ def next_trial(
     worker_id: WorkerId, body: NextRequest, state: StateDep, principal: PrincipalDep
 ) -> Assignment | Response:
     """Lease a trial to the worker (200), or 204 when no study of its tasks has work."""
-    assignment = fleet.next_assignment(state, worker_id, body, utcnow(), principal.studies)
+    assignment = dispatch.next_assignment(
+        state, worker_id, body, state.clock(), principal.studies, principal.token_id
+    )
     return Response(status_code=204) if assignment is None else assignment
 
 
 @router.post("/workers/{worker_id}/stop", status_code=204)
-def stop(worker_id: WorkerId, state: StateDep) -> Response:
+def stop(worker_id: WorkerId, state: StateDep, principal: PrincipalDep) -> Response:
     """The worker leaves: its leases end now and their trials are offered again."""
     with fleet.fleet_transaction(state) as session:
-        fleet.stop_worker(session, worker_id, utcnow())
+        fleet.stop_worker(session, worker_id, state.clock(), principal.token_id)
     return Response(status_code=204)
 
 
 @router.get("/workers")
 def list_workers(
     state: StateDep,
+    principal: PrincipalDep,
     only: Annotated[
         list[fleet.WorkerState] | None,
         Query(alias="state", description="Keep workers in these states only."),
     ] = None,
 ) -> WorkerList:
-    """Every worker: its card, live / stale / stopped, and the trials it holds."""
+    """Every worker: its card, live / stale / stopped, and the trials it holds.
+
+    A token limited to some studies sees only the workers running their trials.
+    """
     with state.sessions() as session:
-        listed = fleet.list_workers(session, state.settings, utcnow())
+        listed = fleet.list_workers(session, state.settings, state.clock(), principal.studies)
     if only:
         listed.workers = [w for w in listed.workers if w.state in only]
     return listed

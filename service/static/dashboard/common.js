@@ -63,6 +63,22 @@ const VT = (() => {
     return { name: UNITS[unit], div: 1024 ** unit };
   }
 
+  // Peaks spanning two decades or more (2 MiB runs beside 2 GiB ones) go on a log axis: on a
+  // linear one every small run sits on the axis.
+  const LOG_SPAN = 100;
+
+  /** "log" when the positive ``values`` span LOG_SPAN or more, else "linear". */
+  function spanType(values) {
+    const positive = values.filter((v) => v > 0);
+    if (!positive.length) return "linear";
+    return Math.max(...positive) / Math.min(...positive) >= LOG_SPAN ? "log" : "linear";
+  }
+
+  /** An axis title, its unit and "log" when the axis is logarithmic. */
+  function axisTitle(name, unit, type) {
+    return `${name} (${type === "log" ? `${unit}, log` : unit})`;
+  }
+
   function num(v) {
     if (v === null || v === undefined) return "–";
     if (typeof v !== "number") return String(v);
@@ -333,7 +349,7 @@ const VT = (() => {
   }
 
   return {
-    api, can, onAuthChange, poll, start, el, fill, bytes, byteScale, num, rate, duration, ago,
+    api, can, onAuthChange, poll, start, el, fill, bytes, byteScale, spanType, axisTitle, num, rate, duration, ago,
     badge, errorBox, plot, COLORS, HttpError,
   };
 })();

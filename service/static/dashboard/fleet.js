@@ -41,7 +41,7 @@
     const rows = data.workers.map((w) =>
       el(
         "tr",
-        { "data-worker": w.name, "data-state": w.state },
+        { "data-worker": w.name, "data-state": w.state, class: w.state === "stopped" ? "stopped" : "" },
         el("td", { class: "name", text: w.name }),
         el("td", {}, VT.badge(w.state)),
         el("td", { text: w.device }),
@@ -49,7 +49,7 @@
         el("td", { class: "nowrap" }, memory(w)),
         el("td", {}, current(w)),
         el("td", { class: w.state === "live" ? "" : "muted", text: VT.ago(w.last_heartbeat, data.now) }),
-        el("td", { class: "num", text: w.trials_done }),
+        el("td", { class: "num", "data-col": "trials", title: "trials run (not handed back) / completed", text: `${w.trials_run.toLocaleString()} / ${w.trials_done.toLocaleString()}` }),
         el("td", { class: "muted", text: w.tasks.join(", ") }),
       ),
     );

@@ -4,6 +4,13 @@
 (() => {
   const { el, fill } = VT;
   const STATE_ORDER = ["COMPLETE", "RUNNING", "WAITING", "PRUNED", "FAIL"];
+  const MEMORY_ORDER = [["resized", "resized"], ["routed", "routed"], ["infeasible", "infeasible"], ["oom", "OOM"]];
+  const MEMORY_TITLES = {
+    resized: "completed with a smaller micro-batch, checkpointing or bf16",
+    routed: "completed on a larger card after a hand-back",
+    infeasible: "fit no card of the fleet",
+    oom: "ran out of memory at least once",
+  };
   let latest = null;
 
   function studyLink(name) {
@@ -24,6 +31,20 @@
       { class: "chips" },
       STATE_ORDER.filter((s) => study.counts[s]).map((s) =>
         el("span", { class: `chip chip-${s}`, title: s }, el("b", { text: study.counts[s] }), ` ${s.toLowerCase()}`),
+      ),
+    );
+  }
+
+  /** What memory did to the study's trials: resized, routed, infeasible, OOM (nonzero ones). */
+  function memory(study) {
+    if (!study.memory) return null; // a plain Optuna study: vramtune ran none of its trials
+    const shown = MEMORY_ORDER.filter(([key]) => study.memory[key]);
+    if (!shown.length) return el("span", { class: "muted", text: "–" });
+    return el(
+      "div",
+      { class: "chips" },
+      shown.map(([key, label]) =>
+        el("span", { class: `chip chip-mem-${key}`, "data-memory": key, title: MEMORY_TITLES[key] }, el("b", { text: study.memory[key] }), ` ${label}`),
       ),
     );
   }
@@ -77,6 +98,7 @@
         el("td", {}, VT.badge(s.state)),
         el("td", {}, progress(s)),
         el("td", {}, counts(s)),
+        el("td", { "data-col": "memory" }, memory(s)),
         el("td", { class: "num", text: VT.num(s.best_value) }),
         el("td", { class: "num", text: VT.rate(s.trials_per_hour) }),
         el("td", { class: "num", text: s.running }),

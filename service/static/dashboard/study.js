@@ -14,19 +14,20 @@
   const EVALUATORS = { PedAnovaImportanceEvaluator: "PED-ANOVA", FanovaImportanceEvaluator: "fANOVA" };
   const LARGE_STUDY = 2000;
   const LARGE_REDRAW_MS = 10000;
-  const REGION_STYLE = {
-    "as asked": { color: "#19a979", symbol: "circle" },
-    resized: { color: "#4f6bed", symbol: "diamond" },
-    routed: { color: "#945ecf", symbol: "square" },
-    "resized after oom": { color: "#e8743b", symbol: "triangle" },
-    oom: { color: "#d64545", symbol: "x" },
-    infeasible: { color: "#2d2d2d", symbol: "x" },
-    "waiting for a larger card": { color: "#d98a00", symbol: "square" },
-    pruned: { color: "#a0a8b8", symbol: "open" },
-    failed: { color: "#ed4a7b", symbol: "open" },
-    running: { color: "#13a4b4", symbol: "star" },
-    waiting: { color: "#c9b037", symbol: "open" },
+  // The region map: a colour per memory outcome (or state, for trials that did not run to an
+  // end); a pruned trial keeps its outcome's colour and is drawn as a triangle.
+  const REGION_COLOR = {
+    "as asked": "#19a979",
+    resized: "#4f6bed",
+    routed: "#945ecf",
+    oom: "#d64545",
+    infeasible: "#2d2d2d",
+    "waiting for a larger card": "#d98a00",
+    failed: "#ed4a7b",
+    running: "#13a4b4",
+    waiting: "#c9b037",
   };
+  const PRUNED_SYMBOL = "triangle";
 
   const table = { sort: "number", order: "desc", states: [], outcome: "", worker: "", offset: 0, limit: 50, total: 0 };
   let overview = null;
@@ -177,9 +178,11 @@
       }));
       const front = { x: d.front_bytes.map((b) => b / scale.div), y: d.front_values, n: d.front_numbers };
       traces.push({ name: "Pareto front", mode: "lines+markers", shape: "hv", symbol: "diamond", x: front.x, y: front.y, data: front.n, color: VT.COLORS[1], size: 7, opacity: 1, hover: point(front, "front: ") });
+      const type = VT.spanType(d.measured_bytes);
+      document.getElementById("memory-title").textContent = `${objectiveName(d.objective)} vs peak memory`;
       VT.plot(
         document.getElementById("plot-memory"),
-        { x: { title: `measured peak (${scale.name})` }, y: { title: objectiveName(d.objective) }, keepView: sameObjective("memory", d.objective), onClick: pick, traces },
+        { x: { title: VT.axisTitle("measured peak", scale.name, type), type }, y: { title: objectiveName(d.objective) }, keepView: sameObjective("memory", d.objective), onClick: pick, traces },
         "No completed trial with a measured peak yet.",
       );
       hint("memory-hint", `${d.total.toLocaleString()} trials · ${d.front_numbers.length} on the front${thinned(d, d.numbers.length)}`);
@@ -247,6 +250,8 @@
       const all = d.cards.flatMap((c) => [...c.predicted_bytes, ...c.measured_bytes]);
       const scale = VT.byteScale(all);
       const top = Math.max(0, ...all) / scale.div;
+      const type = VT.spanType(all); // one type for both axes: the diagonal stays a diagonal
+      const low = type === "log" ? Math.min(...all.filter((b) => b > 0)) / scale.div / 1.05 : 0;
       const traces = d.cards.map((c, i) => {
         const x = c.predicted_bytes.map((b) => b / scale.div);
         const y = c.measured_bytes.map((b) => b / scale.div);
@@ -255,20 +260,33 @@
           hover: (k) => `trial #${c.numbers[k]} (${c.outcomes[k]})\npredicted ${VT.num(x[k])} ${scale.name}\nmeasured ${VT.num(y[k])} ${scale.name}`,
         };
       });
-      if (traces.length) traces.push({ name: "measured = predicted", mode: "lines", dash: true, width: 1, x: [0, top * 1.05], y: [0, top * 1.05], color: "#9aa3b5" });
+      if (traces.length) traces.push({ name: "measured = predicted", mode: "lines", dash: true, width: 1, x: [low, top * 1.05], y: [low, top * 1.05], color: "#9aa3b5" });
+      const axis = (name) => ({ title: VT.axisTitle(name, scale.name, type), type, zero: type !== "log" });
       VT.plot(
         document.getElementById("plot-calibration"),
-        { x: { title: `predicted peak (${scale.name})`, zero: true }, y: { title: `measured peak (${scale.name})`, zero: true }, keepView: true, onClick: pick, traces },
+        { x: axis("predicted peak"), y: axis("measured peak"), keepView: true, onClick: pick, traces },
         "No run with a prediction yet.",
       );
       const pct = (v) => (v === null ? "–" : `${(v * 100).toFixed(1)} %`);
+      const signed = (v) => (v === null ? "–" : `${v > 0 ? "+" : ""}${(v * 100).toFixed(1)} %`);
+      const columns = [
+        ["card", "", (c) => c.card_model],
+        ["samples", "runs with a prediction", (c) => c.n.toLocaleString()],
+        ["median bias", "measured / predicted − 1: above 0, runs used more than predicted", (c) => signed(c.median_bias)],
+        ["median |error|", "", (c) => pct(c.median_abs_error)],
+        ["p95 |error|", "", (c) => pct(c.p95_abs_error)],
+        ["under-predicted", "runs that used more than predicted", (c) => pct(c.under_fraction)],
+      ];
       fill(
         document.getElementById("calibration-stats"),
-        d.cards.length
-          ? el("thead", {}, el("tr", {}, el("th", { text: "card" }), el("th", { class: "num", text: "runs" }), el("th", { class: "num", text: "median |error|" }), el("th", { class: "num", text: "p95 |error|" }), el("th", { class: "num", text: "under-predicted" })))
-          : null,
-        el("tbody", {}, d.cards.map((c) => el("tr", {}, el("td", { text: c.card_model }), el("td", { class: "num", text: c.n }), el("td", { class: "num", text: pct(c.median_abs_error) }), el("td", { class: "num", text: pct(c.p95_abs_error) }), el("td", { class: "num", text: pct(c.under_fraction) })))),
+        d.cards.length ? el("thead", {}, el("tr", {}, columns.map(([name, title], i) => el("th", { class: i ? "num" : "", title, text: name })))) : null,
+        el("tbody", {}, d.cards.map((c) => el("tr", {}, columns.map(([name, , cell], i) => el("td", { class: i ? "num" : "", "data-col": name, text: cell(c) }))))),
       );
+      document.getElementById("calibration-note").textContent = d.cards.length
+        ? "Under-predicted: runs that used more memory than the trace predicted, before any calibration. " +
+          "Workers are served a fit of these runs per card model: predictions are scaled, offset and given a margin " +
+          `so that about ${pct(d.target_under_fraction)} of runs exceed them. Runs beyond the margin can run out of memory.`
+        : "";
     }, "card-calibration");
   }
 
@@ -325,14 +343,25 @@
       document.getElementById("region-y").value = d.y;
       const ax = regionAxis(d.x, 0);
       const ay = regionAxis(d.y, 1);
-      const traces = d.categories.map((c) => {
-        const style = REGION_STYLE[c.name] || { color: "#777", symbol: "circle" };
+      const part = (c, indices, pruned) => {
+        const numbers = indices.map((i) => c.numbers[i]);
         return {
-          name: `${c.name} (${c.count})`, mode: "markers", x: ax.place(c.x, c.numbers), y: ay.place(c.y, c.numbers), data: c.numbers,
-          color: style.color, symbol: style.symbol, size: 7, opacity: 0.75,
-          hover: (i) => `trial #${c.numbers[i]}: ${c.name}\n${d.x} = ${text(c.x[i])}\n${d.y} = ${text(c.y[i])}`,
+          name: pruned ? "" : `${c.name} (${c.count})`, mode: "markers", data: numbers,
+          x: ax.place(indices.map((i) => c.x[i]), numbers), y: ay.place(indices.map((i) => c.y[i]), numbers),
+          color: REGION_COLOR[c.name] || "#777", symbol: pruned ? PRUNED_SYMBOL : "circle", size: pruned ? 8 : 7, opacity: 0.75,
+          hover: (k) => `trial #${numbers[k]}: ${c.name}${pruned ? ", pruned" : ""}\n${d.x} = ${text(c.x[indices[k]])}\n${d.y} = ${text(c.y[indices[k]])}`,
         };
-      });
+      };
+      const traces = [];
+      for (const c of d.categories) {
+        const all = c.numbers.map((_, i) => i);
+        traces.push(part(c, all.filter((i) => !c.pruned[i]), false)); // named: the legend's entry
+        const pruned = all.filter((i) => c.pruned[i]);
+        if (pruned.length) traces.push(part(c, pruned, true));
+      }
+      if (d.categories.some((c) => c.pruned.includes(true))) {
+        traces.push({ name: "pruned", mode: "markers", x: [], y: [], color: "#8a93a6", symbol: PRUNED_SYMBOL });
+      }
       const pair = `${d.x}\u0000${d.y}`;
       VT.plot(node, { x: ax.axis, y: ay.axis, keepView: pair === regionPair, onClick: pick, traces }, "No trial holds both parameters yet.");
       regionPair = pair;
@@ -384,6 +413,7 @@
       },
       d.note || "No importances yet.",
     );
+    document.getElementById("importances-caveat").textContent = d.caveat ? `Caveat: ${d.caveat}.` : "";
     const which = overview && overview.directions.length > 1 ? `${objectiveName(d.objective)} · ` : "";
     hint("importances-hint", d.n_used ? `${which}Optuna ${EVALUATORS[d.evaluator] || d.evaluator} on ${d.n_used.toLocaleString()} of ${d.n_complete.toLocaleString()} completed` : "");
     document.body.dataset.importances = `${revision}/${d.objective}`;
