@@ -214,3 +214,12 @@ def test_batch_norm_under_bf16_keeps_float32_statistics_in_the_prediction() -> N
     clear_cache()
     prediction = predict(task, config, Plan(bf16=True))
     assert prediction.peak_allocated_bytes == _real_peak(task, config, Plan(bf16=True))
+
+
+def test_layer_norm_under_bf16_keeps_float32_statistics_in_the_prediction() -> None:
+    # timm's ConvNeXt: LayerNorm fed bf16 with float32 weights (worker/predictor/opmodel.py).
+    task = _timm()
+    config = {"model_name": "convnext_tiny", "resolution": 64, "batch_size": 32}
+    clear_cache()
+    prediction = predict(task, config, Plan(bf16=True))
+    assert prediction.peak_allocated_bytes == _real_peak(task, config, Plan(bf16=True))
