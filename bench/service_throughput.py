@@ -37,11 +37,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -73,9 +75,11 @@ SPACE: dict[str, BaseDistribution] = {
 CARD_BYTES = 80 * 10**9
 READY_TIMEOUT_S = [600.0]  # set by --ready-timeout
 SLOW_CELL_S = 20.0
-SYSTEMS = ("raw", "grpc", "vramtune", "vramtune2")
+HEARTBEAT_CELL_S = 30.0  # six heartbeats per worker
+SYSTEMS = ("raw", "grpc", "vramtune", "vramtune2", "heartbeats")
 BENCH_LEASE_TTL_S = 600
 ANALYSIS_MARK = "<!-- analysis: written by hand, kept when the tables are rewritten -->"
+MAX_CLIENT_PROCESSES = 16
 MIN_FREE_BYTES = 3 * 2**30  # a cell stops before its clients take the machine's memory
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)
@@ -137,6 +141,11 @@ class CellResult:
     # per completed trial: what it costs, whatever share of a shared machine it was given.
     cpu_ms_per_trial: float | None = None
     notes: list[str] = field(default_factory=list)
+    repeat: int = 0  # which run of the cell (--repeat)
+    # The service's CPU (server processes and database backends, not the simulated workers)
+    # in percent of one core over the window: the heartbeat cell's figure.
+    service_core_pct: float | None = None
+    load: tuple[float, float] | None = None  # 1-minute load average before and after
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -443,25 +452,34 @@ class Start:
 
 
 def run_client(
-    index: int, start: Start, out: Any, warm_up: Callable[[ClientReport], Callable[[], None]]
+    index: int,
+    start: Start,
+    out: Any,
+    warm_up: Callable[[ClientReport], Callable[[], None] | list[Callable[[], None]]],
 ) -> None:
     """Warm up, wait for the common start, run trials until the deadline, report.
 
-    A client that fails to warm up reports ready all the same (with its error), so the others
-    do not wait for it.
+    ``warm_up`` gives one loop body, or several: a process then runs each in its own thread
+    (simulated workers of a large fleet are I/O-bound; a process each would take the machine's
+    memory). A client that fails to warm up reports ready all the same (with its error), so the
+    others do not wait for it.
     """
     report = ClientReport()
     ready = False
     try:
-        one_trial = warm_up(report)
+        warmed = warm_up(report)
+        bodies = warmed if isinstance(warmed, list) else [warmed]
         start.ready.put(index)
         ready = True
         start.go.wait()
         begin, end = start.window[:]
         time.sleep(max(0.0, begin - time.time()))  # every client starts at the window's start
         cpu_begin = time.process_time()
-        while time.time() < end:
-            one_trial()
+        threads = [threading.Thread(target=_loop, args=(body, end, report)) for body in bodies]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
         report.cpu_s = time.process_time() - cpu_begin
     except Exception:
         report.errors.append(traceback.format_exc(limit=3))
@@ -469,6 +487,15 @@ def run_client(
         if not ready:
             start.ready.put(index)
         out.put((index, asdict(report)))
+
+
+def _loop(body: Callable[[], None], end: float, report: ClientReport) -> None:
+    """Run one loop body until the deadline; an exception is recorded, not raised."""
+    try:
+        while time.time() < end:
+            body()
+    except Exception:
+        report.errors.append(traceback.format_exc(limit=3))
 
 
 def optuna_client(cell: Cell, target: str | int, index: int, start: Start, out: Any) -> None:
@@ -547,14 +574,77 @@ def register(http_client: Http, index: int) -> int:
 
 
 def vramtune_client(cell: Cell, port: int, index: int, start: Start, out: Any) -> None:
-    """A simulated worker: next -> start -> complete until the deadline."""
+    """Simulated workers (one per thread): next -> start -> complete until the deadline."""
 
-    def warm_up(report: ClientReport) -> Callable[[], None]:
-        client = Http(port)
-        worker_id = register(client, index)
-        return lambda: one_vramtune_trial(client, worker_id, report)
+    def warm_up(report: ClientReport) -> list[Callable[[], None]]:
+        bodies = []
+        for k in range(threads_per_client(cell)):
+            client = Http(port)
+            worker_id = register(client, index * 1000 + k)
+            bodies.append(partial(one_vramtune_trial, client, worker_id, report))
+        return bodies
 
     run_client(index, start, out, warm_up)
+
+
+HEARTBEAT_PERIOD_S = 5.0
+
+
+def heartbeat_client(cell: Cell, port: int, index: int, start: Start, out: Any) -> None:
+    """Simulated workers that each hold a lease and heartbeat it every HEARTBEAT_PERIOD_S,
+    at evenly spread phases (a fleet's heartbeats are not synchronized)."""
+
+    def warm_up(report: ClientReport) -> list[Callable[[], None]]:
+        bodies = []
+        per_client = threads_per_client(cell)
+        for k in range(per_client):
+            client = Http(port)
+            worker_id = register(client, index * 1000 + k)
+            status, assignment = client.post(
+                f"/workers/{worker_id}/next", {"free_bytes": CARD_BYTES}
+            )
+            if status != 200:
+                raise RuntimeError(f"next: {status} {assignment}")
+            phase = HEARTBEAT_PERIOD_S * (index * per_client + k) / cell.workers
+            beat = Heartbeats(client, worker_id, assignment["trial_id"], phase, report)
+            bodies.append(beat.one)
+        return bodies
+
+    run_client(index, start, out, warm_up)
+
+
+@dataclass
+class Heartbeats:
+    """One simulated worker's heartbeats: due every HEARTBEAT_PERIOD_S from its phase."""
+
+    client: Http
+    worker_id: int
+    trial_id: int
+    phase: float
+    report: ClientReport
+    due: float = 0.0
+
+    def one(self) -> None:
+        """Wait until the next heartbeat is due, send it; a stop order or non-200 is an error."""
+        if not self.due:
+            self.due = time.time() + self.phase
+        time.sleep(max(0.0, self.due - time.time()))
+        self.due += HEARTBEAT_PERIOD_S
+        body = {"free_bytes": CARD_BYTES, "trials": [self.trial_id]}
+        path = f"/workers/{self.worker_id}/heartbeat"
+        status, reply = timed_post(self.client, self.report, "heartbeat", path, body)
+        if status != 200 or reply["stop"]:
+            self.report.errors.append(f"heartbeat: {status} {reply}")
+
+
+def threads_per_client(cell: Cell) -> int:
+    """Simulated workers per client process: one each up to 64, else spread over 16."""
+    return 1 if cell.workers <= 64 else math.ceil(cell.workers / MAX_CLIENT_PROCESSES)
+
+
+def client_processes(cell: Cell) -> int:
+    """How many client processes a cell forks."""
+    return math.ceil(cell.workers / threads_per_client(cell))
 
 
 def timed_post(
@@ -630,7 +720,7 @@ def run_clients(
     out = context.Queue()
     processes = [
         context.Process(target=target, args=(cell, arg, i, start, out), daemon=True)
-        for i in range(cell.workers)
+        for i in range(client_processes(cell))
     ]
     for process in processes:
         process.start()
@@ -702,6 +792,30 @@ def check_study(url: str, prefilled: int, reports: list[ClientReport]) -> dict[s
     }
 
 
+def check_leases(
+    url: str, cell: Cell, reports: list[ClientReport], duration_s: float
+) -> dict[str, Any]:
+    """The heartbeat cell: every worker heartbeat on time and still holds its one lease."""
+    sent = sum(len(r.calls.get("heartbeat", [])) for r in reports)
+    expected = cell.workers * int(duration_s // HEARTBEAT_PERIOD_S)
+    engine = sa.create_engine(url)
+    try:
+        with engine.connect() as connection:
+            query = sa.text(
+                "SELECT count(*) FROM vramtune_leases WHERE active AND expires_at > :now"
+            )
+            now = datetime.now(UTC).replace(tzinfo=None)
+            live = int(connection.execute(query, {"now": now}).scalar() or 0)
+    finally:
+        engine.dispose()
+    problems = []
+    if sent < expected:
+        problems.append(f"{sent} heartbeats sent, {expected} due")
+    if live != cell.workers:
+        problems.append(f"{live} live leases, {cell.workers} workers")
+    return {"ok": not problems, "problems": problems, "heartbeats": sent, "live_leases": live}
+
+
 def asked_ahead(connection: sa.Connection) -> set[int]:
     """Trials vramtune asked and holds pending that were never leased (none for raw Optuna)."""
     if not sa.inspect(connection).has_table("vramtune_trials"):
@@ -721,10 +835,11 @@ def system_under_test(
     cell: Cell, url: str
 ) -> Iterator[tuple[Callable[..., None], str | int, psutil.Process | None]]:
     """Set up the study and whatever server the system needs; yields client, target, server."""
-    if cell.system.startswith("vramtune"):
+    if cell.system.startswith("vramtune") or cell.system == "heartbeats":
         setup_vramtune_study(url, cell)
+        client = heartbeat_client if cell.system == "heartbeats" else vramtune_client
         with vramtune_server(url, processes=2 if cell.system == "vramtune2" else 1) as served:
-            yield vramtune_client, *served
+            yield client, *served
         return
     setup_optuna_study(url, cell)
     if cell.system == "raw":
@@ -734,7 +849,7 @@ def system_under_test(
         yield optuna_client, port, process
 
 
-def run_cell(cell: Cell, duration_s: float, tag: str) -> CellResult:
+def run_cell(cell: Cell, duration_s: float, tag: str, repeat: int = 0) -> CellResult:
     """Measure one cell on a fresh database; a cell that cannot run says why."""
     load_before = os.getloadavg()[0]
     try:
@@ -742,7 +857,8 @@ def run_cell(cell: Cell, duration_s: float, tag: str) -> CellResult:
     except CellSkipped as skipped:
         result = CellResult(cell, duration_s, 0, 0.0, {}, 0, [], {"ok": None, "problems": []})
         result.notes.append(str(skipped))
-    result.notes.append(f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
+    result.repeat = repeat
+    result.load = (round(load_before, 1), round(os.getloadavg()[0], 1))
     return result
 
 
@@ -754,11 +870,19 @@ def measure_cell(cell: Cell, duration_s: float, tag: str) -> CellResult:
             backends = database_backends(url)
             before = cpu_seconds([*servers, *backends])
             reports, begin, end = run_clients(cell, client, target, duration_s)
-            after = cpu_seconds([*servers, *backends])
+            # Backends the pools opened during the window: all their CPU is the window's.
+            opened = [p for p in database_backends(url) if p.pid not in before]
+            before |= {p.pid: 0.0 for p in opened}
+            after = cpu_seconds([*servers, *backends, *opened])
             system_cpu = cpu_spent(before, after)
             server_cpu = cpu_spent({p.pid: before.get(p.pid, 0.0) for p in servers}, after)
             server_rss = server.memory_info().rss / 2**20 if server else None
-        check = check_study(url, cell.prefill, reports)
+        heartbeats = cell.system == "heartbeats"
+        check = (
+            check_leases(url, cell, reports, duration_s)
+            if heartbeats
+            else check_study(url, cell.prefill, reports)
+        )
     done = sum(1 for r in reports for _, t in r.completed if begin <= t < end)
     errors = [e for r in reports for e in r.errors]
     notes = []
@@ -779,6 +903,7 @@ def measure_cell(cell: Cell, duration_s: float, tag: str) -> CellResult:
         server_rss_mib=None if server_rss is None else round(server_rss, 1),
         cpu_ms_per_trial=round(1000 * cpu / done, 1) if done else None,
         notes=notes,
+        service_core_pct=round(100 * system_cpu / duration_s, 2),
     )
 
 
@@ -811,6 +936,8 @@ def cpu_spent(before: dict[int, float], after: dict[int, float]) -> float:
 def cell_duration(cell: Cell, duration_s: float) -> float:
     """A window long enough for a few trials per client: TPE on a large study asks slowly,
     and 64 clients queue long."""
+    if cell.system == "heartbeats":
+        return max(duration_s, HEARTBEAT_CELL_S)
     slow = (cell.sampler == "tpe" and cell.prefill > 0) or cell.workers >= 64
     return max(duration_s, SLOW_CELL_S) if slow else duration_s
 
@@ -891,36 +1018,121 @@ def markdown(results: list[CellResult], meta: dict[str, Any]) -> str:
     groups: dict[tuple[str, str, int], list[CellResult]] = {}
     for result in results:
         c = result.cell
-        groups.setdefault((c.database, c.sampler, c.prefill), []).append(result)
+        if c.system != "heartbeats":
+            groups.setdefault((c.database, c.sampler, c.prefill), []).append(result)
     order = sorted(groups, key=lambda key: (key[0] != "postgresql", key[1] != "random", key[2]))
     for db, sampler, pre in order:
-        group = groups[(db, sampler, pre)]
         lines += [f"## {db}, {sampler}, {pre:,} trials pre-filled", ""]
+        lines += trial_table(groups[(db, sampler, pre)])
+    beats = [r for r in results if r.cell.system == "heartbeats"]
+    if beats:
         lines += [
-            "| N | system | trials/s | x raw | CPU ms/trial | raw's CPU / this | "
-            "p50 / p99 ms per call | errors | check | notes |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "## Heartbeats: simulated workers, each holding a lease, every "
+            f"{HEARTBEAT_PERIOD_S:g} s",
+            "",
+            "service CPU = the server's processes and the cell database's backends (not the "
+            "simulated workers), in percent of one core over the window.",
+            "",
         ]
-        raw = {r.cell.workers: r.trials_per_s for r in group if r.cell.system == "raw"}
-        raw_cpu = {r.cell.workers: r.cpu_ms_per_trial for r in group if r.cell.system == "raw"}
-        for r in sorted(group, key=lambda r: (r.cell.workers, SYSTEMS.index(r.cell.system))):
-            calls = ", ".join(
-                f"{name} {v['p50_ms']:g} / {v['p99_ms']:g}" for name, v in r.latency_ms.items()
-            )
-            check = {True: "ok", None: "-"}.get(
-                r.check["ok"], "FAIL: " + "; ".join(r.check["problems"])
-            )
-            cpu = r.cpu_ms_per_trial
-            base_cpu = raw_cpu.get(r.cell.workers)
-            lines.append(
-                f"| {r.cell.workers} | {r.cell.system} | {r.trials_per_s:g} | "
-                f"{ratio(r.trials_per_s, raw.get(r.cell.workers))} | "
-                f"{'-' if cpu is None else f'{cpu:g}'} | "
-                f"{ratio(base_cpu, cpu) if cpu and base_cpu else '-'} | {calls} | {r.errors} | "
-                f"{check} | {'; '.join(r.notes)} |"
-            )
-        lines.append("")
+        lines += heartbeat_table(beats)
     return "\n".join(lines)
+
+
+def runs_of(results: list[CellResult]) -> dict[tuple[int, str], list[CellResult]]:
+    """The runs of each (N, system), in run order."""
+    runs: dict[tuple[int, str], list[CellResult]] = {}
+    for r in sorted(results, key=lambda r: r.repeat):
+        runs.setdefault((r.cell.workers, r.cell.system), []).append(r)
+    return runs
+
+
+def spread(values: list[float], digits: int = 1) -> str:
+    """The median, and the range when there is more than one value: '12.3 (11.0-14.1)'."""
+    if not values:
+        return "-"
+    median = f"{statistics.median(values):.{digits}f}"
+    if len(values) == 1:
+        return median
+    return f"{median} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def paired_ratio(these: list[CellResult], bases: list[CellResult], key: str, invert: bool) -> str:
+    """Median over runs of this/base (base/this when ``invert``), pairing runs by repeat:
+    the cells of one repeat ran one after the other, under the same load."""
+    base_by = {b.repeat: getattr(b, key) for b in bases}
+    ratios = []
+    for r in these:
+        value, base = getattr(r, key), base_by.get(r.repeat)
+        if value and base:
+            ratios.append(base / value if invert else value / base)
+    return f"{spread(ratios)}x" if ratios else "-"
+
+
+def calls_summary(runs: list[CellResult]) -> str:
+    """p50 / p99 per call, the median over runs."""
+    names = sorted({name for r in runs for name in r.latency_ms})
+    parts = []
+    for name in names:
+        p50 = [r.latency_ms[name]["p50_ms"] for r in runs if name in r.latency_ms]
+        p99 = [r.latency_ms[name]["p99_ms"] for r in runs if name in r.latency_ms]
+        parts.append(f"{name} {statistics.median(p50):g} / {statistics.median(p99):g}")
+    return ", ".join(parts)
+
+
+def checks_summary(runs: list[CellResult]) -> str:
+    """ok when every run's check passed; else the first problems."""
+    failed = [r for r in runs if r.check["ok"] is False]
+    if failed:
+        return "FAIL: " + "; ".join(failed[0].check["problems"])
+    return "ok" if any(r.check["ok"] for r in runs) else "-"
+
+
+def loads_summary(runs: list[CellResult]) -> str:
+    """The range of the load averages the runs met."""
+    loads = [x for r in runs if r.load for x in r.load]
+    notes = sorted({n for r in runs for n in r.notes if not n.startswith("load average")})
+    text = f"{min(loads):.1f}-{max(loads):.1f}" if loads else "-"
+    return "; ".join([text, *notes])
+
+
+def trial_table(group: list[CellResult]) -> list[str]:
+    """One row per (N, system): medians over its runs, ratios paired with raw's runs."""
+    lines = [
+        "| N | system | runs | trials/s | x raw | CPU ms/trial | raw's CPU / this | "
+        "p50 / p99 ms per call | errors | check | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    runs = runs_of(group)
+    for (n, system), these in sorted(runs.items(), key=lambda i: (i[0][0], SYSTEMS.index(i[0][1]))):
+        raw = runs.get((n, "raw"), [])
+        cpu = [r.cpu_ms_per_trial for r in these if r.cpu_ms_per_trial]
+        lines.append(
+            f"| {n} | {system} | {len(these)} | {spread([r.trials_per_s for r in these])} | "
+            f"{paired_ratio(these, raw, 'trials_per_s', invert=False)} | {spread(cpu)} | "
+            f"{paired_ratio(these, raw, 'cpu_ms_per_trial', invert=True)} | "
+            f"{calls_summary(these)} | {sum(r.errors for r in these)} | "
+            f"{checks_summary(these)} | {loads_summary(these)} |"
+        )
+    lines.append("")
+    return lines
+
+
+def heartbeat_table(beats: list[CellResult]) -> list[str]:
+    """One row per fleet size: heartbeats per second and what they cost the service."""
+    lines = [
+        "| workers | runs | heartbeats/s | service CPU, % of one core | p50 / p99 ms | errors | "
+        "check | load |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for (n, _), these in sorted(runs_of(beats).items()):
+        rates = [r.latency_ms.get("heartbeat", {}).get("n", 0) / r.duration_s for r in these]
+        cores = [r.service_core_pct for r in these if r.service_core_pct is not None]
+        lines.append(
+            f"| {n} | {len(these)} | {spread(rates)} | {spread(cores)} | {calls_summary(these)} | "
+            f"{sum(r.errors for r in these)} | {checks_summary(these)} | {loads_summary(these)} |"
+        )
+    lines.append("")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -933,6 +1145,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill", default="0")
     parser.add_argument("--workers", default="1,4,16,64")
     parser.add_argument("--duration", type=float, default=12.0, help="seconds per cell")
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="runs of every cell, interleaved: run 1 of each, ..."
+    )
+    parser.add_argument(
+        "--time-limit", type=float, default=0.0, help="stop starting cells after this many seconds"
+    )
     parser.add_argument(
         "--out",
         default=str(REPO / "bench/results/service_throughput"),
@@ -962,11 +1180,18 @@ def main(argv: list[str] | None = None) -> int:
     results = previous_results(args.out) if args.append else []
     if args.append and Path(f"{args.out}.json").exists():
         meta["earlier_run"] = json.loads(Path(f"{args.out}.json").read_text())["meta"]
-    for number, cell in enumerate(cells_of(args)):
+    cells = cells_of(args)
+    results = [r for r in results if r.cell not in cells]  # this run's cells replace earlier ones
+    run_began = time.monotonic()
+    for repeat, (number, cell) in itertools.product(range(args.repeat), enumerate(cells)):
+        if args.time_limit and time.monotonic() - run_began > args.time_limit:
+            print(f"time limit of {args.time_limit:g} s reached: stopping")
+            break
         began = time.monotonic()
-        result = run_cell(cell, cell_duration(cell, args.duration), f"{number}")
-        results = [r for r in results if r.cell != cell] + [result]
-        print(f"{cell.label():40s} {summary_line(result)} ({time.monotonic() - began:.0f} s)")
+        result = run_cell(cell, cell_duration(cell, args.duration), f"{number}", repeat)
+        results.append(result)
+        took = time.monotonic() - began
+        print(f"{cell.label():40s} #{repeat} {summary_line(result)} ({took:.0f} s)")
         if args.out:  # after every cell: a run cut short keeps what it measured
             write_results(results, meta, args.out)
     return 0 if all(r.check["ok"] is not False and not r.errors for r in results) else 1
@@ -978,7 +1203,12 @@ def previous_results(out: str) -> list[CellResult]:
     if not path.exists():
         return []
     cells = json.loads(path.read_text())["cells"]
-    return [CellResult(**{**c, "cell": Cell(**c["cell"])}) for c in cells]
+    return [
+        CellResult(
+            **{**c, "cell": Cell(**c["cell"]), "load": tuple(c["load"]) if c.get("load") else None}
+        )
+        for c in cells
+    ]
 
 
 def summary_line(result: CellResult) -> str:
@@ -986,6 +1216,7 @@ def summary_line(result: CellResult) -> str:
     check = "ok" if result.check["ok"] else result.check["problems"]
     return (
         f"{result.trials_per_s:8.1f} trials/s  cpu {result.cpu_ms_per_trial} ms/trial  "
+        f"service {result.service_core_pct} % of a core  load {result.load}  "
         f"errors {result.errors}  check {check}  "
         f"{json.dumps(result.latency_ms)}  {'; '.join(result.notes)}"
     )

@@ -16,6 +16,7 @@ from service.auth.guard import install_auth
 from service.db.engine import make_engine, make_sessions
 from service.db.migrate import require_migrated
 from service.fleet import reaper
+from service.fleet.heartbeats import HeartbeatBatcher
 from service.limits import BodySizeLimit
 from service.metrics import install_metrics
 from service.optuna.glue import dispose_storage, make_storage
@@ -37,7 +38,9 @@ def build_state(settings: Settings) -> AppState:
     except BaseException:
         engine.dispose()
         raise
-    return AppState(settings, engine, make_sessions(engine), storage)
+    state = AppState(settings, engine, make_sessions(engine), storage)
+    state.heartbeats = HeartbeatBatcher(state)
+    return state
 
 
 @asynccontextmanager

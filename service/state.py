@@ -5,12 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 from optuna.storages import BaseStorage
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.settings import Settings
+
+if TYPE_CHECKING:
+    from service.fleet.heartbeats import HeartbeatBatcher
 
 
 def utcnow() -> datetime:
@@ -30,4 +34,5 @@ class AppState:
     engine: Engine
     sessions: sessionmaker[Session]
     storage: BaseStorage
+    heartbeats: HeartbeatBatcher | None = None  # set by service.app.build_state
     clock: Callable[[], datetime] = field(default=utcnow)

@@ -133,6 +133,11 @@ def _run_one(args: argparse.Namespace) -> int:
     if not found.runners:
         print("vramtune worker: no task to advertise", file=sys.stderr)
         return 2
+    if "worker.training" in sys.modules:  # a torch task turned up (the registry imported it)
+        from worker.predictor import warm_up_in_background
+
+        # The first trace in a process costs ~2 s more: pay it now, not in a trial's plan choice.
+        warm_up_in_background()
     card = CardSpec(info=info, constants=_card_constants(args.device), device=args.device)
     options = AgentOptions(
         name=args.name or default_name(args.device),

@@ -4,8 +4,10 @@
 (views share their storage), rounded up as the CUDA caching allocator rounds requests, and
 uncounted when it dies (a weakref finalizer on the storage). It works on real tensors (the CPU
 trainer's measured peak, the simulated card of ``--memory-limit``) and under a
-`FakeTensorMode` (the predictor's trace): the same code counts both, so on a CPU build the
-predicted peak equals the measured one to the byte.
+`FakeTensorMode` (the predictor's trace): it is the one byte counter of the project, so on a
+CPU build the predicted peak equals the measured one to the byte. Where a fake kernel's output
+is smaller than the real one (oneDNN's RNN workspace), the trace passes a `correct` hook that
+fixes the output before it is counted, in this same mode.
 
 Typical use in a training loop::
 
@@ -19,7 +21,10 @@ Typical use in a training loop::
             tracker.label_training_state(model, optimizer)
     tracker.peak_bytes, tracker.breakdown()
 
-Tensors created before the tracker is entered are not counted unless passed to `track`.
+Tensors created before the tracker is entered are not counted unless passed to `track`, nor
+are views of them (a slice of a dataset loaded before the run is not memory the run allocated:
+counting it was the constant 95,232 bytes the digits study's evaluation added to every measured
+peak, issue 18).
 """
 
 from __future__ import annotations
@@ -44,6 +49,22 @@ CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temp
 
 PHASES = ("setup", "forward", "backward", "optimizer")
 """Where a storage was created; `phase` and `watch_optimizer` set it, backward is detected."""
+
+Correction = Callable[[Any, tuple[Any, ...], Any], Any]
+"""`correct(func, args, out)`: the output to count instead of `out` (a fake kernel's fix)."""
+
+
+@functools.cache
+def _aliases_an_input(func: Any) -> bool:
+    """Whether the operator returns (a view of) an input: views, in-place and out= variants.
+
+    lift_fresh is excluded: it is how `torch.tensor(data)` hands a tensor it just made to the
+    dispatcher, a new allocation.
+    """
+    if func in (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default):
+        return False
+    schema = getattr(func, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
 def _mib(nbytes: int) -> str:
@@ -101,6 +122,10 @@ class MemoryTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         device_type: count only storages on this device type ("cpu", "cuda"); None counts
             every device but meta.
         record_events: keep the allocation/free sequence in `events` (for the allocator model).
+        correct: applied to each operator's output before it is counted (see `Correction`).
+
+    `phase_peaks` holds the highest live bytes reached while each phase allocated: the peak is
+    the largest of them, and each is affine in the micro-batch (the predictor solves on them).
     """
 
     def __init__(
@@ -110,6 +135,7 @@ class MemoryTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         limit_bytes: int | None = None,
         device_type: str | None = None,
         record_events: bool = False,
+        correct: Correction | None = None,
     ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.round_to = round_to
@@ -127,6 +153,8 @@ class MemoryTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._peak_tick = 0
         self._next_rid = 0
         self._phase: str | None = None
+        self._correct = correct
+        self.phase_peaks: dict[str, int] = {}
 
     # ------------------------------------------------------------------ dispatch
 
@@ -138,7 +166,9 @@ class MemoryTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         out = func(*args, **(kwargs or {}))
-        self._count(tree_leaves(out))
+        if self._correct is not None:
+            out = self._correct(func, args, out)
+        self._count(tree_leaves(out), fresh_only=_aliases_an_input(func))
         return out
 
     def track(self, *objects: torch.Tensor | nn.Module | torch.optim.Optimizer) -> None:
@@ -152,7 +182,12 @@ class MemoryTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 self._count([obj])
             self._label_object(obj)
 
-    def _count(self, leaves: list[Any]) -> None:
+    def _count(self, leaves: list[Any], fresh_only: bool = False) -> None:
+        """Count the storages of `leaves` not counted yet.
+
+        With `fresh_only` (an operator that returns an input) an unknown storage existed before
+        the tracker saw it: it is not counted, only a known one's growth (resize_) is.
+        """
         new: dict[int, tuple[torch.UntypedStorage, int]] = {}
         for leaf in leaves:
             storage = self._storage_of(leaf)
@@ -162,7 +197,7 @@ class MemoryTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             known = self._live.get(key)
             if known is not None:
                 self._maybe_resized(known, storage)
-            elif key not in new:
+            elif not fresh_only and key not in new:
                 new[key] = (storage, storage.nbytes())
         if not new:
             return
@@ -226,6 +261,9 @@ class MemoryTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self.events.append((record.rid, -record.nbytes))
 
     def _update_peak(self) -> None:
+        phase = self.current_phase()
+        if self.live_bytes > self.phase_peaks.get(phase, 0):
+            self.phase_peaks[phase] = self.live_bytes
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
             self._peak_tick = self._tick
@@ -247,6 +285,7 @@ class MemoryTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def reset_peak(self) -> None:
         """Start a new peak from the bytes live now."""
+        self.phase_peaks = {}
         self.peak_bytes = self.live_bytes
         self._peak_tick = self._tick
 

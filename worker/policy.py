@@ -10,7 +10,9 @@ is used only when nothing else fits. A plan that already ran out of memory on th
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -52,10 +54,14 @@ class MicroBatchSearch(Protocol):
 
 @dataclass(frozen=True)
 class RunAsPlanned:
-    """Run the trial here with this plan (its reason says why)."""
+    """Run the trial here with this plan (its reason says why).
+
+    `seconds`: how long choosing it took, every prediction included (the worker records it).
+    """
 
     plan: Plan
     prediction: Prediction
+    seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,7 @@ class HandBack:
     min_footprint_bytes: int
     plan: Plan | None
     reason: str
+    seconds: float = 0.0
 
 
 Decision = RunAsPlanned | HandBack
@@ -110,7 +117,24 @@ def choose_plan(
     plans_tried: Sequence[PlanOut] = (),
     calibration: Calibration | None = None,
 ) -> Decision:
-    """The cheapest plan that fits `free_bytes` less the policy's margin, or a hand-back."""
+    """The cheapest plan that fits `free_bytes` less the policy's margin, or a hand-back.
+
+    The decision's `seconds` is the time the choice took, every prediction it needed included.
+    """
+    started = time.perf_counter()
+    decision = _choose(runner, config, policy, card, free_bytes, plans_tried, calibration)
+    return dataclasses.replace(decision, seconds=time.perf_counter() - started)
+
+
+def _choose(
+    runner: TrialRunner,
+    config: Config,
+    policy: MemoryPolicy,
+    card: CardSpec,
+    free_bytes: int,
+    plans_tried: Sequence[PlanOut],
+    calibration: Calibration | None,
+) -> Decision:
     chooser = _Chooser(runner, config, card, calibration, runner.batch_size(config))
     first = chooser.predict(Plan())
     if first.method == "none":

@@ -7,7 +7,7 @@ under a FakeTensorMode, so what it measures is what the trainer will allocate.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -26,6 +26,21 @@ def micro_batch_sizes(batch_size: int, plan: Plan) -> list[int]:
     micro = min(plan.micro_batch or batch_size, batch_size)
     full, rest = divmod(batch_size, micro)
     return [micro] * full + ([rest] if rest else [])
+
+
+def traced_micro_batch_sizes(batch_size: int, plan: Plan) -> list[int]:
+    """The micro-batches whose allocations are those of the whole step: the first two, the tail.
+
+    The first micro-batch's backward creates the gradients; every later one starts from the
+    same live set (gradients held, one loss accumulator) and allocates what the second does, so
+    tracing the second stands for all of them but a smaller tail. A trace then costs the same
+    for a micro-batch of 1 as for the batch as asked.
+    """
+    sizes = micro_batch_sizes(batch_size, plan)
+    if len(sizes) <= 2:
+        return sizes
+    tail = [sizes[-1]] if sizes[-1] != sizes[0] else []
+    return sizes[:2] + tail
 
 
 def autocast_for(plan: Plan, device: torch.device) -> AbstractContextManager[object]:
@@ -84,15 +99,17 @@ def train_step(
     batch_size: int,
     plan: Plan,
     device: torch.device,
+    sizes: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """One optimizer step over `batch_size` examples as the plan's micro-batches.
 
     Each micro-batch's mean loss is weighted by its share of the effective batch, so the
-    accumulated gradient equals the full batch's. Returns the step's loss (detached).
+    accumulated gradient equals the full batch's. Returns the step's loss (detached). `sizes`
+    overrides the micro-batches run (the predictor's `traced_micro_batch_sizes`).
     """
     optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)
-    for size in micro_batch_sizes(batch_size, plan):
+    for size in sizes if sizes is not None else micro_batch_sizes(batch_size, plan):
         batch = next_batch(size)
         with autocast_for(plan, device):
             loss = task.loss(model, batch) * (size / batch_size)

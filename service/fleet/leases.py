@@ -1,8 +1,13 @@
 """Leases: a trial held by one worker until an expiry, fenced by a token; helpers never commit.
 
-Every trial call presents its lease token. A call under an unknown, foreign, expired or ended
-lease changes nothing and gets a 409, except that the call which ended the lease may be
-repeated and gets the answer it got the first time (stored on the lease as its resolution).
+Every trial call presents its lease token. A call under an unknown, foreign or ended lease
+changes nothing and gets a 409, except that the call which ended the lease may be repeated and
+gets the answer it got the first time (stored on the lease as its resolution).
+
+A lease is lost when the reaper ends it (service.fleet.reaper), not at the instant it expires: until
+then nobody else holds its trial, so a call under it is admitted (and a heartbeat renews it).
+That is what lets a result finished while the database was away be delivered when it comes
+back: the reaper measures expiry in time it could see the database.
 Rows are read ``FOR UPDATE`` so that replicas on one PostgreSQL serialize on a lease and its
 trial (a no-op on SQLite, where the fleet's transactions are serialized in-process).
 """
@@ -104,9 +109,7 @@ def fence(
         raise LeaseLost(f"trial {trial_id}: this lease is not the trial's (unknown or foreign)")
     lease, trial, study, worker = found
     fenced = Fenced(lease, trial, study, worker)
-    if lease.active:
-        if lease.expires_at <= now:
-            raise LeaseLost(f"trial {trial_id}: the lease expired at {lease.expires_at}Z")
+    if lease.active:  # past its expiry too: lost once the reaper ends it, not before
         return fenced
     fenced.replay = _replay(lease, trial_id, call, kind)
     return fenced
@@ -136,23 +139,19 @@ def active_leases(session: Session, worker_id: int) -> list[LeaseRow]:
     return list(session.scalars(query))
 
 
-def renew(session: Session, lease_ids: list[int], now: datetime, ttl_s: float) -> None:
-    """Push the expiry of unexpired leases to now + ttl (an expired one stays expired)."""
-    if not lease_ids:
-        return
-    session.execute(
-        update(LeaseRow)
-        .where(LeaseRow.id.in_(lease_ids), LeaseRow.active.is_(True), LeaseRow.expires_at > now)
-        .values(expires_at=now + timedelta(seconds=ttl_s))
+def extend_for_outage(session: Session, since: datetime, now: datetime) -> int:
+    """Push back by ``now - since`` the expiry of the leases live at ``since``, when the
+    database was last seen: a lease's time runs only while the service can see the database
+    (workers could not heartbeat meanwhile). How many leases were extended."""
+    query = (
+        select(LeaseRow)
+        .where(LeaseRow.active.is_(True), LeaseRow.expires_at > since)
+        .with_for_update(skip_locked=True)  # a lease a call holds now is being settled anyway
     )
-
-
-def ended_since(session: Session, worker_id: int, since: datetime) -> list[LeaseRow]:
-    """The worker's leases ended at or after ``since`` (its previous heartbeat)."""
-    query = select(LeaseRow).where(
-        LeaseRow.worker_id == worker_id, LeaseRow.active.is_(False), LeaseRow.ended_at >= since
-    )
-    return list(session.scalars(query.order_by(LeaseRow.id)))
+    leases = list(session.scalars(query))
+    for lease in leases:
+        lease.expires_at += now - since
+    return len(leases)
 
 
 def expired_lease(session: Session, now: datetime) -> LeaseRow | None:

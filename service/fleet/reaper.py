@@ -1,6 +1,7 @@
 """The reaper: ends expired leases and re-offers their trials; ends trials no card can hold.
 
-A worker that stops heartbeating loses its leases once they expire. Its trial is offered again
+A worker that stops heartbeating loses its leases once they expire, in time the service could
+see the database (reaper_loop). Its trial is offered again
 (same trial, number and parameters, attempt + 1) to the next worker that fits it, up to the
 study's ``max_attempts``; then it is told FAIL with the reason. A trial waiting for a larger
 card is ended as infeasible once no live worker can hold it (service.fleet.routing).
@@ -25,7 +26,7 @@ from sqlalchemy.orm import Session
 
 from common.logs import log_event
 from service.db.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
-from service.fleet.leases import end, expired_lease, resolution
+from service.fleet.leases import end, expired_lease, extend_for_outage, resolution
 from service.fleet.routing import (
     OptunaTell,
     attempts_left,
@@ -171,15 +172,37 @@ def _count(reaped: Reaped) -> None:
         record_reaper_action(action, getattr(reaped, action))
 
 
+def extend_after_outage(state: AppState, since: datetime, now: datetime) -> None:
+    """The database is back after a pass failed: leases get the time it was away back."""
+    with fleet_transaction(state) as session:
+        extended = extend_for_outage(session, since, now)
+    outage_s = round((now - since).total_seconds(), 1)
+    log_event(log, "leases_extended", leases=extended, outage_s=outage_s)
+
+
 async def reaper_loop(state: AppState, stop: asyncio.Event) -> None:
-    """Run until ``stop`` is set; every ``state.settings.reaper_interval_s`` reap expired leases."""
+    """Run until ``stop`` is set; every ``state.settings.reaper_interval_s`` reap expired leases.
+
+    Expiry counts only time the database could be seen: after failed passes, the first pass
+    that reaches it extends the leases by the time since the last good pass, before it reaps.
+    With several replicas each extends by the outage it saw: a lease of a dead worker may live
+    that much longer, a result finished during the outage is not refused.
+    """
     interval = state.settings.reaper_interval_s
+    seen: datetime | None = None  # when a pass last reached the database
+    blind = False  # a pass failed since
     while not stop.is_set():
+        now = state.clock()
         try:
-            reaped = await asyncio.to_thread(reap_once, state)
+            if blind and seen is not None:
+                await asyncio.to_thread(extend_after_outage, state, seen, now)
+                seen = now  # extended up to now: a failure of the reap below adds only its own
+            reaped = await asyncio.to_thread(reap_once, state, now)
+            seen, blind = now, False
             if reaped.leases or reaped.infeasible:
                 log_event(log, "reaper_pass", **asdict(reaped))
         except Exception:  # a database outage must not end the loop; the next pass retries
+            blind = True
             log.exception("reaper pass failed")
         with suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=interval)

@@ -1,4 +1,6 @@
-"""Workers: they register, heartbeat and leave, and are listed; helpers never commit.
+"""Workers: they register and leave, and are listed; helpers never commit.
+
+Their heartbeats are service.fleet.heartbeats.
 
 What a worker that asks for work gets is service.fleet.dispatch.
 
@@ -24,15 +26,12 @@ from sqlalchemy.orm import Session
 from service.api.errors import Conflict, Forbidden, NotFound, TooMany
 from service.db.engine import is_sqlite
 from service.db.tables import LeaseRow, StudyRow, TokenRow, TrialRow, WorkerRow
-from service.fleet.leases import active_leases, end, ended_since, renew, resolution
+from service.fleet.leases import active_leases, end, resolution
 from service.fleet.routing import reoffer
 from service.settings import Settings
 from service.state import AppState
 from service.wire import (
     CardInfo,
-    Heartbeat,
-    HeartbeatReply,
-    StopOrder,
     WorkerList,
     WorkerOut,
     WorkerRegister,
@@ -102,6 +101,29 @@ def register(
     )
 
 
+def unknown_error(worker_id: int) -> NotFound:
+    """What a call of a worker that never registered gets."""
+    return NotFound(f"worker {worker_id} not found: register first (POST /workers)")
+
+
+def stopped_error(worker_id: int) -> Conflict:
+    """What a call of a worker that has stopped gets."""
+    return Conflict(f"worker {worker_id} has stopped: register again to rejoin")
+
+
+def foreign_error(worker_id: int) -> Forbidden:
+    """What a call with another token than the one that registered the worker gets."""
+    return Forbidden(
+        f"worker {worker_id} was registered with another token: only that token may act "
+        "as this worker or on its trials"
+    )
+
+
+def owns(owner: int | None, token_id: int | None) -> bool:
+    """Whether the calling token (None: auth off, anyone) may act as a worker it registered."""
+    return token_id is None or owner == token_id
+
+
 def _live_workers_of(session: Session, token_id: int | None, heard_since: datetime) -> int:
     bound = WorkerRow.token_id.is_(None) if token_id is None else WorkerRow.token_id == token_id
     query = select(func.count()).where(
@@ -112,18 +134,15 @@ def _live_workers_of(session: Session, token_id: int | None, heard_since: dateti
 
 def check_owner(worker: WorkerRow, token_id: int | None) -> None:
     """Forbidden unless the calling token (None: auth off, anyone) registered the worker."""
-    if token_id is not None and worker.token_id != token_id:
-        raise Forbidden(
-            f"worker {worker.id} was registered with another token: only that token may act "
-            "as this worker or on its trials"
-        )
+    if not owns(worker.token_id, token_id):
+        raise foreign_error(worker.id)
 
 
 def get_worker(session: Session, worker_id: int, token_id: int | None = None) -> WorkerRow:
     """The worker row, if the calling token registered it; NotFound if there is none."""
     worker = session.get(WorkerRow, worker_id)
     if worker is None:
-        raise NotFound(f"worker {worker_id} not found: register first (POST /workers)")
+        raise unknown_error(worker_id)
     check_owner(worker, token_id)
     return worker
 
@@ -132,7 +151,7 @@ def running_worker(session: Session, worker_id: int, token_id: int | None = None
     """The worker row of a worker that has not stopped; Conflict if it has."""
     worker = get_worker(session, worker_id, token_id)
     if worker.stopped:
-        raise Conflict(f"worker {worker_id} has stopped: register again to rejoin")
+        raise stopped_error(worker_id)
     return worker
 
 
@@ -143,58 +162,9 @@ def worker_state(worker: WorkerRow, now: datetime, stale_s: float) -> WorkerStat
     return "stale" if (now - worker.last_heartbeat).total_seconds() > stale_s else "live"
 
 
-def heartbeat(
-    session: Session,
-    settings: Settings,
-    worker_id: int,
-    body: Heartbeat,
-    now: datetime,
-    token_id: int | None = None,
-) -> HeartbeatReply:
-    """Renew the leases of the trials the worker runs; order stopped what it must not run on.
-
-    A lease of a trial the worker does not list is left to expire (the reaper then offers the
-    trial again): its assignment was lost on the way. Not ended at once, because a heartbeat
-    sent before a next's answer arrived may be read after that next.
-    """
-    leases = active_leases(session, worker_id)  # leases before the worker: the lock order
-    worker = running_worker(session, worker_id, token_id)
-    stops = [
-        StopOrder(trial_id=lease.trial_id, reason=lease.resolution["stop"])
-        for lease in ended_since(session, worker_id, worker.last_heartbeat)
-        if lease.resolution and lease.resolution.get("stop")
-    ]
-    trials = _trials_by_id(session, [lease.trial_id for lease in leases])
-    paused = _paused_studies(session, {trial.study_id for trial in trials.values()})
-    renewing = []
-    for lease in leases:
-        trial = trials.get(lease.trial_id)
-        if lease.expires_at <= now:
-            stops.append(StopOrder(trial_id=lease.trial_id, reason="lease_lost"))
-        elif trial is None:  # its study was deleted underneath
-            end(lease, now, resolution("study", stop="deleted"))
-            stops.append(StopOrder(trial_id=lease.trial_id, reason="deleted"))
-        elif body.trials is None or lease.trial_id in body.trials:
-            renewing.append(lease.id)
-            if trial.study_id in paused:
-                stops.append(StopOrder(trial_id=lease.trial_id, reason="paused"))
-    renew(session, renewing, now, settings.lease_ttl_s)
-    worker.last_heartbeat = now
-    if body.free_bytes is not None:
-        worker.free_bytes = body.free_bytes
-    return HeartbeatReply(stop=stops)
-
-
 def _trials_by_id(session: Session, trial_ids: Sequence[int]) -> dict[int, TrialRow]:
     query = select(TrialRow).where(TrialRow.trial_id.in_(trial_ids))
     return {trial.trial_id: trial for trial in session.scalars(query)}
-
-
-def _paused_studies(session: Session, study_ids: set[int]) -> set[int]:
-    query = select(StudyRow.study_id).where(
-        StudyRow.study_id.in_(study_ids), StudyRow.paused.is_(True)
-    )
-    return set(session.scalars(query))
 
 
 def stop_worker(

@@ -26,9 +26,12 @@ from sqlalchemy import make_url
 from service.testing import ServerFactory, sqlite_url, upgrade_database
 from service.wire import API_PREFIX
 
-# A lease outlives the outages below, so a worker's result is delivered, not re-run.
+# A lease outlives the server's restart below, so a worker's result is delivered, not re-run.
 PATIENT_FLEET = {**FAST_FLEET, "lease_ttl_s": 30.0, "worker_stale_s": 30.0}
 OUTAGE_S = 5.0
+# Leases shorter than the database outage (heartbeats often enough that a loaded machine does
+# not lose one otherwise): they live on because expiry counts only time the database was seen.
+OUTAGE_FLEET = {**FAST_FLEET, "lease_ttl_s": 3.0, "heartbeat_interval_s": 0.5}
 
 
 def test_server_killed_and_restarted_loses_nothing(
@@ -123,13 +126,14 @@ def test_database_outage_is_503_and_results_wait_for_its_return(
     start_server: ServerFactory,
     fleet: Fleet,
 ) -> None:
-    """The database cut off: 503s (never 500), the server recovers by itself, and the results
-    workers finished meanwhile are delivered afterwards (not lost, not re-run)."""
+    """The database cut off for longer than a lease lives: 503s (never 500), the server
+    recovers by itself, and the results workers finished meanwhile are delivered afterwards
+    (not lost, not refused, no trial run twice)."""
     url = upgrade_database(postgres_url)
     target = make_url(url)
     proxy = tcp_proxy(target.host or "127.0.0.1", target.port or 5432)
     proxied = target.set(port=proxy.port).render_as_string(hide_password=False)
-    server = start_server(proxied, **PATIENT_FLEET)
+    server = start_server(proxied, **OUTAGE_FLEET)
     n_trials = 32
     # No intermediate reports: a worker whose run ends during the outage holds its result.
     study = create_study(server.url, n_trials, step_seconds=0.03, reports=False)
@@ -148,6 +152,8 @@ def test_database_outage_is_503_and_results_wait_for_its_return(
     assert outcome.states() == {"COMPLETE": n_trials}
     assert all(row.attempt == 0 for row in outcome.rows.values()), "a result was re-run"
     events = fleet.events()
+    leased = Counter(e["trial_id"] for e in events if e["event"] == "leased")
+    assert set(leased.values()) == {1}, f"ran twice: {[t for t, n in leased.items() if n > 1]}"
     queued = {e["trial_id"] for e in events if e["event"] == "result_queued"}
     assert queued, "no worker had a result to keep during the outage: the test tested nothing"
     delivered = {e["trial_id"] for e in events if e["event"] == "delivered"}

@@ -15,6 +15,7 @@ import itertools
 import json
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -650,3 +651,56 @@ def test_a_heartbeat_renews_only_the_leases_of_the_trials_the_worker_lists(env: 
     reap_once(env.state, utcnow() + LATER)  # both expire eventually; the lost one is offered
     offered = env.worker("w2").next()
     assert offered is not None and offered["trial_id"] in (running["trial_id"], lost["trial_id"])
+
+
+def test_heartbeats_sent_together_each_get_their_own_answer(env: Env) -> None:
+    """Heartbeats that share a batch (service.heartbeats): each renews its own worker's lease
+    and gets its own answer, 404 and 409 included, whatever the others of the batch are."""
+    env.create_study(n_trials=4)
+    workers = [env.worker(f"batch{i}") for i in range(4)]
+    held = [worker.next() for worker in workers]
+    assert all(held)
+    gone = env.worker("gone")
+    assert env.http.post(f"/workers/{gone.id}/stop").status_code == 204
+    assert env.http.post(f"/studies/{env.study}/pause").status_code == 200
+    calls = [(w.id, {"trials": [a["trial_id"]]}) for w, a in zip(workers, held, strict=True)]
+    calls += [(gone.id, {}), (2**40, {})]
+    with ThreadPoolExecutor(len(calls)) as pool:
+        answers = list(
+            pool.map(lambda c: env.http.post(f"/workers/{c[0]}/heartbeat", json=c[1]), calls)
+        )
+    assert [a.status_code for a in answers] == [200] * 4 + [409, 404]
+    for answer, assignment in zip(answers, held, strict=False):
+        assert answer.json()["stop"] == [{"trial_id": assignment["trial_id"], "reason": "paused"}]
+
+
+def test_a_listed_trial_whose_lease_was_reaped_is_ordered_stopped_at_every_heartbeat(
+    env: Env,
+) -> None:
+    env.create_study()
+    worker = env.worker("listing")
+    held = worker.next()
+    assert held is not None
+    reap_once(env.state, utcnow() + LATER)
+    body = {"trials": [held["trial_id"]]}
+    for _ in range(2):  # as long as the worker lists it, not only once
+        beat = env.http.post(f"/workers/{worker.id}/heartbeat", json=body)
+        assert beat.json()["stop"] == [{"trial_id": held["trial_id"], "reason": "lease_lost"}]
+    assert env.http.post(f"/workers/{worker.id}/heartbeat", json={"trials": []}).json() == {
+        "stop": []
+    }
+
+
+def test_a_lease_past_its_expiry_is_held_until_the_reaper_ends_it(env: Env) -> None:
+    """Expiry is the reaper's to decide (it counts only time it could see the database): a
+    result delivered after the expiry but before the reaper's pass is told, not refused."""
+    env.create_study()
+    worker = env.worker("late")
+    held = worker.next()
+    assert held is not None
+    with env.state.sessions.begin() as session:
+        lease = session.scalar(select(LeaseRow).where(LeaseRow.token == held["lease"]))
+        assert lease is not None
+        lease.expires_at = utcnow() - timedelta(seconds=1)
+    assert worker.complete(held, 2.0).status_code == 200
+    assert [(t.state, t.value) for t in env.trials()] == [(TrialState.COMPLETE, 2.0)]

@@ -238,3 +238,31 @@ def test_the_solver_gets_the_budget_in_uncalibrated_bytes() -> None:
     assert isinstance(solving, RunAsPlanned) and isinstance(bisecting, RunAsPlanned)
     assert solving.plan == bisecting.plan
     assert footprint(solving.prediction) <= free
+
+
+class _Clock:
+    """A clock that moves one second per prediction."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_decision_says_how_long_choosing_it_took(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock, predictions = _Clock(), []
+
+    class Slow(QuadraticTask):
+        def predict(self, config: Config, plan: Plan, card: CardSpec) -> Prediction:
+            clock.now += 1.0
+            predictions.append(plan)
+            return super().predict(config, plan, card)
+
+    monkeypatch.setattr("worker.policy.time.perf_counter", clock)
+    resized = choose(free=need(Plan(micro_batch=4, accumulation=4)), runner=Slow())
+    assert resized.seconds == len(predictions) > 1
+    predictions.clear()
+    clock.now = 0.0
+    handed_back = choose(free=1, runner=Slow())
+    assert isinstance(handed_back, HandBack) and handed_back.seconds == len(predictions) > 1

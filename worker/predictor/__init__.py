@@ -6,6 +6,7 @@ Public API:
     measure_card_constants(device) -> CardConstants
     footprint(prediction) -> int: the bytes a card must hold (reserved, or allocated if larger)
     clear_cache(): forget cached predictions and probes
+    warm_up() / warm_up_in_background(): pay the first trace's one-time cost (a worker's start)
 """
 
 from worker.predictor.card import measure_card_constants
@@ -25,6 +26,7 @@ from worker.predictor.trace import (
     target_for,
     trace_training,
 )
+from worker.predictor.warmup import warm_up, warm_up_in_background
 
 __all__ = [
     "CPU_TARGET",
@@ -40,4 +42,6 @@ __all__ = [
     "predict",
     "target_for",
     "trace_training",
+    "warm_up",
+    "warm_up_in_background",
 ]

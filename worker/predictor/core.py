@@ -4,6 +4,10 @@
 through the caching-allocator model for a CUDA card, and adds the card's constants; a model
 that cannot be traced is measured instead (worker/predictor/probe.py). Predictions are cached
 per task, shape-relevant parameters, batch size, plan and card.
+
+The peak is the largest of several phases' peaks (forward, backward, the optimizer step), each
+affine in the micro-batch: at small micro-batches the optimizer step, which does not depend on
+the micro-batch, sets it. `largest_micro_batch` solves the maximum of those lines.
 """
 
 from __future__ import annotations
@@ -12,14 +16,24 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from service.wire import Calibration, CardConstants, Plan, Prediction, apply_calibration
+from service.wire import (
+    Calibration,
+    CardConstants,
+    Plan,
+    Prediction,
+    apply_calibration,
+    calibrated_bytes,
+    raw_peaks,
+)
 from worker.predictor.allocator import replay
 from worker.predictor.probe import PhasePeaks, measure_point, probe_micro_batches, probe_prediction
 from worker.predictor.trace import CannotTrace, Target, Trace, target_for, trace_training
+from worker.predictor.warmup import warm_up
 from worker.runner import CardSpec, plan_for_micro_batch
 from worker.steps import micro_batch_sizes
 from worker.task import Config, Task
@@ -94,6 +108,17 @@ def _plan_key(task: Task, config: Config, plan: Plan) -> tuple[Hashable, ...]:
     return (batch, micro, plan.checkpointing, plan.bf16)
 
 
+def _prediction_key(
+    task: Task, config: Config, plan: Plan, target: Target, constants: CardConstants
+) -> tuple[Hashable, ...]:
+    return (
+        _task_key(task, config),
+        _plan_key(task, config, plan),
+        target,
+        constants.model_dump_json(),
+    )
+
+
 def predict(
     task: Task,
     config: Config,
@@ -108,24 +133,38 @@ def predict(
     (method "probe", with the reason). `target` forces a trace mode (the benchmark).
     """
     started = time.perf_counter()
+    warm_up()  # waits for a warm-up in progress instead of paying it twice
     target = target or target_for(card)
     constants = card_constants(card) if target.cuda else CardConstants()
-    key = (
-        _task_key(task, config),
-        _plan_key(task, config, plan),
-        target,
-        constants.model_dump_json(),
-    )
-    cached: Prediction | None = _PREDICTIONS.get_fresh(key)
+    key = _prediction_key(task, config, plan, target, constants)
+    cached: _Point | None = _PREDICTIONS.get_fresh(key)
     if cached is not None:
-        return cached.model_copy(update={"seconds": time.perf_counter() - started})
+        return cached.prediction.model_copy(update={"seconds": time.perf_counter() - started})
     try:
         trace = trace_training(task, config, plan, target)
     except CannotTrace as error:
         return _probe(task, config, plan, card, error.reason, started)
     prediction = from_trace(trace, target, constants, time.perf_counter() - started)
-    _PREDICTIONS.put(key, prediction)
+    _PREDICTIONS.put(key, _Point(prediction, trace.phase_peaks))
     return prediction
+
+
+@dataclass(frozen=True)
+class _Point:
+    """A prediction with the raw peak of each phase it traced (empty for a probe)."""
+
+    prediction: Prediction
+    phases: dict[str, int]
+
+
+def _phase_peaks(
+    task: Task, config: Config, plan: Plan, card: CardSpec | None, target: Target | None
+) -> dict[str, int]:
+    """The phase peaks of a prediction made just before (cached), or none."""
+    target = target or target_for(card)
+    constants = card_constants(card) if target.cuda else CardConstants()
+    point: _Point | None = _PREDICTIONS.get(_prediction_key(task, config, plan, target, constants))
+    return point.phases if point is not None else {}
 
 
 def from_trace(
@@ -199,63 +238,139 @@ def largest_micro_batch(
 ) -> tuple[int, Prediction] | None:
     """The largest micro-batch whose footprint under `plan`'s flags fits `budget_bytes`.
 
-    The whole batch is tried first; otherwise the peak, affine in the micro-batch, is solved
-    from the line through two traces and confirmed by a trace at the solution (more traces only
-    where the peak is not affine). Predictions are compared calibrated when `calibration` is
-    given (and returned so). None when not even a micro-batch of 1 fits.
+    The whole batch is tried first; otherwise the peak is solved as the maximum of the phases'
+    lines through two traces (micro-batches 1 and half the batch) and confirmed by a trace at
+    the solution (more traces only where the peak is not affine). Predictions are compared
+    calibrated when `calibration` is given (and returned so). None when not even a micro-batch
+    of 1 fits.
     """
     batch = _batch_size(task, config)
     flags = {"checkpointing": plan.checkpointing, "bf16": plan.bf16}
 
-    def at(micro: int) -> Prediction:
+    def at(micro: int) -> _Point:
         plan_at = plan_for_micro_batch(batch, micro, **flags)
         prediction = predict(task, config, plan_at, card, target=target)
-        return prediction if calibration is None else apply_calibration(prediction, calibration)
+        phases = _phase_peaks(task, config, plan_at, card, target)
+        if calibration is not None:
+            prediction = apply_calibration(prediction, calibration)
+        return _Point(prediction, phases)
+
+    def calibrated(raw: float) -> float:
+        return raw if calibration is None else float(calibrated_bytes(round(raw), calibration))
 
     whole = at(batch)
-    if footprint(whole) <= budget_bytes:
-        return batch, whole
+    if footprint(whole.prediction) <= budget_bytes:
+        return batch, whole.prediction
     one = at(1)
-    if batch == 1 or footprint(one) > budget_bytes:
+    if batch == 1 or footprint(one.prediction) > budget_bytes:
         return None
-    return _search(at, batch, one, whole, budget_bytes)
+    return _search(at, calibrated, batch, one, whole, budget_bytes)
 
 
 def _search(
-    at: Callable[[int], Prediction], batch: int, one: Prediction, whole: Prediction, budget: int
+    at: Callable[[int], _Point],
+    calibrated: Callable[[float], float],
+    batch: int,
+    one: _Point,
+    whole: _Point,
+    budget: int,
 ) -> tuple[int, Prediction]:
-    """Regula falsi on [fits, does not fit], starting from the line through m=1 and m=batch/2."""
+    """Solve the phases' lines through m=1 and m=batch/2, then regula falsi on the bracket."""
     fits, fails = (1, one), (batch, whole)
     half = math.ceil(batch / 2)
     if 1 < half < batch:
         middle = at(half)
-        if footprint(middle) <= budget:
+        if footprint(middle.prediction) <= budget:
             fits = (half, middle)
         else:
             fails = (half, middle)
+        lines = _PiecewiseLines((1, one), (half, middle), calibrated)
+        guess = lines.largest_within(fits[0] + 1, fails[0] - 1, budget)
+        if guess is not None:
+            point = at(guess)
+            if footprint(point.prediction) > budget:
+                fails = (guess, point)
+            else:
+                fits = (guess, point)
+                # The lines miss the trace here by `error`: if guess + 1 is over the budget by
+                # more than that (or known to fail), it does not fit and guess is the answer.
+                error = abs(footprint(point.prediction) - lines.footprint(guess))
+                if guess + 1 >= fails[0] or lines.footprint(guess + 1) - error > budget:
+                    return guess, point.prediction
     for _ in range(MAX_SEARCH_TRACES):
         if fails[0] - fits[0] <= 1:
             break
         guess, expected = _secant(fits, fails, budget)
-        prediction = at(guess)
-        if footprint(prediction) > budget:
-            fails = (guess, prediction)
+        point = at(guess)
+        if footprint(point.prediction) > budget:
+            fails = (guess, point)
             continue
-        fits = (guess, prediction)
-        if _on_line(footprint(prediction), expected):
+        fits = (guess, point)
+        if _on_line(footprint(point.prediction), expected):
             break
-    return fits
+    return fits[0], fits[1].prediction
 
 
-def _secant(
-    fits: tuple[int, Prediction], fails: tuple[int, Prediction], budget: int
-) -> tuple[int, float]:
+Bracket = tuple[int, _Point]
+
+
+@dataclass(frozen=True)
+class _PiecewiseLines:
+    """The footprint as the maximum of each phase's line through two traced micro-batches.
+
+    A card's footprint is its reserve (or the constants) above the largest phase peak: that gap
+    is taken from the second trace. With a single phase (a probe) it is one line.
+    """
+
+    first: tuple[int, _Point]
+    second: tuple[int, _Point]
+    calibrated: Callable[[float], float]
+
+    def raw(self, micro: int) -> float:
+        (m0, p0), (m1, p1) = self.first, self.second
+        phases = set(p0.phases) & set(p1.phases)
+        if not phases:
+            return _line(m0, _raw(p0.prediction), m1, _raw(p1.prediction), micro)
+        gap = _raw(p1.prediction) - max(p1.phases.values())
+        return gap + max(
+            _line(m0, p0.phases[phase], m1, p1.phases[phase], micro) for phase in phases
+        )
+
+    def footprint(self, micro: int) -> float:
+        """The footprint the lines give, calibrated as the predictions are compared."""
+        return self.calibrated(self.raw(micro))
+
+    def largest_within(self, low: int, high: int, budget: int) -> int | None:
+        """The largest micro-batch in [low, high] the lines say fits (lines rise: bisect)."""
+        if low > high or self.footprint(low) > budget:
+            return None
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self.footprint(middle) <= budget:
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
+
+def _line(m0: int, v0: float, m1: int, v1: float, micro: int) -> float:
+    return v0 + (v1 - v0) * (micro - m0) / (m1 - m0)
+
+
+def _raw(prediction: Prediction) -> int:
+    """The uncalibrated footprint of a (possibly calibrated) prediction."""
+    allocated, reserved = raw_peaks(prediction)
+    return max(allocated, reserved)
+
+
+def _secant(fits: Bracket, fails: Bracket, budget: int) -> tuple[int, float]:
     """The micro-batch where the line through the bracket meets the budget, and the line there."""
     (m0, p0), (m1, p1) = fits, fails
-    slope = (footprint(p1) - footprint(p0)) / (m1 - m0)
-    guess = m0 + math.floor((budget - footprint(p0)) / slope) if slope > 0 else m1 - 1
+    f0, f1 = footprint(p0.prediction), footprint(p1.prediction)
+    slope = (f1 - f0) / (m1 - m0)
+    guess = m0 + math.floor((budget - f0) / slope) if slope > 0 else m1 - 1
     guess = min(max(guess, m0 + 1), m1 - 1)
-    return guess, footprint(p0) + slope * (guess - m0)
+    return guess, f0 + slope * (guess - m0)
 
 
 def _on_line(measured: int, expected: float) -> bool:

@@ -3,6 +3,19 @@
 The trace runs `worker.steps.train_step`, the trainer's own step, on a model and optimizer
 built inside the fake mode (building outside and converting breaks weight tying), so what it
 counts is what the trainer allocates. Step 2 is the steady state: optimizer state exists.
+
+On the CPU card step 1's forward and backward are not traced: they allocate what step 2's do
+less the optimizer state, so they never set the peak. Step 1 is replayed as what it leaves and
+what its optimizer step sees — zero gradients for every trainable parameter, the loss
+accumulator, then `optimizer.step()` creating the state — which halves a trace (tested equal to
+two traced steps). A CUDA trace keeps both steps: the caching allocator's reserve depends on
+the order step 1 allocated in.
+Bytes are counted by `worker.memory.MemoryTracker`, the same mode that measures real CPU runs;
+the only prediction-side difference is a named correction of fake kernels (`correct_fake`).
+
+A step of many micro-batches is traced as its first two and its tail
+(`worker.steps.traced_micro_batch_sizes`): the third and later start from the second's live
+set, so they allocate what it allocates, and a trace no longer grows with the accumulation.
 """
 
 from __future__ import annotations
@@ -22,7 +35,6 @@ from torch._subclasses.fake_tensor import (
     unset_fake_temporarily,
 )
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 from service.wire import Plan
@@ -30,7 +42,7 @@ from worker.memory import MemoryLimitExceeded, MemoryTracker
 from worker.predictor.emulation import cuda_emulation, prefer_foreach
 from worker.predictor.opmodel import real_kernel_storages
 from worker.runner import CardSpec
-from worker.steps import build_for_plan, train_step
+from worker.steps import build_for_plan, traced_micro_batch_sizes, train_step
 from worker.task import Batch, Config, Task, TaskConfigError
 
 TRACED_STEPS = 2
@@ -87,23 +99,27 @@ class Trace:
     breakdown: dict[str, int]
     events: list[tuple[int, int]]
     seconds: float
+    phase_peaks: dict[str, int]
+    """The highest live bytes while each phase (forward, backward, optimizer...) allocated."""
 
 
-def trace_training(task: Task, config: Config, plan: Plan, target: Target) -> Trace:
-    """Trace `TRACED_STEPS` steps of `task` under `plan`; raises CannotTrace with a reason."""
+def trace_training(
+    task: Task, config: Config, plan: Plan, target: Target, *, real_first_step: bool | None = None
+) -> Trace:
+    """Trace `TRACED_STEPS` steps of `task` under `plan`; raises CannotTrace with a reason.
+
+    `real_first_step` traces step 1's forward and backward too (default: on CUDA targets only).
+    """
+    if real_first_step is None:
+        real_first_step = target.cuda
     started = time.perf_counter()
-    tracker = MemoryTracker(device_type=target.device.type, record_events=target.cuda)
+    tracker = MemoryTracker(
+        device_type=target.device.type, record_events=target.cuda, correct=correct_fake
+    )
     fake = FakeTensorMode()
     try:
-        with (
-            fake,
-            _FakeDeepcopy(),
-            _emulation(target),
-            _onednn_workspaces(),
-            real_kernel_storages(),
-            tracker,
-        ):
-            _run_steps(task, config, plan, target, tracker)
+        with fake, _FakeDeepcopy(), _emulation(target), real_kernel_storages(), tracker:
+            _run_steps(task, config, plan, target, tracker, real_first_step)
     except (TaskConfigError, MemoryLimitExceeded):
         raise
     except CannotTrace:
@@ -115,6 +131,7 @@ def trace_training(task: Task, config: Config, plan: Plan, target: Target) -> Tr
         breakdown=tracker.breakdown(),
         events=tracker.events or [],
         seconds=time.perf_counter() - started,
+        phase_peaks=dict(tracker.phase_peaks),
     )
 
 
@@ -123,7 +140,12 @@ def _emulation(target: Target) -> AbstractContextManager[None]:
 
 
 def _run_steps(
-    task: Task, config: Config, plan: Plan, target: Target, tracker: MemoryTracker
+    task: Task,
+    config: Config,
+    plan: Plan,
+    target: Target,
+    tracker: MemoryTracker,
+    real_first_step: bool,
 ) -> None:
     device = target.device
     batch_size = int(config[task.batch_size_param])
@@ -139,12 +161,37 @@ def _run_steps(
     def next_batch(size: int) -> Batch:
         return task.example_batch(config, size, device)
 
+    sizes = traced_micro_batch_sizes(batch_size, plan)
     loss = None
-    for _ in range(TRACED_STEPS):
-        # Kept across the next step, as the trainer's loop keeps its last loss.
-        loss = train_step(task, model, optimizer, next_batch, batch_size, plan, device)
+    for step in range(TRACED_STEPS):
+        if step == 0 and not real_first_step:
+            loss = _first_step_state(model, optimizer, device, tracker)
+        else:
+            # Kept across the next step, as the trainer's loop keeps its last loss.
+            loss = train_step(task, model, optimizer, next_batch, batch_size, plan, device, sizes)
         tracker.label_training_state(model, optimizer)
     del loss
+
+
+def _first_step_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, tracker: MemoryTracker
+) -> torch.Tensor:
+    """What step 1 leaves and its optimizer step sees, without its forward and backward.
+
+    At step 1's `optimizer.step()` the live tensors are the parameters, one gradient per
+    trainable parameter and the loss accumulator; the step then creates the optimizer state.
+    Returns the accumulator, which the trainer keeps through step 2 as its last loss. A
+    parameter the loss never reaches gets a gradient and optimizer state here but none in a real
+    step: the prediction is then higher than the run, never lower.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    total = torch.zeros((), device=device)  # made in the forward phase, as train_step makes it
+    with tracker.phase("setup"), torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.requires_grad:
+                parameter.grad = torch.zeros_like(parameter)
+    optimizer.step()
+    return total
 
 
 class _FakeDeepcopy(TorchFunctionMode):
@@ -175,29 +222,27 @@ class _FakeDeepcopy(TorchFunctionMode):
         return memo[id(tensor)]
 
 
-class _OneDnnWorkspaces(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Gives fake `mkldnn_rnn_layer` (the CPU LSTM/GRU) the workspace oneDNN really allocates.
+def correct_fake(func: Any, args: tuple[Any, ...], out: Any) -> Any:
+    """Fix the fake CPU LSTM/GRU kernels' outputs where they hold less than the real ones.
 
-    Its fake kernel returns an empty workspace; oneDNN sizes it from the shapes alone, so one
-    real call on zeros of the same shapes (cached) tells the size.
+    - `mkldnn_rnn_layer` returns an empty workspace; oneDNN sizes it from the shapes alone, so
+      one real call on zeros of the same shapes (cached) tells the size.
+    - `mkldnn_rnn_layer_backward`'s fake kernel returns one tensor as both bias gradients (the
+      real kernel returns two; FakeTensorMode's cache replays them as two, so the first call at a
+      shape counted one bias gradient less than every later one).
+
+    Every other output is kept.
     """
-
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten.mkldnn_rnn_layer.default:
-            size = _onednn_workspace_bytes(args)
-            out = (*out[:3], torch.empty(size, dtype=torch.uint8, device=out[3].device))
-        return out
+    if func is torch.ops.aten.mkldnn_rnn_layer.default:
+        size = _onednn_workspace_bytes(args)
+        return (*out[:3], torch.empty(size, dtype=torch.uint8, device=out[3].device))
+    if func is torch.ops.aten.mkldnn_rnn_layer_backward.default and _same_storage(out[3], out[4]):
+        return (*out[:4], out[4].clone(), *out[5:])
+    return out
 
 
-def _onednn_workspaces() -> TorchDispatchMode:
-    return _OneDnnWorkspaces()  # type: ignore[no-untyped-call]
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage() is b.untyped_storage()  # one Python object per storage
 
 
 _WORKSPACES: dict[tuple[Any, ...], int] = {}

@@ -38,14 +38,12 @@ def register(body: WorkerRegister, state: StateDep, principal: PrincipalDep) -> 
 
 
 @router.post("/workers/{worker_id}/heartbeat")
-def heartbeat(
+async def heartbeat(
     worker_id: WorkerId, body: Heartbeat, state: StateDep, principal: PrincipalDep
 ) -> HeartbeatReply:
-    """Renew every lease of the worker; the answer lists trials it must stop, and why."""
-    with fleet.fleet_transaction(state) as session:
-        return fleet.heartbeat(
-            session, state.settings, worker_id, body, state.clock(), principal.token_id
-        )
+    """Renew the leases of the trials the worker runs; the answer lists those it must stop."""
+    assert state.heartbeats is not None  # built with the state
+    return await state.heartbeats.beat(worker_id, body, principal.token_id)
 
 
 @router.post(

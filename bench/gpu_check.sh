@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# One command for a person with one CUDA GPU: checks the predictor against the card in < 5 min.
+#
+#   bash scripts/setup.sh            # once, with a CUDA build of torch (VRAMTUNE_TORCH_VERSION)
+#   bash bench/gpu_check.sh
+#
+# It installs nothing. It runs the `gpu`-marked tests (the fake-cuda prediction against the
+# card's measured peak, the CUDA training loop) and the GPU predictor benchmark on the zoo
+# (predicted allocated/reserved against torch.cuda.max_memory_allocated/reserved and NVML's
+# per-process peak, bench/predictor_accuracy.py --gpu), and writes
+#   bench/results/gpu_tests.md
+#   bench/results/gpu_predictor_accuracy.{md,json}
+# Without a CUDA device it says so and exits with status 2, writing nothing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-.venv/bin/python}
+RESULTS=bench/results
+TESTS_TIMEOUT_S=${TESTS_TIMEOUT_S:-90}
+BENCH_BUDGET_S=${BENCH_BUDGET_S:-180}
+
+if [ ! -x "$PYTHON" ]; then
+  echo "gpu_check: no Python at $PYTHON; run scripts/setup.sh first (or set PYTHON=...)" >&2
+  exit 2
+fi
+if ! device=$("$PYTHON" - <<'PY'
+import sys
+import torch
+if not torch.cuda.is_available():
+    build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
+    sys.exit(f"gpu_check: no CUDA device visible to torch {torch.__version__} ({build}); "
+             "this check needs one NVIDIA GPU and a CUDA build of torch")
+print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+PY
+); then
+  exit 2
+fi
+echo "gpu_check: $device"
+mkdir -p "$RESULTS"
+started=$(date -u +%FT%TZ)
+load_before=$(cut -d' ' -f1 /proc/loadavg)
+
+# 1. The gpu-marked tests (they skip themselves without a device; here one is present).
+set +e
+tests_out=$(timeout "$TESTS_TIMEOUT_S" "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider \
+  tests/worker 2>&1)
+tests_rc=$?
+set -e
+{
+  echo "# GPU tests"
+  echo
+  echo "$started · $device · load average $load_before · \`pytest -m gpu tests/worker\` (exit $tests_rc)"
+  echo
+  echo '```'
+  echo "$tests_out" | tail -40
+  echo '```'
+} >"$RESULTS/gpu_tests.md"
+echo "$tests_out" | tail -3
+
+# 2. The GPU predictor benchmark on the zoo, bounded by its own case budget.
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+set +e
+timeout $((BENCH_BUDGET_S + 60)) "$PYTHON" bench/predictor_accuracy.py --gpu \
+  --budget-s "$BENCH_BUDGET_S" --out "$out"
+bench_rc=$?
+set -e
+for ext in md json; do
+  if [ -f "$out/predictor_accuracy_gpu.$ext" ]; then
+    cp "$out/predictor_accuracy_gpu.$ext" "$RESULTS/gpu_predictor_accuracy.$ext"
+  fi
+done
+echo "gpu_check: wrote $RESULTS/gpu_tests.md and $RESULTS/gpu_predictor_accuracy.{md,json}" \
+  "(tests exit $tests_rc, benchmark exit $bench_rc; load average $(cut -d' ' -f1 /proc/loadavg))"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
