@@ -15,7 +15,7 @@ from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from service.api.errors import Conflict, NotFound
+from service.api.errors import Conflict, Invalid, NotFound
 from service.auth.audit import AuditEvent
 from service.auth.tokens import Principal, audited
 from service.db.tables import StudyRow, TrialRow, WorkerRow
@@ -32,7 +32,9 @@ from service.optuna.glue import (
     spec_of,
 )
 from service.settings import Settings
+from service.task_rules import study_problem
 from service.wire import (
+    CategoricalParam,
     ParetoFront,
     PlanOut,
     StudyCreate,
@@ -69,6 +71,7 @@ def create_study(
     """
     check_space_size(spec, max_points)
     space = search_space(spec)
+    check_task(spec)
     make_sampler(spec)  # built now only to reject bad names and arguments with a 422
     make_pruner(spec.pruner)
     if session.scalar(select(StudyRow.study_id).where(StudyRow.name == spec.name)) is not None:
@@ -97,6 +100,18 @@ def create_study(
         storage.delete_study(study_id)
         raise
     return row
+
+
+def check_task(spec: StudyCreate) -> None:
+    """422 for a built-in model family's settings that no worker could build (task_rules)."""
+    choices = {
+        name: param.choices
+        for name, param in spec.search_space.items()
+        if isinstance(param, CategoricalParam)
+    }
+    problem = study_problem(spec.task, spec.task_config, choices)
+    if problem is not None:
+        raise Invalid(*problem)
 
 
 # ---------------------------------------------------------------- read

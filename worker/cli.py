@@ -130,6 +130,8 @@ def _run_one(args: argparse.Namespace) -> int:
     found = discover(args.tasks, entry_points=not args.no_entry_points)
     for source, problem in found.errors.items():
         log.error("task %s not loaded: %s", source, problem)
+    for name, missing in found.unavailable.items():
+        log.info("task %s not advertised: %s", name, missing)
     if not found.runners:
         print("vramtune worker: no task to advertise", file=sys.stderr)
         return 2

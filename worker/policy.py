@@ -366,6 +366,8 @@ def _reason(
     policy: MemoryPolicy,
 ) -> str:
     fit = f"predicted {_gib(prediction.peak_bytes)} <= budget {_gib(budget)}"
+    if prediction.method == "probe":  # the record and the dashboard say why it was measured
+        fit += f" [probed: {prediction.reason}]"
     room = f"({_gib(free_bytes)} free, margin {policy.margin:.0%})"
     if plan == Plan():
         return f"as asked: {fit} {room}"

@@ -24,6 +24,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from service.wire import Name
 from worker.runner import TrialRunner
+from worker.tasks.extras import MissingExtra
 
 ENTRY_POINT_GROUP = "vramtune.tasks"
 _NAME = TypeAdapter(Name)
@@ -35,6 +36,8 @@ class Discovery:
 
     runners: dict[str, TrialRunner] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    unavailable: dict[str, str] = field(default_factory=dict)
+    """Built-in tasks left out because their optional dependency is missing, and which extra."""
     sources: dict[str, str] = field(default_factory=dict)
     """Where each runner came from: 'module:attribute' or 'path/to/file.py:attribute'."""
 
@@ -63,6 +66,9 @@ def discover(extra: Sequence[str] = (), *, entry_points: bool = True) -> Discove
         for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
             try:
                 candidate = entry_point.load()
+            except MissingExtra as missing:  # not advertised: an extra not installed, no fault
+                found.unavailable[entry_point.name] = str(missing)
+                continue
             except Exception as error:  # a broken plugin must not stop the others
                 found.errors[entry_point.name] = _describe(error)
                 continue
@@ -196,6 +202,10 @@ def format_listing(discovery: Discovery) -> str:
     ]
     if not discovery.runners:
         lines.append("(no tasks)")
+    if discovery.unavailable:
+        lines.append("")
+        lines.append("not installed (optional):")
+        lines.extend(f"  {name}: {why}" for name, why in sorted(discovery.unavailable.items()))
     if discovery.errors:
         lines.append("")
         lines.append("failed to load:")

@@ -51,13 +51,24 @@ def autocast_for(plan: Plan, device: torch.device) -> AbstractContextManager[obj
 
 
 def apply_checkpointing(task: Task, model: nn.Module) -> int:
-    """Recompute the task's checkpointable blocks in backward; returns how many were wrapped."""
+    """Recompute the task's checkpointable blocks in backward; returns how many were wrapped.
+
+    A task with its own `enable_checkpointing(model)` (transformers' and timm's built-in
+    checkpointing) uses that instead; it returns whether it could.
+    """
+    enable = getattr(task, "enable_checkpointing", None)
+    if enable is not None:
+        return int(bool(enable(model)))
     modules = list(task.checkpoint_modules(model))
     for module in modules:
-        forward = module.forward
-        # non-reentrant checkpointing works with kwargs and under FakeTensorMode.
-        module.forward = functools.partial(checkpoint, forward, use_reentrant=False)
+        checkpoint_forward(module)
     return len(modules)
+
+
+def checkpoint_forward(module: nn.Module) -> None:
+    """Make `module` recompute its forward in the backward pass instead of keeping activations."""
+    # non-reentrant checkpointing works with kwargs and under FakeTensorMode.
+    module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
 
 
 def build_for_plan(task: Task, config: Config, plan: Plan, device: torch.device) -> nn.Module:

@@ -66,6 +66,9 @@ class Task(Protocol):
         checkpoint_modules(model): the sub-modules whose forward may be recomputed in the
             backward pass (transformer blocks, conv stages). An empty sequence means the plan
             cannot use activation checkpointing for this task.
+        enable_checkpointing(model) (optional): turn on the model's own activation
+            checkpointing instead (transformers' ``gradient_checkpointing_enable``, timm's
+            ``set_grad_checkpointing``); return False when this model has none.
     """
 
     name: str

@@ -263,6 +263,29 @@ BAD_INPUT: list[tuple[str, dict[str, Any], str]] = [
     ),
     ("bad name", {"name": "no spaces please"}, "name"),
     ("unknown field", {"colour": "blue"}, "colour"),
+    # Built-in model families: what the server can tell without torch (service/task_rules.py).
+    (
+        "hf heads do not divide the width",
+        {
+            "task": "hf-causal-lm",
+            "task_config": {"hidden_size": 96},
+            "search_space": {"num_attention_heads": {"type": "categorical", "choices": [4, 5]}},
+        },
+        "search_space.num_attention_heads",
+    ),
+    (
+        "hf unknown model type",
+        {"task": "hf-causal-lm", "task_config": {"model_type": "bert"}},
+        "task_config.model_type",
+    ),
+    (
+        "image resolution too small",
+        {
+            "task": "timm-image",
+            "search_space": {"resolution": {"type": "categorical", "choices": [8, 64]}},
+        },
+        "search_space.resolution",
+    ),
 ]
 
 

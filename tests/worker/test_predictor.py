@@ -396,6 +396,50 @@ def test_an_untraceable_model_says_why_and_falls_back_to_a_measured_probe() -> N
     assert abs(extrapolated.peak_allocated_bytes - measured) <= 0.05 * measured
 
 
+def test_a_probed_plan_says_why_in_its_reason() -> None:
+    from service.wire import MemoryPolicy
+    from worker.policy import RunAsPlanned, choose_plan
+    from worker.training import TorchTaskRunner
+
+    card = CardSpec(
+        info=CardInfo(model="cpu", total_bytes=2**30, free_bytes=2**30), constants={}, device="cpu"
+    )
+    runner = TorchTaskRunner(DataDependentTask())
+    decision = choose_plan(runner, {"width": 64, "batch_size": 4}, MemoryPolicy(), card, 2**30)
+    assert isinstance(decision, RunAsPlanned)
+    assert decision.prediction.method == "probe"
+    # The plan's reason is what the trial record and the dashboard's plan column show.
+    assert "[probed: cannot trace (data-dependent operation" in (decision.plan.reason or "")
+
+
+@torch.library.custom_op("vramtune_test::scaled", mutates_args=())
+def _scaled(x: torch.Tensor) -> torch.Tensor:
+    """A custom kernel with no fake implementation, as a compiled extension may be."""
+    return x * 2
+
+
+_scaled.register_autograd(lambda ctx, grad: grad * 2)
+
+
+class CustomKernelTask(MLPTask):
+    """Runs its activations through a custom op that fake tensors know nothing about."""
+
+    name = "test-custom-kernel"
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        inputs, targets = batch
+        return F.cross_entropy(_scaled(model(inputs)), targets)
+
+
+def test_a_custom_kernel_without_a_fake_implementation_is_probed_with_the_reason() -> None:
+    task, config = CustomKernelTask(), {"width": 64, "batch_size": 4}
+    with pytest.raises(CannotTrace, match="vramtune_test"):
+        trace_training(task, config, Plan(), CPU_TARGET)
+    probe = predict(task, config, plan_for_micro_batch(4, 2))
+    assert probe.method == "probe"
+    assert "vramtune_test" in probe.reason and "measured" in probe.reason
+
+
 def test_a_compiled_model_cannot_be_traced() -> None:
     class Compiled(MLPTask):
         def build_model(self, config: Config) -> nn.Module:

@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_map_only
 from service.wire import Plan
 from worker.memory import MemoryLimitExceeded, MemoryTracker
 from worker.predictor.emulation import cuda_emulation, prefer_foreach
+from worker.predictor.opmodel import real_kernel_storages
 from worker.runner import CardSpec
 from worker.steps import build_for_plan, traced_micro_batch_sizes, train_step
 from worker.task import Batch, Config, Task, TaskConfigError
@@ -117,7 +118,7 @@ def trace_training(
     )
     fake = FakeTensorMode()
     try:
-        with fake, _FakeDeepcopy(), _emulation(target), tracker:
+        with fake, _FakeDeepcopy(), _emulation(target), real_kernel_storages(), tracker:
             _run_steps(task, config, plan, target, tracker, real_first_step)
     except (TaskConfigError, MemoryLimitExceeded):
         raise

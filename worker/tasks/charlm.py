@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import sysconfig
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -65,7 +65,7 @@ def _stdlib_sources(root: Path) -> Iterator[Path]:
 
 
 @functools.cache
-def _corpus(n_chars: int) -> tuple[torch.Tensor, torch.Tensor]:
+def corpus(n_chars: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Train and held-out character codes (uint8), read once per size."""
     parts: list[str] = []
     remaining = n_chars
@@ -81,23 +81,56 @@ def _corpus(n_chars: int) -> tuple[torch.Tensor, torch.Tensor]:
     return data[:split], data[split:]
 
 
-def _windows(data: torch.Tensor, starts: torch.Tensor, seq_len: int) -> Batch:
+def windows(data: torch.Tensor, starts: torch.Tensor, seq_len: int) -> Batch:
     """Inputs and next-character targets of the windows beginning at `starts`."""
     index = starts[:, None] + torch.arange(seq_len)
     return data[index].long(), data[index + 1].long()
 
 
-def _on(device: torch.device, batch: Batch) -> Batch:
+def on_device(device: torch.device, batch: Batch) -> Batch:
     """The batch moved to `device`."""
     return tuple(t.to(device) for t in batch)
 
 
-def _n_windows(data: torch.Tensor, seq_len: int) -> int:
+def n_windows(data: torch.Tensor, seq_len: int, task: str = "char-transformer") -> int:
     """How many non-overlapping windows (with their targets) `data` holds."""
     count = (len(data) - 1) // seq_len
     if count < 1:
-        raise TaskConfigError(f"char-transformer: seq_len {seq_len} exceeds the corpus")
+        raise TaskConfigError(f"{task}: seq_len {seq_len} exceeds the corpus")
     return count
+
+
+def training_windows(
+    task: str, corpus_chars: int, seq_len: int, micro_batch: int, device: torch.device, seed: int
+) -> Iterator[Batch]:
+    """Endless (codes, next codes) batches of non-overlapping training windows, seeded epochs."""
+    train, _ = corpus(corpus_chars)  # read now, before the worker starts measuring
+    return seeded_batches(
+        n_windows(train, seq_len, task),
+        micro_batch,
+        seed,
+        lambda index: on_device(device, windows(train, index * seq_len, seq_len)),
+    )
+
+
+def held_out_loss(
+    task: str,
+    loss: Callable[[Batch], torch.Tensor],
+    corpus_chars: int,
+    seq_len: int,
+    eval_windows: int,
+    batch_size: int,
+    device: torch.device,
+) -> float:
+    """Mean `loss` over the first `eval_windows` held-out windows, in `batch_size` chunks."""
+    _, held_out = corpus(corpus_chars)
+    count = min(eval_windows, n_windows(held_out, seq_len, task))
+    starts = torch.arange(count) * seq_len
+    total = 0.0
+    for chunk in torch.split(starts, batch_size):
+        batch = on_device(device, windows(held_out, chunk, seq_len))
+        total += float(loss(batch)) * len(chunk)
+    return total / count
 
 
 class CausalSelfAttention(nn.Module):
@@ -213,13 +246,8 @@ class CharTransformerTask:
     ) -> Iterator[Batch]:
         """Non-overlapping training windows in seeded epochs."""
         settings = self.settings(config)
-        train, _ = _corpus(settings.corpus_chars)  # read now, before the worker starts measuring
-        n_windows = _n_windows(train, settings.seq_len)
-        return seeded_batches(
-            n_windows,
-            micro_batch,
-            seed,
-            lambda index: _on(device, _windows(train, index * settings.seq_len, settings.seq_len)),
+        return training_windows(
+            self.name, settings.corpus_chars, settings.seq_len, micro_batch, device, seed
         )
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -231,14 +259,15 @@ class CharTransformerTask:
     def evaluate(self, model: nn.Module, config: Config, device: torch.device) -> float:
         """Mean held-out loss over the first `eval_windows` windows, in batch-size chunks."""
         settings = self.settings(config)
-        _, held_out = _corpus(settings.corpus_chars)
-        n_windows = min(settings.eval_windows, _n_windows(held_out, settings.seq_len))
-        starts = torch.arange(n_windows) * settings.seq_len
-        total = 0.0
-        for chunk in torch.split(starts, settings.batch_size):
-            batch = _on(device, _windows(held_out, chunk, settings.seq_len))
-            total += float(self.loss(model, batch)) * len(chunk)
-        return total / n_windows
+        return held_out_loss(
+            self.name,
+            lambda batch: self.loss(model, batch),
+            settings.corpus_chars,
+            settings.seq_len,
+            settings.eval_windows,
+            settings.batch_size,
+            device,
+        )
 
     def checkpoint_modules(self, model: nn.Module) -> Sequence[nn.Module]:
         """The Transformer blocks."""

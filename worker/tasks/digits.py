@@ -44,7 +44,7 @@ class DigitsConfig(BaseModel):
 
 
 @functools.cache
-def _digits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def digits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Train and test images (N, 1, 8, 8) in [0, 1] with their labels, loaded once."""
     from sklearn.datasets import load_digits
 
@@ -55,7 +55,7 @@ def _digits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return images[~held_out], labels[~held_out], images[held_out], labels[held_out]
 
 
-def _upsample(images: torch.Tensor, resolution: int) -> torch.Tensor:
+def upsample(images: torch.Tensor, resolution: int) -> torch.Tensor:
     """Images at the configured resolution."""
     if resolution == NATIVE_RESOLUTION:
         return images
@@ -94,13 +94,13 @@ class _DigitsTask:
     ) -> Iterator[Batch]:
         """Training images in seeded epochs, upsampled on the device."""
         resolution = self.settings(config).resolution
-        images, labels, _, _ = _digits()  # loaded now, before the worker starts measuring
+        images, labels, _, _ = digits()  # loaded now, before the worker starts measuring
         return seeded_batches(
             len(labels),
             micro_batch,
             seed,
             lambda index: (
-                _upsample(images[index].to(device), resolution),
+                upsample(images[index].to(device), resolution),
                 labels[index].to(device),
             ),
         )
@@ -113,10 +113,10 @@ class _DigitsTask:
     def evaluate(self, model: nn.Module, config: Config, device: torch.device) -> float:
         """Accuracy on the held-out images, in chunks of the batch size the worker passes."""
         settings = self.settings(config)
-        _, _, images, labels = _digits()
+        _, _, images, labels = digits()
         correct = 0
         for start in range(0, len(labels), settings.batch_size):
-            chunk = _upsample(
+            chunk = upsample(
                 images[start : start + settings.batch_size].to(device), settings.resolution
             )
             predicted = model(chunk).argmax(dim=1).cpu()

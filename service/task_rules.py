@@ -1,0 +1,101 @@
+"""What the server can tell about a built-in model family's study before a worker sees it.
+
+The server never imports torch or the model libraries, so it checks only what the values say:
+a Hugging Face model type it knows, attention heads that divide the width, a resolution a
+classifier can take. Every combination of the fixed `task_config` and the categorical choices
+is checked (a 422 naming the field); what only the worker's libraries know (whether timm has a
+model of that name) fails the trial with the worker's reason instead. The worker's tasks run
+the same checks on every sampled configuration (worker/tasks/hf.py, worker/tasks/vision.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+HF_MODEL_TYPES = ("gpt2", "llama", "qwen2", "mistral")
+"""The transformers configs `hf-causal-lm` builds (AutoConfig.for_model names)."""
+
+BYTE_VOCAB = 128
+"""The char corpus holds ASCII codes: a vocabulary must hold at least these."""
+
+MIN_RESOLUTION = 16
+"""Below this no ImageNet classifier of timm or torchvision runs (most need 32 or more)."""
+
+MODEL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+MAX_COMBINATIONS = 4096
+
+Problem = tuple[str, str]
+"""(field, message)."""
+
+
+def hf_problems(values: Mapping[str, Any]) -> Iterator[Problem]:
+    """Why these hf-causal-lm settings cannot be built (fields absent take the task's default)."""
+    model_type = values.get("model_type", "llama")
+    if model_type not in HF_MODEL_TYPES:
+        yield "model_type", f"unknown model type {model_type!r}; use one of {list(HF_MODEL_TYPES)}"
+        return
+    hidden = values.get("hidden_size", 64)
+    heads = values.get("num_attention_heads", 4)
+    kv_heads = values.get("num_key_value_heads")
+    if _positive(hidden, heads) and hidden % heads:
+        yield (
+            "num_attention_heads",
+            f"hidden_size ({hidden}) must be divisible by num_attention_heads ({heads})",
+        )
+    elif _positive(hidden, heads) and model_type != "gpt2" and (hidden // heads) % 2:
+        yield (
+            "num_attention_heads",
+            f"{model_type} needs an even head size for rotary embeddings; "
+            f"hidden_size {hidden} / num_attention_heads {heads} = {hidden // heads}",
+        )
+    if kv_heads is not None and model_type == "gpt2" and kv_heads != heads:
+        yield "num_key_value_heads", "gpt2 has no grouped-query attention: leave it unset"
+    elif _positive(heads, kv_heads) and heads % kv_heads:
+        yield (
+            "num_key_value_heads",
+            f"num_attention_heads ({heads}) must be divisible by num_key_value_heads ({kv_heads})",
+        )
+    vocab = values.get("vocab_size", BYTE_VOCAB)
+    if isinstance(vocab, int) and vocab < BYTE_VOCAB:
+        yield "vocab_size", f"must be at least {BYTE_VOCAB} (the corpus is ASCII), got {vocab}"
+
+
+def image_problems(values: Mapping[str, Any]) -> Iterator[Problem]:
+    """Why these timm-image / torchvision-image settings cannot be built, as far as values tell."""
+    name = values.get("model_name", "resnet18")
+    if not isinstance(name, str) or not MODEL_NAME.match(name):
+        yield "model_name", f"not a model name: {name!r}"
+    resolution = values.get("resolution", 32)
+    if isinstance(resolution, int) and resolution < MIN_RESOLUTION:
+        yield "resolution", f"must be at least {MIN_RESOLUTION} pixels, got {resolution}"
+
+
+RULES: dict[str, Callable[[Mapping[str, Any]], Iterator[Problem]]] = {
+    "hf-causal-lm": hf_problems,
+    "timm-image": image_problems,
+    "torchvision-image": image_problems,
+}
+
+
+def study_problem(
+    task: str, task_config: Mapping[str, Any], choices: Mapping[str, list[Any]]
+) -> Problem | None:
+    """The first problem of any combination of the fixed settings and categorical choices."""
+    rule = RULES.get(task)
+    if rule is None:
+        return None
+    names = sorted(choices)
+    combinations = itertools.product(*(choices[name] for name in names))
+    for combination in itertools.islice(combinations, MAX_COMBINATIONS):
+        values = {**task_config, **dict(zip(names, combination, strict=True))}
+        for field, message in rule(values):
+            where = "search_space" if field in choices else "task_config"
+            return f"{where}.{field}", message
+    return None
+
+
+def _positive(*values: Any) -> bool:
+    return all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values)

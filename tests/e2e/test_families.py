@@ -1,0 +1,80 @@
+"""Model-family trials a worker cannot build fail with a message naming the field; the worker
+keeps working (a real server; an in-process agent on a simulated card)."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from service.testing import ServerProcess
+from tests.e2e.conftest import Studies
+from worker.agent import Agent, AgentOptions
+from worker.api import ServerClient
+from worker.gpu import parse_size, simulated_card
+from worker.runner import CardSpec, TrialRunner
+from worker.training import TorchTaskRunner
+
+
+def _runners() -> dict[str, TrialRunner]:
+    runners: dict[str, TrialRunner] = {}
+    if importlib.util.find_spec("transformers") is not None:
+        from worker.tasks.hf import HFCausalLMTask
+
+        runners["hf-causal-lm"] = TorchTaskRunner(HFCausalLMTask())
+    try:
+        from worker.tasks.vision import TorchvisionImageTask
+    except ImportError:
+        pass
+    else:
+        runners["torchvision-image"] = TorchTaskRunner(TorchvisionImageTask())
+    return runners
+
+
+@pytest.fixture
+def agent(fleet_server: ServerProcess) -> Iterator[Agent]:
+    """An in-process agent with the family tasks that import here, on a 256 MiB card."""
+    runners = _runners()
+    if not runners:
+        pytest.skip("neither vramtune[hf] nor vramtune[vision] is installed")
+    made = Agent(
+        ServerClient(fleet_server.url),
+        runners,
+        CardSpec(info=simulated_card(parse_size("256MiB"))),
+        AgentOptions(name="families"),
+    )
+    yield made
+    made.close()
+
+
+def _fails_naming(agent: Agent, studies: Studies, task: str, space: dict[str, Any]) -> str:
+    if task not in agent.runners:
+        pytest.skip(f"{task} is not installed here")
+    name = studies.create(space, task=task, task_config={"batch_size": 4}, budget={"max_steps": 1})
+    assert agent.run_once() is True
+    [trial] = studies.trials(name)
+    assert trial.state == "FAIL"
+    assert trial.outcome == "failed"
+    reason: str = trial.user_attrs["vramtune.fail_reason"]
+    return reason
+
+
+def test_heads_that_do_not_divide_fail_the_trial_naming_the_field(
+    agent: Agent, studies: Studies
+) -> None:
+    # An int range, not choices: the server cannot check every value, the worker refuses it.
+    space = {"num_key_value_heads": {"type": "int", "low": 3, "high": 5, "step": 2}}
+    reason = _fails_naming(agent, studies, "hf-causal-lm", space)
+    assert "num_key_value_heads: num_attention_heads (4) must be divisible by" in reason
+    assert agent.run_once() is False  # still polling: the worker did not crash
+
+
+def test_a_model_name_the_library_lacks_fails_the_trial_with_close_matches(
+    agent: Agent, studies: Studies
+) -> None:
+    space = {"model_name": {"type": "categorical", "choices": ["mobilenet_v3_smal"]}}
+    reason = _fails_naming(agent, studies, "torchvision-image", space)
+    assert "model_name: torchvision has no classification model 'mobilenet_v3_smal'" in reason
+    assert "mobilenet_v3_small" in reason

@@ -1,0 +1,34 @@
+"""The server's checks of built-in model-family studies (no torch, no model library)."""
+
+from __future__ import annotations
+
+from service.task_rules import study_problem
+
+
+def test_every_combination_of_choices_is_checked() -> None:
+    problem = study_problem(
+        "hf-causal-lm",
+        {"model_type": "llama"},
+        {"hidden_size": [64, 96], "num_attention_heads": [4, 8], "num_key_value_heads": [3]},
+    )
+    assert problem is not None
+    field, message = problem
+    assert field == "search_space.num_key_value_heads"
+    assert "must be divisible by num_key_value_heads (3)" in message
+
+
+def test_buildable_studies_and_other_tasks_pass() -> None:
+    choices = {"hidden_size": [64, 128], "num_attention_heads": [2, 4], "model_type": ["gpt2"]}
+    assert study_problem("hf-causal-lm", {"vocab_size": 50257}, choices) is None
+    assert (
+        study_problem("timm-image", {}, {"model_name": ["resnet50", "vit_small_patch16_224"]})
+        is None
+    )
+    assert study_problem("char-transformer", {"d_model": 30, "n_heads": 4}, {}) is None
+
+
+def test_a_model_name_that_is_no_name_is_refused() -> None:
+    assert study_problem("torchvision-image", {"model_name": "../etc"}, {}) == (
+        "task_config.model_name",
+        "not a model name: '../etc'",
+    )

@@ -1,0 +1,211 @@
+"""`hf-causal-lm`: a Hugging Face transformers causal LM, built from its config alone.
+
+The model is `AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, ...))`: GPT-2,
+Llama, Qwen2 or Mistral, at the shapes the study samples or fixes, with SDPA attention, random
+initial weights and nothing downloaded. It trains on the char-transformer's corpus (the stdlib's
+own source as ASCII codes, worker/tasks/charlm.py); a vocabulary larger than 128 (GPT-2's 50,257)
+only adds rows the data never uses. Checkpointing is transformers' own
+`gradient_checkpointing_enable` (non-reentrant). The metric is the held-out loss in nats per
+character. Needs ``pip install 'vramtune[hf]'``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Literal
+from unittest import mock
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import nn
+from torch.nn import functional as F
+
+from service.task_rules import BYTE_VOCAB, hf_problems
+from worker.task import Batch, Config, Metric
+from worker.tasks.charlm import held_out_loss, training_windows
+from worker.tasks.common import parse_config
+from worker.tasks.extras import load, require
+
+NAME = "hf-causal-lm"
+require(NAME, "hf", "transformers")
+
+
+class HFCausalLMConfig(BaseModel):
+    """The tunable and fixed settings of a transformers causal LM (transformers' own names)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_type: Literal["gpt2", "llama", "qwen2", "mistral"] = "llama"
+    num_hidden_layers: int = Field(2, ge=1, le=256)
+    hidden_size: int = Field(64, ge=1, le=65536)
+    num_attention_heads: int = Field(4, ge=1, le=1024)
+    num_key_value_heads: int | None = Field(
+        None, ge=1, le=1024, description="Grouped-query attention (not gpt2); None: one per head."
+    )
+    intermediate_size: int | None = Field(
+        None, ge=1, le=262144, description="MLP width; None: 4 x hidden_size."
+    )
+    seq_len: int = Field(64, ge=2, le=65536)
+    vocab_size: int = Field(BYTE_VOCAB, ge=1, le=1_000_000)
+    tie_word_embeddings: bool | None = Field(None, description="None: the family's default.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Attention (and gpt2's) dropout.")
+    batch_size: int = Field(16, ge=1, le=10**7)
+    lr: float = Field(1e-3, gt=0, le=10)
+    weight_decay: float = Field(0.01, ge=0, le=10)
+    corpus_chars: int = Field(1_000_000, ge=10_000, le=100_000_000)
+    eval_windows: int = Field(64, ge=1, le=100_000)
+    seed: int = Field(0, description="Seeds the weights, dropout and the order of windows.")
+
+    @model_validator(mode="after")
+    def _buildable(self) -> HFCausalLMConfig:
+        for field, message in hf_problems(self.model_dump()):
+            raise ValueError(f"{field}: {message}")
+        return self
+
+    def transformers_config(self) -> Any:
+        """The family's `PretrainedConfig` at these shapes (no cache: a training run)."""
+        transformers = load(NAME, "hf", "transformers")
+        intermediate = self.intermediate_size or 4 * self.hidden_size
+        tied = (
+            {}
+            if self.tie_word_embeddings is None
+            else {"tie_word_embeddings": self.tie_word_embeddings}
+        )
+        # Token ids inside the vocabulary: GPT-2's defaults (50256) are outside a byte vocab.
+        ids = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+        if self.model_type == "gpt2":
+            shapes: dict[str, Any] = {
+                "n_layer": self.num_hidden_layers,
+                "n_embd": self.hidden_size,
+                "n_head": self.num_attention_heads,
+                "n_inner": intermediate,
+                "n_positions": self.seq_len,
+                "resid_pdrop": self.dropout,
+                "embd_pdrop": self.dropout,
+                "attn_pdrop": self.dropout,
+            }
+        else:
+            shapes = {
+                "num_hidden_layers": self.num_hidden_layers,
+                "hidden_size": self.hidden_size,
+                "num_attention_heads": self.num_attention_heads,
+                "num_key_value_heads": self.num_key_value_heads or self.num_attention_heads,
+                "intermediate_size": intermediate,
+                "max_position_embeddings": self.seq_len,
+                "attention_dropout": self.dropout,
+            }
+        return transformers.AutoConfig.for_model(
+            self.model_type, vocab_size=self.vocab_size, use_cache=False, **shapes, **ids, **tied
+        )
+
+
+class HFCausalLMTask:
+    """A transformers causal LM (GPT-2, Llama, Qwen2, Mistral) from its config, on stdlib text."""
+
+    name = NAME
+    batch_size_param = "batch_size"
+    shape_params = frozenset(
+        {
+            "model_type",
+            "num_hidden_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "intermediate_size",
+            "seq_len",
+            "vocab_size",
+            "tie_word_embeddings",
+            "dropout",  # p = 0 saves no masks
+        }
+    )
+    metric = Metric("val_loss", "minimize")
+
+    def settings(self, config: Config) -> HFCausalLMConfig:
+        """The validated configuration."""
+        return parse_config(self.name, HFCausalLMConfig, config)
+
+    def build_model(self, config: Config) -> nn.Module:
+        """A randomly initialised model of the configured family and shapes, SDPA attention."""
+        settings = self.settings(config)
+        transformers = load(NAME, "hf", "transformers")
+        torch.manual_seed(settings.seed)
+        model: nn.Module = transformers.AutoModelForCausalLM.from_config(
+            settings.transformers_config(), attn_implementation="sdpa"
+        )
+        return model
+
+    def build_optimizer(self, model: nn.Module, config: Config) -> torch.optim.Optimizer:
+        """AdamW; foreach spelled out so CPU runs allocate what CUDA runs (and the trace) do."""
+        settings = self.settings(config)
+        return torch.optim.AdamW(
+            model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay, foreach=True
+        )
+
+    def example_batch(self, config: Config, micro_batch: int, device: torch.device) -> Batch:
+        """Random codes of the real batches' shapes."""
+        shape = (micro_batch, self.settings(config).seq_len)
+        return (
+            torch.randint(0, BYTE_VOCAB, shape, device=device),
+            torch.randint(0, BYTE_VOCAB, shape, device=device),
+        )
+
+    def batches(
+        self, config: Config, micro_batch: int, device: torch.device, seed: int
+    ) -> Iterator[Batch]:
+        """Non-overlapping training windows of the stdlib corpus in seeded epochs."""
+        settings = self.settings(config)
+        return training_windows(
+            self.name, settings.corpus_chars, settings.seq_len, micro_batch, device, seed
+        )
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """Mean cross-entropy per character (targets are the next codes, already shifted)."""
+        codes, targets = batch
+        with _unpacked_sequences():
+            logits = model(input_ids=codes).logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def evaluate(self, model: nn.Module, config: Config, device: torch.device) -> float:
+        """Mean held-out loss over the first `eval_windows` windows."""
+        settings = self.settings(config)
+        return held_out_loss(
+            self.name,
+            lambda batch: self.loss(model, batch),
+            settings.corpus_chars,
+            settings.seq_len,
+            settings.eval_windows,
+            settings.batch_size,
+            device,
+        )
+
+    def enable_checkpointing(self, model: nn.Module) -> bool:
+        """transformers' own activation checkpointing of every decoder layer (non-reentrant).
+
+        `gradient_checkpointing_enable`, named `activation_checkpointing_enable` since
+        transformers 5.2x (the old name warns).
+        """
+        kwargs = {"use_reentrant": False}
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # type: ignore[operator]
+        return True
+
+    def checkpoint_modules(self, model: nn.Module) -> Sequence[nn.Module]:
+        """Not used: `enable_checkpointing` turns on transformers' own."""
+        return ()
+
+
+def _unpacked_sequences() -> AbstractContextManager[Any]:
+    """Tell transformers that no window packs several sequences, for real and fake runs alike.
+
+    Without an attention mask transformers looks for packed sequences in the position ids by
+    reading their values, which fake tensors cannot: under the predictor's trace it then builds
+    a full 4-D mask and takes another attention kernel than the real run (about 100 KB more on
+    a 2-layer Llama at 4 x 32 tokens). Each window here is one sequence, so the answer is "not
+    packed" in both runs, and both take SDPA's causal kernel.
+    """
+    masking_utils = load(NAME, "hf", "transformers.masking_utils")
+    return mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda *_: None)
