@@ -15,6 +15,7 @@ from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
+from common.task_rules import study_problem
 from service.api.errors import Conflict, Invalid, NotFound
 from service.auth.audit import AuditEvent
 from service.auth.tokens import Principal, audited
@@ -32,7 +33,6 @@ from service.optuna.glue import (
     spec_of,
 )
 from service.settings import Settings
-from service.task_rules import study_problem
 from service.wire import (
     CategoricalParam,
     ParetoFront,

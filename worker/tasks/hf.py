@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 from torch.nn import functional as F
 
-from service.task_rules import BYTE_VOCAB, hf_problems
+from common.task_rules import BYTE_VOCAB, hf_problems
 from worker.task import Batch, Config, Metric
 from worker.tasks.charlm import held_out_loss, training_windows
 from worker.tasks.common import parse_config

@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.nn import functional as F
 
-from service.task_rules import MIN_RESOLUTION, image_problems
+from common.task_rules import MIN_RESOLUTION, image_problems
 from worker.task import Batch, Config, Metric, TaskConfigError
 from worker.tasks.common import parse_config, seeded_batches
 from worker.tasks.digits import N_CLASSES, digits, upsample
