@@ -149,6 +149,7 @@ POLICY: dict[tuple[str, str], Rule] = {
     ("POST", f"{V}/workers/{{worker_id}}/next"): needs("worker", studies="none"),
     ("POST", f"{V}/workers/{{worker_id}}/stop"): needs("worker", studies="none"),
     ("GET", f"{V}/calibration"): needs("worker", "read", studies="none"),
+    ("GET", f"{V}/step-time"): needs("worker", "read", studies="none"),
     ("POST", f"{V}/trials/{{trial_id}}/start"): needs("worker"),
     ("POST", f"{V}/trials/{{trial_id}}/report"): needs("worker"),
     ("POST", f"{V}/trials/{{trial_id}}/complete"): needs("worker"),
