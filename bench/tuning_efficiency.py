@@ -25,7 +25,7 @@ serve every card at least as large as its peak; a run that died is cached per ca
 Cached CPU times are the first measurement's.
 
     .venv/bin/python bench/tuning_efficiency.py            # both tasks, seeds 0-4 (~10 CPU-min)
-    .venv/bin/python bench/tuning_efficiency.py --quick    # smoke test: one task, one seed
+    .venv/bin/python bench/tuning_efficiency.py --quick    # smoke test: one task, seed 4
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ RESULTS = REPO / "bench" / "results" / "tuning_efficiency"
 FLEET = ("16MiB", "64MiB", "256MiB")
 ARMS = ("naive", "retry-halving", "vramtune", "vramtune-free-planning")
 STEPS = 20
+QUICK_SEED = 4
 
 
 @dataclass(frozen=True)
@@ -577,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--tasks", nargs="+", default=list(BENCHES), choices=list(BENCHES))
     parser.add_argument("--budget", type=float, help="simulated seconds per arm (per task)")
-    parser.add_argument("--quick", action="store_true", help="digits-cnn, seed 0, 5 s budget")
+    parser.add_argument("--quick", action="store_true", help="digits-cnn, seed 4, 5 s budget")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
         "--report-only", action="store_true", help="rewrite the .md and .png from the .json"
@@ -588,7 +589,10 @@ def main(argv: list[str] | None = None) -> int:
         write_results(saved["runs"], saved["meta"], args.out)
         return 0
     if args.quick:
-        args.seeds, args.tasks, args.budget = [0], ["digits-cnn"], args.budget or 5.0
+        # Seed 4: TPE's first configuration (width 32, resolution 16, batch 256; 39 MiB
+        # predicted) does not fit the 16 MiB card, which asks first, so both naive arms meet an
+        # OOM in the first run whatever the machine's load (the smoke test asserts it).
+        args.seeds, args.tasks, args.budget = [QUICK_SEED], ["digits-cnn"], args.budget or 5.0
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     logging.getLogger("worker.training").setLevel(logging.ERROR)  # every naive OOM warns
     torch.set_num_threads(1)  # deterministic runs, and CPU time that is one card's time
