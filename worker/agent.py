@@ -41,10 +41,14 @@ from worker.api import LeaseLost, Rejected, ServerClient, ServerUnavailable
 from worker.delivery import Delivery
 from worker.events import AgentLog
 from worker.heartbeat import Heartbeats, RunningTrial
+from worker.lookahead import PlanAhead
 from worker.policy import Decision, HandBack, choose_plan, measured_step_time
 from worker.runner import CardSpec, OutOfMemory, Stopped, TrialRunner
 from worker.shared_predictions import shape_keys, shared
 from worker.spool import Spool
+
+Chosen = tuple[Decision, PlanChoice, dict[str, Any]]
+"""A plan choice: the decision, how it was chosen (sent to the server), that in log fields."""
 
 
 @dataclass
@@ -59,6 +63,7 @@ class AgentOptions:
     idle_poll_s: float = 1.0
     shutdown_grace_s: float = 30.0
     spool_dir: Path | None = None
+    plan_ahead: bool = False  # lease and plan the next trial while one trains (worker.lookahead)
 
 
 @dataclass
@@ -134,6 +139,9 @@ class Agent:
         self.delivery = Delivery(
             client, self.spool, self.log, lambda: self.stop, options.shutdown_grace_s
         )
+        self.ahead: PlanAhead[Chosen] = PlanAhead(
+            self._lease, self._choose_ahead, lambda e: self.event("plan_ahead_failed", error=str(e))
+        )
 
     # ------------------------------------------------------------ life cycle
 
@@ -158,7 +166,8 @@ class Agent:
         return self.registered
 
     def close(self) -> None:
-        """Stop heartbeating and tell the server this worker leaves."""
+        """Give back a trial planned ahead, stop heartbeating, tell the server we leave."""
+        self.ahead.release(self._give_back)
         self.heartbeats.close()
         if self.registered is not None:
             try:
@@ -194,15 +203,13 @@ class Agent:
 
     def run_once(self) -> bool:
         """One cycle: ask for a trial and see it to its end; False when there was no work."""
-        request = NextRequest(free_bytes=self.free_bytes())
-        assignment = self.client.next(self.worker_id, request, cancel=self.stop)
+        ahead = self.ahead.take()
+        assignment = ahead.assignment if ahead else self._lease(self.free_bytes())
         if assignment is None:
             return False
         self.trials_run += 1
-        self.heartbeats.hold(assignment.trial_id)
-        self.event("leased", assignment, attempt=assignment.attempt, params=assignment.params)
         try:
-            self._run_trial(assignment)
+            self._run_trial(assignment, None if ahead is None else ahead.chosen)
         except LeaseLost as error:
             self.event("lease_lost", assignment, detail=str(error))
         except Rejected as error:
@@ -213,14 +220,23 @@ class Agent:
 
     # ------------------------------------------------------------ one trial
 
-    def _run_trial(self, assignment: Assignment) -> None:
+    def _lease(self, free_bytes: int) -> Assignment | None:
+        """Ask the server for a trial for a card with `free_bytes` free; hold its lease."""
+        request = NextRequest(free_bytes=free_bytes)
+        assignment = self.client.next(self.worker_id, request, cancel=self.stop)
+        if assignment is not None:
+            self.heartbeats.hold(assignment.trial_id)
+            self.event("leased", assignment, attempt=assignment.attempt, params=assignment.params)
+        return assignment
+
+    def _run_trial(self, assignment: Assignment, chosen: Chosen | None = None) -> None:
         runner = self.runners.get(assignment.task)
         if runner is None:
             message = f"task {assignment.task!r} is not installed here"
             self._finish(assignment, outcomes.failed(assignment, "error", message))
             return
         config = {**assignment.task_config, **assignment.params}
-        chosen = self._choose(assignment, runner, config)
+        chosen = chosen or self._choose(assignment, runner, config, self.free_bytes())
         if chosen is None:
             return
         decision, choice, how = chosen
@@ -235,31 +251,47 @@ class Agent:
             predicted=decision.prediction.peak_bytes,
             **how,
         )
+        if self.options.plan_ahead and not self.stop.is_set() and not self._reached_max_trials():
+            self.ahead.begin(self.free_bytes())  # the card as this trial found it
         self._run_planned(
             assignment, runner, config, decision.plan, decision.prediction, decision.step_time
         )
 
     def _choose(
-        self, assignment: Assignment, runner: TrialRunner, config: dict[str, Any]
-    ) -> tuple[Decision, PlanChoice, dict[str, Any]] | None:
+        self, assignment: Assignment, runner: TrialRunner, config: dict[str, Any], free: int
+    ) -> Chosen | None:
         """The plan (or hand-back), how it was chosen, and that in log fields; None when the
         configuration is refused (the trial is failed with the task's message)."""
-        predictions = shared(runner, config, assignment.predictions)
         try:
-            decision = choose_plan(
-                predictions,
-                config,
-                assignment.memory_policy,
-                self.card,
-                self.free_bytes(),
-                assignment.plans_tried,
-                self._calibration(assignment.task),
-                self._step_fit(assignment.task),
-            )
+            return self._decide(assignment, runner, config, free)
         except Exception as error:  # the task's check of its configuration (TaskConfigError)
             message = outcomes.error_message(error)
             self._finish(assignment, outcomes.failed(assignment, "error", message))
             return None
+
+    def _choose_ahead(self, assignment: Assignment, free: int) -> Chosen | None:
+        """The choice made in the background (worker.lookahead); None leaves it to _run_trial."""
+        runner = self.runners.get(assignment.task)
+        if runner is None:
+            return None
+        config = {**assignment.task_config, **assignment.params}
+        return self._decide(assignment, runner, config, free)
+
+    def _decide(
+        self, assignment: Assignment, runner: TrialRunner, config: dict[str, Any], free: int
+    ) -> Chosen:
+        """choose_plan through the fleet's shared predictions, for a card with `free` bytes."""
+        predictions = shared(runner, config, assignment.predictions)
+        decision = choose_plan(
+            predictions,
+            config,
+            assignment.memory_policy,
+            self.card,
+            free,
+            assignment.plans_tried,
+            self._calibration(assignment.task),
+            self._step_fit(assignment.task),
+        )
         choice = PlanChoice(
             planning_s=round(decision.seconds, 4),
             prediction_source=predictions.source,
@@ -343,6 +375,12 @@ class Agent:
             resolution=ack.resolution,
             seconds=None if seconds is None else round(seconds, 3),
         )
+
+    def _give_back(self, assignment: Assignment) -> None:
+        """A trial leased ahead that will not run here: failed 'interrupted', re-offered."""
+        message = "the worker stopped before running it"
+        self._finish(assignment, outcomes.failed(assignment, "interrupted", message))
+        self.heartbeats.release(assignment.trial_id)
 
     def _hand_back(
         self, assignment: Assignment, decision: HandBack, choice: PlanChoice, how: dict[str, Any]

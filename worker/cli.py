@@ -64,6 +64,11 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         "--max-trials", type=int, metavar="N", help="exit after N trials (bounded runs, CI)"
     )
     worker.add_argument(
+        "--plan-ahead",
+        action="store_true",
+        help="lease and plan the next trial while one trains (planning off the card's time)",
+    )
+    worker.add_argument(
         "--exit-when-idle",
         type=float,
         metavar="SECONDS",
@@ -169,6 +174,7 @@ def _run_agent(
         exit_when_idle_s=args.exit_when_idle,
         idle_poll_s=args.poll,
         spool_dir=args.spool,
+        plan_ahead=args.plan_ahead,
     )
     if stop.is_set():
         return 0
@@ -219,6 +225,8 @@ def _child_argv(args: argparse.Namespace, index: int) -> list[str]:
         argv += ["--exit-when-idle", str(args.exit_when_idle)]
     if args.spool is not None:
         argv += ["--spool", str(args.spool / f"cuda{index}")]
+    if args.plan_ahead:
+        argv.append("--plan-ahead")
     argv += ["--log-format", args.log_format]
     return argv
 

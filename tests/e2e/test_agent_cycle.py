@@ -134,3 +134,49 @@ def test_pausing_the_study_stops_the_trial_and_gives_it_back(
     assert trial.attempt == paused.attempt, "an interrupted run is not a failed attempt"
     runs = dashboard_trial(fleet_server, name, trial.number)["observations"]
     assert sorted(o["outcome"] for o in runs) == ["complete", "interrupted"]
+
+
+def _planning_ahead(fleet_server: ServerProcess, name: str) -> Agent:
+    card = CardSpec(info=simulated_card(parse_size("64MiB")))
+    options = AgentOptions(name=name, plan_ahead=True)
+    return Agent(ServerClient(fleet_server.url), {"quadratic": QuadraticTask()}, card, options)
+
+
+def test_plan_ahead_leases_the_next_trial_while_one_trains(
+    studies: Studies, fleet_server: ServerProcess
+) -> None:
+    budget = {"max_steps": 20, "eval_every": 10}
+    name = studies.create(X, n_trials=2, task_config={"step_seconds": 0.02}, budget=budget)
+    agent = _planning_ahead(fleet_server, "ahead")
+    try:
+        assert agent.run_once() is True
+        # Nobody asked again, yet the second trial is leased (planned in the background).
+        trials = studies.wait_until(name, lambda trials: len(trials) == 2)
+        assert [t.state for t in trials] == ["COMPLETE", "RUNNING"]
+        assert agent.run_once() is True  # runs the trial planned ahead
+        [_, second] = studies.wait_until(name, finished(2))
+        assert second.state == "COMPLETE" and second.attempt == 0
+        assert second.plan is not None and second.plan.reason.startswith("as asked")
+        assert second.worker == "ahead"
+        assert agent.run_once() is False  # the study's budget is spent: nothing planned ahead
+    finally:
+        agent.close()
+
+
+def test_a_trial_planned_ahead_is_given_back_when_the_worker_stops(
+    studies: Studies, fleet_server: ServerProcess
+) -> None:
+    budget = {"max_steps": 20, "eval_every": 10}
+    name = studies.create(X, n_trials=2, task_config={"step_seconds": 0.02}, budget=budget)
+    leaving = _planning_ahead(fleet_server, "leaving")
+    assert leaving.run_once() is True
+    studies.wait_until(name, lambda trials: len(trials) == 2)
+    leaving.close()  # with the second trial leased and planned, never run
+    staying = _planning_ahead(fleet_server, "staying")
+    try:
+        assert staying.run_once() is True
+        [_, second] = studies.wait_until(name, finished(2))
+        assert second.state == "COMPLETE" and second.worker == "staying"
+        assert second.attempt == 0, "a trial given back unrun is not a failed attempt"
+    finally:
+        staying.close()

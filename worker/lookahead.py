@@ -1,0 +1,88 @@
+"""Plan ahead: lease and plan the next trial while this one trains.
+
+Choosing a plan costs CPU time (the predictor traces the training step: tenths of a second to
+seconds a configuration), and on a GPU worker that time is the card idling between two trials:
+on the tuning-efficiency benchmark it was half of vramtune's card time (bench/results/
+tuning_efficiency.md). With `--plan-ahead` a background thread, started when a trial begins to
+train, leases the next trial and chooses its plan for the card as it will be when this trial
+ends (the free bytes measured before it started), so the next run starts as soon as this one
+ends. The prices, named: the sampler proposes the next trial one result earlier (as it would
+with one more worker), the next trial's lease is held (heartbeated) while it waits, and the host
+CPU plans while it feeds the card (on a CPU-only worker the two share the cores).
+
+A trial prepared here is the main thread's from `take()`: it reports, hands back or fails it
+there. When the worker stops with a prepared trial, `release` gives it back (failed
+'interrupted': the server re-offers it, no attempt counted).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from service.wire import Assignment
+
+Chosen = TypeVar("Chosen")
+
+
+@dataclass(frozen=True)
+class Prepared(Generic[Chosen]):
+    """A trial leased ahead and its plan choice; `chosen` None when it must be chosen again
+    on the main thread (the choice raised: the main thread fails the trial with the message)."""
+
+    assignment: Assignment
+    chosen: Chosen | None
+
+
+class PlanAhead(Generic[Chosen]):
+    """At most one trial leased and planned in the background (see the module docstring)."""
+
+    def __init__(
+        self,
+        lease: Callable[[int], Assignment | None],
+        choose: Callable[[Assignment, int], Chosen | None],
+        failed: Callable[[Exception], None],
+    ) -> None:
+        self._lease, self._choose, self._failed = lease, choose, failed
+        self._thread: threading.Thread | None = None
+        self._result: Prepared[Chosen] | None = None
+
+    def begin(self, free_bytes: int) -> None:
+        """Lease and plan the next trial in the background for a card with `free_bytes` free."""
+        if self._thread is not None:
+            return  # one ahead at most: the one prepared is not taken yet
+        self._thread = threading.Thread(
+            target=self._prepare, args=(free_bytes,), name="plan-ahead", daemon=True
+        )
+        self._thread.start()
+
+    def take(self) -> Prepared[Chosen] | None:
+        """The trial prepared in the background (waiting for its choice), or None."""
+        if self._thread is None:
+            return None
+        self._thread.join()
+        prepared, self._thread, self._result = self._result, None, None
+        return prepared
+
+    def release(self, give_back: Callable[[Assignment], None]) -> None:
+        """Give back a prepared trial nobody will run (the worker stops)."""
+        prepared = self.take()
+        if prepared is not None:
+            give_back(prepared.assignment)
+
+    def _prepare(self, free_bytes: int) -> None:
+        try:
+            assignment = self._lease(free_bytes)
+        except Exception as error:  # the main thread leases again itself
+            self._failed(error)
+            return
+        if assignment is None:
+            return
+        try:
+            chosen = self._choose(assignment, free_bytes)
+        except Exception as error:  # chosen again, and failed there, by the main thread
+            self._failed(error)
+            chosen = None
+        self._result = Prepared(assignment, chosen)
