@@ -14,7 +14,9 @@ card, as a CUDA OOM would). Every trial is a real torch training (worker.trainin
   plans each trial on the card that asks: as asked, or resized keeping the effective batch, or
   handed back; a handed-back trial waits for a larger card (service/fleet.py's offer order),
   and one no card holds is told COMPLETE with a violated memory constraint
-  (service.routing's headroom and placeholder values).
+  (service.routing's headroom and placeholder values). This arm is the worker with
+  --plan-ahead (worker/lookahead.py): each card leases and plans its next trial while its
+  current one trains. vramtune-plan-on-clock is the same worker without it.
 
 The clock is simulated, the work is not: a discrete-event scheduler gives each card a clock
 that advances by the CPU-seconds the real run measured (planning included for vramtune), so
@@ -69,7 +71,7 @@ from worker.training import TorchTaskRunner, TrainingDiverged
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "tuning_efficiency"
 FLEET = ("16MiB", "64MiB", "256MiB")
-ARMS = ("naive", "retry-halving", "vramtune", "vramtune-free-planning")
+ARMS = ("naive", "retry-halving", "vramtune", "vramtune-plan-on-clock")
 STEPS = 20
 QUICK_SEED = 4
 
@@ -142,6 +144,7 @@ class Outcome:
     cpu_s: float
     peak_bytes: int
     value: float | None = None
+    train_share: float = 1.0  # of the run's time, the training steps' (evaluation excluded)
 
 
 class _NoPruning:
@@ -198,8 +201,13 @@ class RealRuns:
             return Outcome("OOM", time.process_time() - began, peak)
         except TrainingDiverged:
             return Outcome("FAIL", time.process_time() - began, 0)
-        peak = result.measured.peak_allocated_bytes
-        return Outcome("COMPLETE", time.process_time() - began, peak, result.values[0])
+        peak, cpu_s = result.measured.peak_allocated_bytes, time.process_time() - began
+        # The worker reports training seconds per step, evaluation excluded (worker.training):
+        # the share of the run's wall time its steps took, applied to its CPU time.
+        batch = self.runner.batch_size(config)
+        train_s = result.steps * batch / result.samples_per_s if result.samples_per_s else 0.0
+        share = min(1.0, train_s / result.duration_s) if result.duration_s > 0 else 1.0
+        return Outcome("COMPLETE", cpu_s, peak, result.values[0], share or 1.0)
 
 
 class TimedPredictor:
@@ -262,10 +270,9 @@ class Planner:
     """The worker's own plan choice (worker.policy.choose_plan), with the fleet's step-time
     model of the card, and the planning CPU-seconds it is charged (see TimedPredictor)."""
 
-    def __init__(self, predictor: TimedPredictor, spec: StudyCreate, charge: bool) -> None:
+    def __init__(self, predictor: TimedPredictor, spec: StudyCreate) -> None:
         self.predictor = predictor
         self.policy = spec.memory_policy
-        self.charge = charge
         predictor.new_arm()
 
     def decide(
@@ -285,7 +292,7 @@ class Planner:
             tried,
             step_fit=step_fit,
         )
-        return decision, (self.predictor.bill - bill if self.charge else 0.0)
+        return decision, self.predictor.bill - bill
 
 
 @dataclass
@@ -331,7 +338,8 @@ class Sim:
         self.attempts: list[Attempt] = []
         self.told: list[tuple[float, float]] = []  # (time, value) of feasible COMPLETE trials
         self.infeasible = 0
-        self.planning_s = 0.0
+        self.planning_s = 0.0  # planning the cards waited for (on their clocks)
+        self.planning_total_s = 0.0  # every plan choice's CPU-seconds, overlapped or not
         self.step_errors: list[tuple[int, float]] = []  # (trials told before, relative error)
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[[], None]]] = []
@@ -421,9 +429,27 @@ def retry_halving(sim: Sim, runs: RealRuns) -> Callable[[CardSpec], Work]:
     return work
 
 
-def vramtune(sim: Sim, runs: RealRuns, planner: Planner) -> Callable[[CardSpec], Work]:
-    """Plan on the card that asks; hand back, wait for a larger card, or end infeasible."""
+@dataclass(frozen=True)
+class Ahead:
+    """A trial a card leased and planned while its previous trial trained (--plan-ahead)."""
+
+    job: Job
+    decision: Decision
+    planning_s: float
+    ready: float  # simulated time the plan choice ends
+
+
+def vramtune(
+    sim: Sim, runs: RealRuns, planner: Planner, plan_ahead: bool
+) -> Callable[[CardSpec], Work]:
+    """Plan on the card that asks; hand back, wait for a larger card, or end infeasible.
+
+    With `plan_ahead` (the worker's --plan-ahead, worker/lookahead.py) a card that starts a run
+    leases and plans its next trial at once, on the host's CPU while the card trains: only the
+    part of that planning that outlasts the run waits on the card's clock. Without it the card
+    plans each trial on its own clock, between runs."""
     waiting: list[Job] = []
+    ahead: dict[str, Ahead] = {}
     observed: dict[str, list[StepTimeObservation]] = {}
     fits: dict[str, StepTimeFit] = {}
 
@@ -435,19 +461,32 @@ def vramtune(sim: Sim, runs: RealRuns, planner: Planner) -> Callable[[CardSpec],
                 return job
         return Job(sim.ask()[0])
 
-    def work(card: CardSpec) -> Work:
+    def prepare(card: CardSpec, start: float) -> Ahead:
+        """Lease a trial for this card and choose its plan, beginning at `start`."""
         job = offered(card)
         config = {**sim.bench.task_config, **job.trial.params}
         model = card.info.model
         decision, planning_s = planner.decide(config, card, job.tried_on(model), fits.get(model))
-        sim.planning_s += planning_s
-        start = sim.now
+        sim.planning_total_s += planning_s
+        return Ahead(job, decision, planning_s, start + planning_s)
+
+    def work(card: CardSpec) -> Work:
+        model = card.info.model
+        prepared = ahead.pop(model, None) or prepare(card, sim.now)
+        job, decision = prepared.job, prepared.decision
+        config = {**sim.bench.task_config, **job.trial.params}
+        began = sim.now
+        waited = max(0.0, prepared.ready - began)  # planning the card waits for
+        sim.planning_s += waited
+        start = began + waited
         if isinstance(decision, HandBack):
-            return planning_s, lambda: hand_back(job, card, decision)
+            return waited, lambda: hand_back(job, card, decision)
         outcome = runs.run(config, decision.plan, card)
+        if plan_ahead:  # the worker begins the next plan choice as this run starts
+            ahead[model] = prepare(card, start)
 
         def finish() -> None:
-            attempt = _attempt(job.trial.number, card, start, outcome, planning_s)
+            attempt = _attempt(job.trial.number, card, began, outcome, waited)
             attempt.plan = describe(decision.plan)
             sim.record(attempt)
             if outcome.state == "OOM":  # the prediction was wrong: retried once elsewhere
@@ -461,13 +500,13 @@ def vramtune(sim: Sim, runs: RealRuns, planner: Planner) -> Callable[[CardSpec],
                 learn_step_time(model, decision.step_time, outcome)
             sim.tell(job.trial, outcome)
 
-        return planning_s + outcome.cpu_s, finish
+        return waited + outcome.cpu_s, finish
 
     def learn_step_time(model: str, features: StepTimeObservation | None, outcome: Outcome) -> None:
         """What the server does with a result's step time: store it, refit the card's model."""
         if features is None:
             return
-        step_s = outcome.cpu_s / STEPS
+        step_s = outcome.cpu_s * outcome.train_share / STEPS
         measured = features.model_copy(update={"measured_step_s": step_s})
         if features.predicted_step_s is not None:  # predicted when the plan was chosen
             error = abs(features.predicted_step_s - step_s) / step_s
@@ -539,6 +578,7 @@ def figures(arm: str, sim: Sim) -> dict[str, Any]:
         "resized": len({a.trial for a in sim.attempts if a.plan != "as asked"}),
         "trials_run": len(trials),
         "planning_s": round(sim.planning_s, 3),
+        "planning_total_s": round(sim.planning_total_s, 3),
         "step_time_errors_after_20": [round(e, 4) for told, e in sim.step_errors if told >= 20],
         "best": curve[-1][1] if curve else None,
         "curve": curve,
@@ -562,8 +602,8 @@ def run_seed(
         elif arm == "retry-halving":
             work = retry_halving(sim, runs)
         else:
-            planner = Planner(predictor, sim.spec, charge=arm == "vramtune")
-            work = vramtune(sim, runs, planner)
+            planner = Planner(predictor, sim.spec)
+            work = vramtune(sim, runs, planner, plan_ahead=arm == "vramtune")
         row: dict[str, Any] = {"task": name, "seed": seed, "budget_s": bench.budget_s}
         rows.append(row | figures(arm, sim.run(work)))
     target = rows[0]["best"]
@@ -583,9 +623,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--report-only", action="store_true", help="rewrite the .md and .png from the .json"
     )
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="write --out from several invocations' .json (tasks or seeds run apart)",
+    )
     args = parser.parse_args(argv)
-    if args.report_only:
-        saved = json.loads(args.out.with_suffix(".json").read_text())
+    if args.report_only or args.merge:
+        saved = merge(args.merge or [args.out.with_suffix(".json")])
         write_results(saved["runs"], saved["meta"], args.out)
         return 0
     if args.quick:
@@ -616,21 +663,46 @@ def main(argv: list[str] | None = None) -> int:
             "predictions_computed": len(predictor.memo),
             "prediction_cpu_s": round(sum(cost for _, cost in predictor.memo.values()), 1),
         }
-    meta = {
+    invocation = {
         "command": " ".join(["bench/tuning_efficiency.py", *(argv or sys.argv[1:])]),
+        "tasks": args.tasks,
+        "seeds": args.seeds,
+        "loadavg_before": load_before,
+        "loadavg_after": _loadavg(),
+        "bench_wall_s": round(time.monotonic() - began, 1),
+        "bench_cpu_s": round(time.process_time(), 1),
+    }
+    meta = {
+        "invocations": [invocation],
         "tasks": {n: _describe_bench(BENCHES[n], args.budget) for n in args.tasks},
         "seeds": args.seeds,
         "fleet": list(FLEET),
         "steps_per_trial": STEPS,
         "real_runs": cache,
-        "loadavg_before": load_before,
-        "loadavg_after": _loadavg(),
-        "bench_wall_s": round(time.monotonic() - began, 1),
-        "bench_cpu_s": round(time.process_time(), 1),
         "torch_threads": 1,
     }
     write_results(rows, meta, args.out)
     return 0
+
+
+def merge(paths: Sequence[Path]) -> dict[str, Any]:
+    """Several invocations' results as one: their runs, tasks and invocations side by side
+    (each invocation keeps its own command and load average; the real-run counts add up)."""
+    runs: list[dict[str, Any]] = []
+    meta: dict[str, Any] = {"invocations": [], "tasks": {}, "seeds": [], "real_runs": {}}
+    for path in paths:
+        saved = json.loads(path.read_text())
+        runs += saved["runs"]
+        part = saved["meta"]
+        meta |= {k: part[k] for k in ("fleet", "steps_per_trial", "torch_threads")}
+        meta["invocations"] += part["invocations"]
+        meta["tasks"] |= part["tasks"]
+        meta["seeds"] = sorted({*meta["seeds"], *part["seeds"]})
+        for task, counts in part["real_runs"].items():
+            mine = meta["real_runs"].setdefault(task, dict.fromkeys(counts, 0))
+            for key, value in counts.items():
+                mine[key] = round(mine[key] + value, 1)
+    return {"meta": meta, "runs": runs}
 
 
 def _warm_up(runner: TorchTaskRunner, bench: Bench, card: CardSpec) -> None:
@@ -677,6 +749,7 @@ def summary(rows: list[dict[str, Any]], task: str, direction: str) -> dict[str, 
                 "changed_hyperparameter",
                 "resized",
                 "planning_s",
+                "planning_total_s",
             )
         } | {
             "best": statistics.mean(r["best"] for r in mine if r["best"] is not None),
@@ -709,8 +782,8 @@ def targets(means: dict[str, dict[str, Any]], direction: str) -> list[str]:
     def verdict(met: bool) -> str:
         return "met" if met else "NOT met"
 
-    free = means["vramtune-free-planning"]
-    free_ratio = free["time_to_naive_best_s"] / max(naive_["time_to_naive_best_s"], 1e-9)
+    clock = means["vramtune-plan-on-clock"]
+    clock_ratio = clock["time_to_naive_best_s"] / max(naive_["time_to_naive_best_s"], 1e-9)
     return [
         f"- 0 OOM crashes: {verdict(ours['oom_crashes'] == 0)} ({ours['oom_crashes']:.1f}; "
         f"naive {naive_['oom_crashes']:.1f}, retry-halving {halving['oom_crashes']:.1f}).",
@@ -720,8 +793,8 @@ def targets(means: dict[str, dict[str, Any]], direction: str) -> list[str]:
         f"{ours['missed_naive_best']} of {ours['seeds']} seeds, counted as the budget).",
         f"- final best never worse than retry-halving's on the mean: {verdict(not_worse)} "
         f"({ours['best']:.4f} against {halving['best']:.4f}).",
-        f"- (not a target) with planning off the card's clock: {free_ratio:.0%} of naive's time "
-        f"to naive's best, final best {free['best']:.4f}.",
+        f"- (not a target) without --plan-ahead (planning on the card's clock): {clock_ratio:.0%} "
+        f"of naive's time to naive's best, final best {clock['best']:.4f}.",
     ]
 
 
@@ -733,11 +806,16 @@ def write_results(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -
     lines = [
         "# Tuning efficiency on real training",
         "",
-        f"Command: `{meta['command']}`; load average before {meta['loadavg_before']}, after "
-        f"{meta['loadavg_after']}; {meta['bench_wall_s']} s wall, {meta['bench_cpu_s']} CPU-s "
-        f"for the whole benchmark (torch on {meta['torch_threads']} thread). Fleet: one "
-        f"simulated CPU card of each of {', '.join(meta['fleet'])}; {meta['steps_per_trial']} "
-        f"steps per trial; TPE seeds {meta['seeds']}; every figure is in tuning_efficiency.json.",
+        f"Fleet: one simulated CPU card of each of {', '.join(meta['fleet'])}; "
+        f"{meta['steps_per_trial']} steps per trial; TPE seeds {meta['seeds']}; torch on "
+        f"{meta['torch_threads']} thread; every figure is in tuning_efficiency.json. "
+        "Invocations (each under the exclusive benchmark lock):",
+        "",
+        *(
+            f"- `{run['command']}`: load average before {run['loadavg_before']}, after "
+            f"{run['loadavg_after']}; {run['bench_wall_s']} s wall, {run['bench_cpu_s']} CPU-s."
+            for run in meta["invocations"]
+        ),
         "",
         f"![best metric over wall time]({out.with_suffix('.png').name})",
         "",
@@ -752,13 +830,14 @@ def write_results(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -
             f"Real trainings run: {runs['executed']}; runs served from the cache: "
             f"{runs['served_from_cache']}.",
             "",
-            "| arm | OOM crashes | wasted CPU-s | compute CPU-s | planning CPU-s | completed | "
-            "infeasible | changed hyperparameter | resized | final best | "
+            "| arm | OOM crashes | wasted CPU-s | compute CPU-s | planning CPU-s (on the cards' "
+            "clocks) | completed | infeasible | changed hyperparameter | resized | final best | "
             "time to naive's best s |",
             "|---|---|---|---|---|---|---|---|---|---|---|",
             *(
                 f"| {arm} | {m['oom_crashes']:.1f} | {m['wasted_s']:.1f} | {m['compute_s']:.1f}"
-                f" | {m['planning_s']:.1f} | {m['completed']:.1f} | {m['infeasible']:.1f} | "
+                f" | {m['planning_total_s']:.1f} ({m['planning_s']:.1f}) | {m['completed']:.1f} | "
+                f"{m['infeasible']:.1f} | "
                 f"{m['changed_hyperparameter']:.1f} | {m['resized']:.1f} | {m['best']:.4f} | "
                 f"{m['time_to_naive_best_s']:.1f} |"
                 for arm, m in means.items()
@@ -806,9 +885,11 @@ NOTES = [
     "",
     "- *OOM crashes*: runs that died out of memory (retry-halving's retries each count). "
     "*Wasted CPU-s*: the CPU time of those runs, until they died. *Compute*: every run's "
-    "(for vramtune with the planning before it). *Planning*: the predictor's CPU-seconds charged "
-    "to the cards' clocks, hand-backs included (each prediction is computed once per benchmark "
-    "and charged to every arm and card that needs it, as separate worker processes would pay).",
+    "(for vramtune with the planning the card waited for). *Planning*: the predictor's "
+    "CPU-seconds, hand-backs included (each prediction is computed once per benchmark and "
+    "charged to every arm and card that needs it, as separate worker processes would pay); in "
+    "brackets the part the cards waited for: with --plan-ahead a plan choice runs on the host "
+    "while the card trains the previous trial, and only what outlasts that run is on the clock.",
     "- *Completed*: trials told with a metric within the budget. *Infeasible*: vramtune trials "
     "no card holds even resized, told COMPLETE with a violated memory constraint.",
     "- *Changed hyperparameter*: retry-halving trials whose metric came from a smaller batch "
@@ -817,7 +898,10 @@ NOTES = [
     "- *Time to naive's best*: simulated seconds until the arm's best is at least naive's "
     "final best on the same seed; a seed where it is never reached counts as the budget.",
     "- The clock is the cards' simulated one, advanced by each real run's CPU-seconds "
-    "(one torch thread) plus, for vramtune, the predictor's planning time.",
+    "(one torch thread) plus, for vramtune, the planning time the card waited for.",
+    "- *Step-time error*: the fleet's step-time model (service/step_time.py) as the worker "
+    "applied it when it chose the plan, against the run's training CPU-seconds per step, "
+    "evaluation excluded, as the worker reports it (worker/training.py).",
 ]
 
 
