@@ -341,6 +341,7 @@ class Sim:
         self.planning_s = 0.0  # planning the cards waited for (on their clocks)
         self.planning_total_s = 0.0  # every plan choice's CPU-seconds, overlapped or not
         self.step_errors: list[tuple[int, float]] = []  # (trials told before, relative error)
+        self.step_observations: list[dict[str, Any]] = []  # what the server's fit was fed
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[[], None]]] = []
 
@@ -512,6 +513,7 @@ def vramtune(
             error = abs(features.predicted_step_s - step_s) / step_s
             sim.step_errors.append((len(sim.told), error))
         observed.setdefault(model, []).insert(0, measured)  # newest first, as the server reads
+        sim.step_observations.append({"card": model, **measured.model_dump(mode="json")})
         fits[model] = fit_step_time(model, sim.bench.task.name, observed[model])
 
     def hand_back(job: Job, card: CardSpec, decision: HandBack) -> None:
@@ -580,6 +582,7 @@ def figures(arm: str, sim: Sim) -> dict[str, Any]:
         "planning_s": round(sim.planning_s, 3),
         "planning_total_s": round(sim.planning_total_s, 3),
         "step_time_errors_after_20": [round(e, 4) for told, e in sim.step_errors if told >= 20],
+        "step_time_observations": sim.step_observations,
         "best": curve[-1][1] if curve else None,
         "curve": curve,
     }

@@ -9,7 +9,7 @@ import pytest
 
 from service.client import Client
 from service.testing import ServerProcess
-from service.wire import StepTimeFit
+from service.wire import StepTimeFit, TrialOut
 from tests.e2e.conftest import Studies, dashboard_trial, finished
 from worker.agent import Agent, AgentOptions
 from worker.api import ServerClient
@@ -142,16 +142,24 @@ def _planning_ahead(fleet_server: ServerProcess, name: str) -> Agent:
     return Agent(ServerClient(fleet_server.url), {"quadratic": QuadraticTask()}, card, options)
 
 
+def _one_trial_run_ahead(
+    studies: Studies, fleet_server: ServerProcess, worker: str
+) -> tuple[Agent, str, list[TrialOut]]:
+    """A two-trial study and a --plan-ahead agent that ran the first trial (run_once): the
+    study's trials once the second is leased."""
+    budget = {"max_steps": 20, "eval_every": 10}
+    name = studies.create(X, n_trials=2, task_config={"step_seconds": 0.02}, budget=budget)
+    agent = _planning_ahead(fleet_server, worker)
+    assert agent.run_once() is True
+    return agent, name, studies.wait_until(name, lambda trials: len(trials) == 2)
+
+
 def test_plan_ahead_leases_the_next_trial_while_one_trains(
     studies: Studies, fleet_server: ServerProcess
 ) -> None:
-    budget = {"max_steps": 20, "eval_every": 10}
-    name = studies.create(X, n_trials=2, task_config={"step_seconds": 0.02}, budget=budget)
-    agent = _planning_ahead(fleet_server, "ahead")
+    agent, name, trials = _one_trial_run_ahead(studies, fleet_server, "ahead")
     try:
-        assert agent.run_once() is True
         # Nobody asked again, yet the second trial is leased (planned in the background).
-        trials = studies.wait_until(name, lambda trials: len(trials) == 2)
         assert [t.state for t in trials] == ["COMPLETE", "RUNNING"]
         assert agent.run_once() is True  # runs the trial planned ahead
         [_, second] = studies.wait_until(name, finished(2))
@@ -166,11 +174,7 @@ def test_plan_ahead_leases_the_next_trial_while_one_trains(
 def test_a_trial_planned_ahead_is_given_back_when_the_worker_stops(
     studies: Studies, fleet_server: ServerProcess
 ) -> None:
-    budget = {"max_steps": 20, "eval_every": 10}
-    name = studies.create(X, n_trials=2, task_config={"step_seconds": 0.02}, budget=budget)
-    leaving = _planning_ahead(fleet_server, "leaving")
-    assert leaving.run_once() is True
-    studies.wait_until(name, lambda trials: len(trials) == 2)
+    leaving, name, _ = _one_trial_run_ahead(studies, fleet_server, "leaving")
     leaving.close()  # with the second trial leased and planned, never run
     staying = _planning_ahead(fleet_server, "staying")
     try:
