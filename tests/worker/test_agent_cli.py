@@ -105,3 +105,12 @@ def test_all_gpus_starts_one_worker_per_card_with_the_same_options() -> None:
     assert pairs["--server"] == "http://s:8000" and pairs["--token"] == "vt_x"
     assert pairs["--tasks"] == "my.tasks" and pairs["--max-trials"] == "5"
     assert pairs["--exit-when-idle"] == "30.0"
+
+
+def test_all_gpus_passes_plan_ahead_to_every_worker() -> None:
+    parser = argparse.ArgumentParser(prog="vramtune")
+    add_commands(parser.add_subparsers(dest="command"))
+    ahead = parser.parse_args(["worker", "--server", "http://s", "--all-gpus", "--plan-ahead"])
+    plain = parser.parse_args(["worker", "--server", "http://s", "--all-gpus"])
+    assert "--plan-ahead" in _child_argv(ahead, 0)
+    assert "--plan-ahead" not in _child_argv(plain, 0)
