@@ -66,6 +66,7 @@ from worker.policy import Decision, HandBack, choose_plan, describe
 from worker.runner import CardSpec, Config, OutOfMemory
 from worker.tasks.charlm import CharTransformerTask
 from worker.tasks.digits import DigitsCNNTask
+from worker.time_routing import HandBackForTime, prefer_larger_card
 from worker.training import TorchTaskRunner, TrainingDiverged
 
 REPO = Path(__file__).resolve().parent.parent
@@ -281,6 +282,7 @@ class Planner:
         card: CardSpec,
         tried: Sequence[PlanOut],
         step_fit: StepTimeFit | None,
+        larger_card_bytes: int | None,
     ) -> tuple[Decision, float]:
         bill = self.predictor.bill
         decision = choose_plan(
@@ -292,6 +294,8 @@ class Planner:
             tried,
             step_fit=step_fit,
         )
+        # what the worker does next with the assignment's larger card (the server's)
+        decision = prefer_larger_card(decision, larger_card_bytes, self.policy, step_fit)
         return decision, self.predictor.bill - bill
 
 
@@ -338,6 +342,7 @@ class Sim:
         self.attempts: list[Attempt] = []
         self.told: list[tuple[float, float]] = []  # (time, value) of feasible COMPLETE trials
         self.infeasible = 0
+        self.routed_for_time = 0  # vramtune: slow resizes handed back to a larger card
         self.planning_s = 0.0  # planning the cards waited for (on their clocks)
         self.planning_total_s = 0.0  # every plan choice's CPU-seconds, overlapped or not
         self.step_errors: list[tuple[int, float]] = []  # (trials told before, relative error)
@@ -467,7 +472,10 @@ def vramtune(
         job = offered(card)
         config = {**sim.bench.task_config, **job.trial.params}
         model = card.info.model
-        decision, planning_s = planner.decide(config, card, job.tried_on(model), fits.get(model))
+        larger = max(c.info.total_bytes for c in sim.fleet if c is not card)
+        larger_card = larger if larger > card.info.total_bytes else None
+        tried, fit = job.tried_on(model), fits.get(model)
+        decision, planning_s = planner.decide(config, card, tried, fit, larger_card)
         sim.planning_total_s += planning_s
         return Ahead(job, decision, planning_s, start + planning_s)
 
@@ -517,6 +525,7 @@ def vramtune(
         fits[model] = fit_step_time(model, sim.bench.task.name, observed[model])
 
     def hand_back(job: Job, card: CardSpec, decision: HandBack) -> None:
+        sim.routed_for_time += isinstance(decision, HandBackForTime)
         need = max(job.min_bytes, decision.min_footprint_bytes)
         others = [c.info.total_bytes for c in sim.fleet if c is not card]
         if max(others, default=0) >= need:
@@ -574,6 +583,7 @@ def figures(arm: str, sim: Sim) -> dict[str, Any]:
         "wasted_s": round(sum(a.cpu_s for a in died), 3),
         "compute_s": round(sum(a.cpu_s for a in sim.attempts), 3),
         "infeasible": sim.infeasible,
+        "routed_for_time": sim.routed_for_time,
         "changed_hyperparameter": len(
             {a.trial for a in sim.attempts if a.changed_hyperparameter and a.state == "COMPLETE"}
         ),
@@ -749,6 +759,7 @@ def summary(rows: list[dict[str, Any]], task: str, direction: str) -> dict[str, 
                 "compute_s",
                 "completed",
                 "infeasible",
+                "routed_for_time",
                 "changed_hyperparameter",
                 "resized",
                 "planning_s",
@@ -834,13 +845,13 @@ def write_results(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -
             f"{runs['served_from_cache']}.",
             "",
             "| arm | OOM crashes | wasted CPU-s | compute CPU-s | planning CPU-s (on the cards' "
-            "clocks) | completed | infeasible | changed hyperparameter | resized | final best | "
-            "time to naive's best s |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "clocks) | completed | infeasible | routed by time | changed hyperparameter | resized "
+            "| final best | time to naive's best s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
             *(
                 f"| {arm} | {m['oom_crashes']:.1f} | {m['wasted_s']:.1f} | {m['compute_s']:.1f}"
                 f" | {m['planning_total_s']:.1f} ({m['planning_s']:.1f}) | {m['completed']:.1f} | "
-                f"{m['infeasible']:.1f} | "
+                f"{m['infeasible']:.1f} | {m['routed_for_time']:.1f} | "
                 f"{m['changed_hyperparameter']:.1f} | {m['resized']:.1f} | {m['best']:.4f} | "
                 f"{m['time_to_naive_best_s']:.1f} |"
                 for arm, m in means.items()
@@ -895,6 +906,9 @@ NOTES = [
     "while the card trains the previous trial, and only what outlasts that run is on the clock.",
     "- *Completed*: trials told with a metric within the budget. *Infeasible*: vramtune trials "
     "no card holds even resized, told COMPLETE with a violated memory constraint.",
+    "- *Routed by time*: vramtune hand-backs of trials that fit the card only resized, "
+    "predicted at least 2x slower a step than as asked, to a larger card that holds them as "
+    "asked (worker/time_routing.py).",
     "- *Changed hyperparameter*: retry-halving trials whose metric came from a smaller batch "
     "than the one Optuna suggested (and was told it had). *Resized*: vramtune trials run with "
     "micro-batches (the effective batch kept).",

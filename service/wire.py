@@ -435,6 +435,11 @@ class Assignment(Wire):
         description="Predictions the fleet already made for this trial's task and shape on "
         "this worker's card model and torch version: used instead of tracing again.",
     )
+    larger_card_bytes: Bytes | None = Field(
+        None,
+        description="The largest live card of another worker for this task, when larger than "
+        "this worker's: a trial much slower here resized may be handed back to it.",
+    )
 
 
 class Plan(Wire):
@@ -622,6 +627,11 @@ class HandBackRequest(LeaseCall, PlanChoice):
     min_footprint_bytes: Bytes
     plan: Plan | None = Field(None, description="The smallest plan the worker could reach.")
     reason: ShortText = ""
+    fits_here: bool = Field(
+        False,
+        description="It fits this card resized, handed back for a larger card that runs it "
+        "faster: re-offered, never ended infeasible, when no such card is live.",
+    )
 
 
 TrialResolution = Literal[

@@ -46,6 +46,7 @@ from worker.policy import Decision, HandBack, choose_plan, measured_step_time
 from worker.runner import CardSpec, OutOfMemory, RunFailed, Stopped, TrialRunner
 from worker.shared_predictions import shape_keys, shared
 from worker.spool import Spool
+from worker.time_routing import prefer_larger_card
 
 Chosen = tuple[Decision, PlanChoice, dict[str, Any]]
 """A plan choice: the decision, how it was chosen (sent to the server), that in log fields."""
@@ -282,6 +283,7 @@ class Agent:
     ) -> Chosen:
         """choose_plan through the fleet's shared predictions, for a card with `free` bytes."""
         predictions = shared(runner, config, assignment.predictions)
+        fit = self._step_fit(assignment.task)
         decision = choose_plan(
             predictions,
             config,
@@ -290,8 +292,10 @@ class Agent:
             free,
             assignment.plans_tried,
             self._calibration(assignment.task),
-            self._step_fit(assignment.task),
+            fit,
         )
+        policy, larger = assignment.memory_policy, assignment.larger_card_bytes
+        decision = prefer_larger_card(decision, larger, policy, fit)  # route by predicted time
         choice = PlanChoice(
             planning_s=round(decision.seconds, 4),
             prediction_source=predictions.source,

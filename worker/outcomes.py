@@ -108,6 +108,7 @@ def handed_back(assignment: Assignment, decision: HandBack, choice: PlanChoice) 
         min_footprint_bytes=decision.min_footprint_bytes,
         plan=decision.plan,
         reason=decision.reason[:4096],
+        fits_here=getattr(decision, "fits_here", False),  # worker/time_routing.py
         **dict(choice),
     )
 

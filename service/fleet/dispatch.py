@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 from service.db.tables import StudyRow, TrialRow, WorkerRow
 from service.fleet import predictions
 from service.fleet.leases import grant
-from service.fleet.routing import plans_on
+from service.fleet.routing import live_capacity, plans_on
 from service.fleet.workers import fleet_transaction, running_worker
 from service.optuna import rows as optuna_rows
 from service.optuna.drafts import draft_trial
@@ -105,7 +105,18 @@ def _lease(
             PlanOut.model_validate(plan) for plan in plans_on(trial.plans_tried, worker.card_model)
         ],
         predictions=predictions.shared_for(session, worker, row.task, config),
+        larger_card_bytes=_larger_card(session, state, worker, row.task, now),
     )
+
+
+def _larger_card(
+    session: Session, state: AppState, worker: WorkerRow, task: str, now: datetime
+) -> int | None:
+    """The largest live card of another worker for `task`, when larger than this worker's
+    (worker/time_routing.py hands a slow resize back to it)."""
+    stale_s = state.settings.worker_stale_s
+    largest = live_capacity(session, task, now, stale_s, exclude=worker.id)
+    return largest if largest > worker.total_bytes else None
 
 
 def _open_studies(

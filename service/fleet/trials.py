@@ -393,6 +393,10 @@ def hand_back(call: TrialCall, trial_id: int, body: HandBackRequest) -> TrialAck
     )
     write_attrs(call.session, trial_id, {"handback": handback})
     _plan_chosen(call, fenced, body)
+    if body.fits_here and capacity < footprint:  # the larger card left: it runs where it fits
+        reoffer(trial, call.now, next_attempt=False)
+        ack = _ack(fenced, "retry", "no larger card is live: offered again as it fits")
+        return _finish(call, fenced, ack, "handback")
     trial.min_bytes = footprint
     if capacity >= footprint:
         trial.status = "waiting"
