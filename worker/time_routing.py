@@ -2,9 +2,9 @@
 asked, is handed back to a larger card of the fleet that holds it as asked.
 
 choose_plan (worker/policy.py) picks the fastest plan that fits *this* card; it never asks
-whether another card would run the trial faster. On the tuning-efficiency benchmark a 64 MiB
-card ran char-transformer configurations in 4-16 micro-batches, several times the 4 CPU-s the
-256 MiB card takes for them as asked (bench/results/tuning_efficiency.md). With the assignment's
+whether another card would run the trial faster. On the tuning-efficiency benchmark smaller
+cards ran large char-transformer configurations in micro-batches, several times the 4.2 CPU-s
+the 256 MiB card takes for them as asked (bench/results/tuning_efficiency.md). With the assignment's
 `larger_card_bytes` (the largest live card of another worker for the task, from the server),
 a plan whose predicted time per step (the fleet's step-time model) is at least SLOW_RESIZE
 times the as-asked one is handed back when that card holds the as-asked footprint with the
