@@ -5,7 +5,8 @@ Each arm gets a fresh SQLite database, a real server (``python -m service serve`
 worker process (``python -m service worker --device cpu --memory-limit 512MiB``) that runs a
 digits-cnn study of small configurations: the same random sampler and seed, hence the same
 configuration for each trial number in every arm (the server keeps a seeded sampler's state).
-The clock starts when the study is created (the worker is registered and idle) and stops when
+The clock starts when the study is created (the worker is registered and idle, a packing
+worker's slot processes started) and stops when
 its last trial is finished; trials per hour is trials over that time. Arms:
 
 - ``one``: ``--max-trials-per-card 1``, one trial at a time in the worker's process, torch's
@@ -90,7 +91,9 @@ def run_arm(arm: str, trials: int, steps: int, directory: Path) -> dict[str, Any
         log_path = directory / f"worker-{arm}.log"
         worker = _start_worker(server.url, slots_of(arm), log_path)
         try:
-            _wait_for(log_path, '"event": "registered"', worker)
+            # Ready: registered, and a packing worker's slot processes have imported torch.
+            ready = "registered" if slots_of(arm) == 1 else "slots_ready"
+            _wait_for(log_path, f'"event": "{ready}"', worker)
             usage_before = resource.getrusage(resource.RUSAGE_CHILDREN)
             with Client(server.url) as client:
                 began = time.monotonic()

@@ -86,6 +86,7 @@ class Packer:
         """Ask, place and run trials until stopped, the trial cap, or idle too long."""
         self.agent.offered_bytes = self.offered_bytes
         try:
+            self._start_slots()
             self._loop()
         except BaseException:
             self.agent.stop.set()  # running trials end as interrupted and are offered again
@@ -247,6 +248,19 @@ class Packer:
             self._give_slot(slot)
 
     # ------------------------------------------------------------ slot processes
+
+    def _start_slots(self) -> None:
+        """Start every slot process now, as the worker loads its tasks at start: torch is
+        imported by then, not in the first packed trials' time (they start side by side)."""
+        with self._slots_lock:
+            for _ in range(self.book.max_trials - len(self._all_slots)):
+                slot = SlotProcess(self.source, self.threads)
+                self._all_slots.append(slot)
+                self._idle_slots.append(slot)
+            tasks = [slot.wait_ready() for slot in self._all_slots]
+        self.agent.event(
+            "slots_ready", slots=len(tasks), threads_per_trial=self.threads, tasks=tasks[0]
+        )
 
     def _take_slot(self) -> SlotProcess:
         """An idle slot process, or a new one (started once, reused trial after trial)."""

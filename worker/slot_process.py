@@ -12,7 +12,8 @@ with ``torch.cuda.set_per_process_memory_fraction`` (a real CUDA OOM past it), o
 CPU card the tracker's limit (worker/memory.py, through the card the runner is given) is set
 to it. Either way a trial that needs more than its prediction said runs out alone.
 
-Messages, agent → child: ``("run", task, config, plan, budget, card, limit_bytes)``, an
+Messages, child → agent first: ``("ready", task names)`` once its tasks are imported. Then
+agent → child: ``("run", task, config, plan, budget, card, limit_bytes)``, an
 ``("answer", value)`` to each request, ``None`` to exit. Child → agent: ``("report", step,
 value)`` and ``("stop?",)`` (requests), then ``("done", kind, *payload)`` with kind one of
 result, oom, stopped, error.
@@ -90,6 +91,16 @@ class SlotProcess:
         )
         self.process.start()
         child_end.close()
+        self.tasks: list[str] | None = None  # what the child runs, once it said it is ready
+
+    def wait_ready(self) -> list[str]:
+        """Wait until the child has imported its tasks; the task names it runs."""
+        if self.tasks is None:
+            kind, *payload = self._receive()
+            if kind != "ready":
+                raise SlotDied(f"the trial's process answered {kind!r} before it was ready")
+            self.tasks = list(payload[0])
+        return self.tasks
 
     @property
     def alive(self) -> bool:
@@ -108,6 +119,7 @@ class SlotProcess:
     ) -> RunResult:
         """Run the trial in the child under `limit_bytes`; raises as `TrialRunner.run` does
         (and `SlotDied` when the child ends without an answer)."""
+        self.wait_ready()
         self._send(("run", runner_task, dict(config), plan, budget, card, limit_bytes))
         while True:
             message = self._receive()
@@ -194,6 +206,7 @@ def slot_main(conn: Connection, source: RunnerSource, threads: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     runners = dict(source.runners())
     _limit_threads(threads)
+    conn.send(("ready", sorted(runners)))
     while True:
         try:
             request = conn.recv()
