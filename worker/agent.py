@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from service.wire import (
     MAX_SHARED_PREDICTIONS,
@@ -56,6 +56,8 @@ from worker.runner import (
 from worker.shared_predictions import shape_keys, shared
 from worker.slot_process import RunnerSource
 from worker.spool import Spool
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -230,22 +232,35 @@ class Agent:
 
     def run_once(self) -> bool:
         """One cycle: ask for a trial and see it to its end; False when there was no work."""
-        request = NextRequest(free_bytes=self.free_bytes())
-        assignment = self.client.next(self.worker_id, request, cancel=self.stop)
+        assignment = self.lease(self.free_bytes())
         if assignment is None:
             return False
+        try:
+            self.guarded(assignment, lambda: self._run_trial(assignment))
+        finally:
+            self.heartbeats.release(assignment.trial_id)
+        return True
+
+    def lease(self, free_bytes: int) -> Assignment | None:
+        """Ask for a trial, stating `free_bytes`; hold its lease (heartbeats renew it)."""
+        request = NextRequest(free_bytes=free_bytes)
+        assignment = self.client.next(self.worker_id, request, cancel=self.stop)
+        if assignment is None:
+            return None
         self.trials_run += 1
         self.heartbeats.hold(assignment.trial_id)
         self.event("leased", assignment, attempt=assignment.attempt, params=assignment.params)
+        return assignment
+
+    def guarded(self, assignment: Assignment, work: Callable[[], T]) -> T | None:
+        """`work()` for the trial; a lost lease or a refused call ends it (logged), None."""
         try:
-            self._run_trial(assignment)
+            return work()
         except LeaseLost as error:
             self.event("lease_lost", assignment, detail=str(error))
         except Rejected as error:
             self.event("rejected", assignment, status=error.status_code, detail=str(error.detail))
-        finally:
-            self.heartbeats.release(assignment.trial_id)
-        return True
+        return None
 
     # ------------------------------------------------------------ one trial
 

@@ -26,9 +26,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from service.wire import Assignment, NextRequest, Plan, PlanChoice, TrainBudget
+from service.wire import Assignment, Plan, PlanChoice, TrainBudget
 from worker import outcomes
-from worker.api import LeaseLost, Rejected
 from worker.policy import HandBack, RunAsPlanned
 from worker.runner import CardSpec, Config, Reporter, RunResult, TrialRunner
 from worker.slot_process import Given, SlotProcess
@@ -126,22 +125,14 @@ class Packer:
     def ask(self) -> bool:
         """Ask for one trial and place it; False when the server had no work."""
         agent = self.agent
-        request = NextRequest(free_bytes=self.offered_bytes())
-        assignment = agent.client.next(agent.worker_id, request, cancel=agent.stop)
+        assignment = agent.lease(self.offered_bytes())
         if assignment is None:
             return False
-        agent.trials_run += 1
-        agent.heartbeats.hold(assignment.trial_id)
-        agent.event("leased", assignment, attempt=assignment.attempt, params=assignment.params)
         handed_over = False
         try:
-            handed_over = self._place(assignment)
-        except LeaseLost as error:
-            agent.event("lease_lost", assignment, detail=str(error))
-        except Rejected as error:
-            agent.event("rejected", assignment, status=error.status_code, detail=str(error.detail))
+            handed_over = bool(agent.guarded(assignment, lambda: self._place(assignment)))
         finally:
-            if not handed_over:
+            if not handed_over:  # else the trial's thread releases it
                 agent.heartbeats.release(assignment.trial_id)
         return True
 
@@ -198,39 +189,37 @@ class Packer:
 
     def _run(self, placed: _Placed, reservation: Reservation) -> None:
         agent, assignment = self.agent, placed.assignment
-        decision = placed.decision
         try:
-            beside = self.book.running() - 1
-            agent.started(
-                assignment,
-                decision,
-                placed.choice,
-                placed.how,
-                packed=not reservation.exclusive,
-                reserved_bytes=reservation.nbytes,
-                beside=beside,
-            )
-            if reservation.exclusive:
-                agent.run_planned(
-                    assignment,
-                    placed.runner,
-                    placed.config,
-                    decision.plan,
-                    decision.prediction,
-                    decision.step_time,
-                )
-            else:
-                self._run_in_slot(placed, reservation)
-        except LeaseLost as error:
-            agent.event("lease_lost", assignment, detail=str(error))
-        except Rejected as error:
-            agent.event("rejected", assignment, status=error.status_code, detail=str(error.detail))
+            agent.guarded(assignment, lambda: self._start_and_run(placed, reservation))
         except BaseException as error:  # ServerUnavailable at shutdown, or a bug: the loop ends
             agent.event("trial_thread_failed", assignment, error=repr(error))
             self._error = self._error or error
         finally:
             self.book.release(assignment.trial_id)
             agent.heartbeats.release(assignment.trial_id)
+
+    def _start_and_run(self, placed: _Placed, reservation: Reservation) -> None:
+        agent, assignment, decision = self.agent, placed.assignment, placed.decision
+        agent.started(
+            assignment,
+            decision,
+            placed.choice,
+            placed.how,
+            packed=not reservation.exclusive,
+            reserved_bytes=reservation.nbytes,
+            beside=self.book.running() - 1,
+        )
+        if not reservation.exclusive:
+            self._run_in_slot(placed, reservation)
+            return
+        agent.run_planned(
+            assignment,
+            placed.runner,
+            placed.config,
+            decision.plan,
+            decision.prediction,
+            decision.step_time,
+        )
 
     def _run_in_slot(self, placed: _Placed, reservation: Reservation) -> None:
         slot = self._take_slot()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -19,6 +18,7 @@ from service.wire import (
     Prediction,
     TrainBudget,
 )
+from tests.worker.test_agent_quadratic import Recorder
 from worker.agent import Agent, AgentOptions
 from worker.api import ServerClient
 from worker.packing import Packer
@@ -187,26 +187,6 @@ def test_only_predicted_trials_of_packing_studies_are_packed_and_oom_retries_run
 
 
 # ---------------------------------------------------------------- a trial's own process
-
-
-@dataclass
-class Recorder:
-    """The agent's side of a reporter: keeps reports, prunes or stops on request."""
-
-    prune_at: int | None = None
-    stop_after: int | None = None
-    reports: list[tuple[int, float]] = field(default_factory=list)
-    checks: int = 0
-
-    def report(self, step: int, value: float) -> bool:
-        self.reports.append((step, value))
-        return step == self.prune_at
-
-    def stop_reason(self) -> str | None:
-        self.checks += 1
-        if self.stop_after is not None and self.checks > self.stop_after:
-            return "interrupted"
-        return None
 
 
 def simulated(nbytes: int) -> CardSpec:
