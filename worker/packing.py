@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,12 +45,17 @@ class _InSlot:
     slot: SlotProcess
     task: str
     limit_bytes: int
+    ended: Callable[[], None]  # gives the process and the reservation back
 
     def run(
         self, config: Config, plan: Plan, budget: TrainBudget, card: CardSpec, reporter: Reporter
     ) -> RunResult:
-        """Train in the slot process, limited to the reservation."""
-        return self.slot.run(self.task, config, plan, budget, card, self.limit_bytes, reporter)
+        """Train in the slot process, limited to the reservation; the slot is free again as
+        soon as the run ends (the next trial need not wait for this one's final call)."""
+        try:
+            return self.slot.run(self.task, config, plan, budget, card, self.limit_bytes, reporter)
+        finally:
+            self.ended()
 
 
 @dataclass(frozen=True)
@@ -223,10 +229,19 @@ class Packer:
 
     def _run_in_slot(self, placed: _Placed, reservation: Reservation) -> None:
         slot = self._take_slot()
+        given_back = threading.Event()
+
+        def ended() -> None:  # once: the process back to the pool first, then the slot
+            if not given_back.is_set():
+                given_back.set()
+                self._give_slot(slot)
+                self.book.release(reservation.trial_id)
+                self.agent.event("slot_freed", placed.assignment, running=self.book.running())
+
         try:
             self.agent.run_planned(
                 placed.assignment,
-                _InSlot(slot, placed.assignment.task, reservation.nbytes),
+                _InSlot(slot, placed.assignment.task, reservation.nbytes, ended),
                 placed.config,
                 placed.decision.plan,
                 placed.decision.prediction,
@@ -234,7 +249,7 @@ class Packer:
                 alone=False,
             )
         finally:
-            self._give_slot(slot)
+            ended()
 
     # ------------------------------------------------------------ slot processes
 

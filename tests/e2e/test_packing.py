@@ -118,14 +118,20 @@ def worker_events(worker: WorkerProcess) -> list[dict[str, Any]]:
 
 
 def run_windows(events: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
-    """Per trial, each run's window in log order: where it started, where it ended, packed."""
+    """Per trial, each run's window in log order: from its start to the end of its run (a
+    packed run frees its slot before its final call is sent; a lone run ends with that call)."""
     runs: dict[int, list[dict[str, Any]]] = {}
     for index, event in enumerate(events):
+        trial_id = event.get("trial_id")
         if event["event"] == "started":
             window = {"start": index, "end": len(events), "packed": event["packed"]}
-            runs.setdefault(event["trial_id"], []).append(window)
-        elif event["event"] in ("completed", "failed") and event.get("trial_id") in runs:
-            runs[event["trial_id"]][-1]["end"] = index
+            runs.setdefault(trial_id, []).append(window)
+        elif trial_id in runs and runs[trial_id][-1]["end"] == len(events):
+            last = runs[trial_id][-1]
+            if event["event"] == "slot_freed" or (
+                event["event"] in ("completed", "failed") and not last["packed"]
+            ):
+                last["end"] = index
     return runs
 
 
@@ -136,13 +142,16 @@ def overlaps(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 def max_overlap(events: list[dict[str, Any]]) -> int:
     """The most runs in progress at once, in log order."""
+    changes = sorted(
+        (index, step)
+        for runs in run_windows(events).values()
+        for window in runs
+        for index, step in ((window["start"], 1), (window["end"], -1))
+    )
     running, most = 0, 0
-    for event in events:
-        if event["event"] == "started":
-            running += 1
-            most = max(most, running)
-        elif event["event"] in ("completed", "failed") and "trial_id" in event:
-            running -= 1
+    for _, step in changes:  # at one index an end (-1) sorts before a start
+        running += step
+        most = max(most, running)
     return most
 
 
