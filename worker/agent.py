@@ -49,6 +49,7 @@ from worker.runner import (
     Config,
     OutOfMemory,
     Reporter,
+    RunFailed,
     RunResult,
     Stopped,
     TrialRunner,
@@ -366,6 +367,12 @@ class Agent:
             self.finish(assignment, request, time.monotonic() - began)
         except Stopped as stopped:
             self._stopped(assignment, stopped, plan, prediction, reporter.trained)
+        except RunFailed as failure:  # it trained: its peak is an observation all the same
+            message = outcomes.error_message(failure)
+            request = outcomes.failed(
+                assignment, "error", message, plan, prediction, failure.measured
+            )
+            self.finish(assignment, request, time.monotonic() - began)
         except Exception as error:  # a broken configuration must fail its trial, not the worker
             message = outcomes.error_message(error)
             request = outcomes.failed(assignment, "error", message, plan, prediction)

@@ -16,7 +16,7 @@ Messages, child → agent first: ``("ready", task names)`` once its tasks are im
 agent → child: ``("run", task, config, plan, budget, card, limit_bytes)``, an
 ``("answer", value)`` to each request, ``None`` to exit. Child → agent: ``("report", step,
 value)`` and ``("stop?",)`` (requests), then ``("done", kind, *payload)`` with kind one of
-result, oom, stopped, error.
+result, oom, stopped, failed (a run that trained, with its peak), error.
 """
 
 from __future__ import annotations
@@ -31,7 +31,16 @@ from multiprocessing.process import BaseProcess
 from typing import Any, Protocol
 
 from service.wire import Plan, TrainBudget
-from worker.runner import CardSpec, Config, OutOfMemory, Reporter, RunResult, Stopped, TrialRunner
+from worker.runner import (
+    CardSpec,
+    Config,
+    OutOfMemory,
+    Reporter,
+    RunFailed,
+    RunResult,
+    Stopped,
+    TrialRunner,
+)
 from worker.slots import cuda_memory_fraction
 
 # How often the agent's side looks whether a silent child is still alive.
@@ -174,6 +183,8 @@ def _outcome(message: tuple[Any, ...]) -> RunResult:
         raise OutOfMemory(payload[0], payload[1])
     if kind == "stopped":
         raise Stopped(payload[0], payload[1])
+    if kind == "failed":
+        raise RunFailed(payload[0], payload[1])
     raise RuntimeError(payload[0])  # the task's own error, its message kept
 
 
@@ -239,6 +250,8 @@ def _run_one(
         return ("oom", str(oom), oom.measured)
     except Stopped as stopped:
         return ("stopped", str(stopped.reason), stopped.measured)
+    except RunFailed as failure:  # it trained: its peak still goes to the server
+        return ("failed", str(failure), failure.measured)
     except Exception as error:  # a broken configuration fails its trial, not the slot
         return ("error", str(error) or type(error).__name__)
     finally:

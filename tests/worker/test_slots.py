@@ -12,6 +12,7 @@ import pytest
 from service.wire import (
     Assignment,
     CardInfo,
+    Measured,
     MemoryPolicy,
     Plan,
     PlanOut,
@@ -23,8 +24,8 @@ from worker.agent import Agent, AgentOptions
 from worker.api import ServerClient
 from worker.packing import Packer
 from worker.policy import RunAsPlanned
-from worker.runner import CardSpec, OutOfMemory, Stopped
-from worker.slot_process import Given, SlotProcess, limit_memory
+from worker.runner import CardSpec, OutOfMemory, RunFailed, Stopped
+from worker.slot_process import Given, SlotProcess, _outcome, limit_memory
 from worker.slots import (
     SlotBook,
     cuda_memory_fraction,
@@ -250,3 +251,15 @@ def test_the_simulated_card_a_packed_trial_sees_is_its_reservation() -> None:
     limited = limit_memory(simulated(2**30), 5 * MIB)
     assert limited.info.total_bytes == limited.info.free_bytes == 5 * MIB
     assert limited.info.model == "sim"  # same card model: calibration and plans_tried still apply
+
+
+def test_each_end_of_a_run_in_its_process_comes_back_as_the_runner_raises_it() -> None:
+    measured = Measured(peak_allocated_bytes=7)
+    with pytest.raises(RunFailed) as failed:
+        _outcome(("done", "failed", "accuracy is nan after 3 steps", measured))
+    assert failed.value.measured == measured  # a run that trained keeps its peak
+    with pytest.raises(OutOfMemory) as oom:
+        _outcome(("done", "oom", "out of memory", measured))
+    assert oom.value.measured == measured
+    with pytest.raises(RuntimeError, match="bad config"):
+        _outcome(("done", "error", "bad config"))
