@@ -4,8 +4,8 @@ Each slot of a packing worker (worker/slots.py) is a long-lived child process, s
 ``spawn`` (a fork of a process with threads and a torch runtime is not safe) and reused trial
 after trial, so torch is imported once per slot, not once per trial. The agent keeps the REST
 protocol, the leases and the heartbeats; the child only trains. Its `Reporter` is a proxy: each
-``report`` and ``stop_reason`` is a round trip over the pipe to the agent's reporter, so a
-packed trial is pruned, stopped and counted exactly as one run in the agent's own process is.
+``report``, and a ``stop_reason`` at most every 50 ms, is a round trip over the pipe to the
+agent's reporter, so a packed trial is pruned and stopped as a run in the agent's own process is.
 
 The memory limit is the trial's reservation: on a GPU the process's caching allocator is capped
 with ``torch.cuda.set_per_process_memory_fraction`` (a real CUDA OOM past it), on a simulated
@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import signal
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -45,6 +46,8 @@ from worker.slots import cuda_memory_fraction
 
 # How often the agent's side looks whether a silent child is still alive.
 _ALIVE_POLL_S = 0.5
+# A packed trial asks the agent whether to stop at most this often (see _PipeReporter).
+STOP_CHECK_S = 0.05
 # How long a child gets to exit when asked before it is killed.
 _EXIT_GRACE_S = 5.0
 
@@ -189,10 +192,16 @@ def _outcome(message: tuple[Any, ...]) -> RunResult:
 
 
 class _PipeReporter:
-    """The child's `Reporter`: every call is answered by the agent's reporter."""
+    """The child's `Reporter`: every call is answered by the agent's reporter.
+
+    Stop checks go to the agent at most every `STOP_CHECK_S` (the first one at once): a round
+    trip costs both processes CPU, on every step of a small trial otherwise, and a stop order
+    comes with a heartbeat, seconds apart, anyway.
+    """
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
+        self._asked_at: float | None = None
 
     def report(self, step: int, value: float) -> bool:
         """Send an intermediate value; True when the study's pruner prunes the trial."""
@@ -200,6 +209,10 @@ class _PipeReporter:
 
     def stop_reason(self) -> str | None:
         """Why the run must stop now, as the agent says."""
+        now = time.monotonic()
+        if self._asked_at is not None and now - self._asked_at < STOP_CHECK_S:
+            return None
+        self._asked_at = now
         answer = self._ask(("stop?",))
         return None if answer is None else str(answer)
 
