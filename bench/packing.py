@@ -210,6 +210,7 @@ def write(report: dict[str, Any], stem: str) -> None:
         "# Packing small trials on one card",
         "",
         f"Command: `{report['command']}`  ",
+        *([f"Code: {report['commit']}  "] if report.get("commit") else []),
         f"Machine: {os.cpu_count()} CPU cores, no GPU; simulated {CARD} card; task digits-cnn, "
         f"{report['trials']} trials of {report['steps']} steps, random sampler (seed 0).",
         "",
@@ -244,7 +245,10 @@ def write(report: dict[str, Any], stem: str) -> None:
     lines += [
         "",
         "Cores busy: the worker's CPU-seconds (its slot processes' included) over the elapsed "
-        "time. CPU-bound ceiling: every core busy at the arm's CPU-seconds per trial, the most "
+        "time; the CPU-seconds include each process's start (imports, before the clock), so a "
+        "packed arm, with more processes, can show more busy cores than the machine has, and "
+        "its CPU-seconds per trial are slightly overstated. CPU-bound ceiling: every core busy "
+        "at the arm's CPU-seconds per trial, the most "
         "any packing could reach on this machine; the one-trial worker already keeps most of "
         "the cores busy (torch runs a step on every core), so on a CPU packing can win only "
         "the cores it leaves idle and what a one-thread process saves per trial (no threads "
