@@ -66,7 +66,7 @@ def test_a_packed_trial_that_runs_out_of_memory_is_retried_alone_and_counted_onc
     # The doomed study's one trial dies above micro-batches of 15 at step 20: its prediction
     # (16 as asked) was wrong. Created first, it is offered first; the other study's trials
     # are packed beside it. (One study per behaviour: a grid over the knob would give each value
-    # to one trial, but the server answers 500 to a grid study's last trial, see the README.)
+    # to one trial, but the server answers 500 to the complete of a grid study's last trial.)
     doomed_config = {**SLOW, "oom_above_micro_batch": 15, "oom_step": 20}
     doomed = studies.create(
         SMALL_TRIAL, n_trials=1, task_config=doomed_config, budget=BUDGET, memory_policy=PACKING
