@@ -45,7 +45,9 @@ class MicroBatchSearch(Protocol):
     Contract:
         largest_micro_batch(config, plan, budget_bytes, card): the largest micro-batch whose
             predicted peak under `plan`'s flags is at most `budget_bytes`, with that prediction;
-            None when not even a micro-batch of 1 fits.
+            None when not even a micro-batch of 1 fits. It may answer the largest of an even
+            split instead (ceil(batch / k) for k micro-batches: the plan the policy evens any
+            answer to), which the predictor's solver does to spare a trace.
     """
 
     def largest_micro_batch(
