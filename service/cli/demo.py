@@ -31,7 +31,7 @@ from service.wire import StudySummary, TrialOut
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 DEFAULT_STUDY = EXAMPLES / "char-transformer.yaml"
-CARDS = (("small", "384MiB"), ("large", "2GiB"))
+CARDS = (("small", "64MiB"), ("large", "256MiB"))
 
 
 @dataclass

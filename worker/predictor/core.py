@@ -154,6 +154,20 @@ class _Point:
     prediction: Prediction
     phases: dict[str, int]
 
+    def accumulating(self) -> _Point:
+        """The whole batch's point as a step that accumulates would reach it: each gradient
+        is then held through forward and backward. Step 1's replayed setup phase made them
+        all beside the parameters, which tells their bytes; without it (a CUDA trace, a
+        probe) the point is kept as it is."""
+        if "setup" not in self.phases:
+            return self
+        gradients = self.phases["setup"] - self.prediction.breakdown.get("parameters", 0)
+        raised = {
+            phase: peak + max(gradients, 0) if phase in ("forward", "backward") else peak
+            for phase, peak in self.phases.items()
+        }
+        return _Point(self.prediction, raised)
+
 
 def _phase_peaks(
     task: Task, config: Config, plan: Plan, card: CardSpec | None, target: Target | None
@@ -295,9 +309,10 @@ def _search(
         below = [m for m in traced if m < fits]
         extrapolating = bool(below)
         anchor = (max(below), fits) if extrapolating else (fits, fails)
-        lines = _PiecewiseLines(
-            (anchor[0], traced[anchor[0]]), (anchor[1], traced[anchor[1]]), calibrated
-        )
+        upper = traced[anchor[1]]
+        if anchor[1] == choices[-1]:
+            upper = upper.accumulating()  # lines of the accumulating plans inside
+        lines = _PiecewiseLines((anchor[0], traced[anchor[0]]), (anchor[1], upper), calibrated)
         guess = lines.largest_within(inside, budget)
         if guess is None:
             if extrapolating:
@@ -328,7 +343,8 @@ class _PiecewiseLines:
         phases = set(p0.phases) & set(p1.phases)
         if not phases:
             return _line(m0, _raw(p0.prediction), m1, _raw(p1.prediction), micro)
-        gap = _raw(p1.prediction) - max(p1.phases.values())
+        # Never below the phases: a point raised to accumulate (`_Point.accumulating`).
+        gap = max(_raw(p1.prediction) - max(p1.phases.values()), 0)
         return gap + max(
             _line(m0, p0.phases[phase], m1, p1.phases[phase], micro) for phase in phases
         )
