@@ -19,7 +19,6 @@ Usage: ``python bench/predictor_speed.py [--trials 12]``
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -37,6 +36,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.report import write_report  # noqa: E402
 from bench.zoo import (  # noqa: E402
     ZOO,
     ZooTask,
@@ -309,10 +309,7 @@ def main() -> None:
     result["resized_median_traces"] = statistics.median(
         r["traces"] for r in resized or [{"traces": 0}]
     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "predictor_speed.md").write_text(markdown(result))
-    (args.out / "predictor_speed.json").write_text(json.dumps(result, indent=2, default=str))
-    print(markdown(result))
+    write_report(args.out, "predictor_speed", result, markdown(result))
 
 
 if __name__ == "__main__":
