@@ -14,9 +14,9 @@ import optuna
 import yaml
 from optuna.trial import TrialState
 
-from service.cli.demo import DEFAULT_STUDY
+from service.cli.demo import DEFAULT_STUDY, progress_line
 from service.testing import run_vramtune
-from service.wire import StudyCreate
+from service.wire import StudyCreate, StudySummary, TrialOut
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,6 +25,31 @@ def test_default_demo_study_is_a_valid_study_file() -> None:
     spec = StudyCreate.model_validate(yaml.safe_load(DEFAULT_STUDY.read_text()))
     assert spec.task == "char-transformer"
     assert spec.sampler.args.get("seed") is not None  # the demo's trials are the same each run
+
+
+def test_the_progress_line_counts_outcomes_and_the_plan_choice_median() -> None:
+    spec = StudyCreate.model_validate(yaml.safe_load(DEFAULT_STUDY.read_text()))
+    summary = StudySummary(
+        id=1,
+        name=spec.name,
+        task=spec.task,
+        state="running",
+        directions=["minimize"],
+        n_trials=6,
+        counts={"COMPLETE": 2, "RUNNING": 1},
+        created_at="2026-12-04T00:00:00Z",
+        spec=spec,
+    )
+    trials = [
+        TrialOut(id=i, number=i, state="COMPLETE", params={}, outcome=outcome, planning_s=took)
+        for i, (outcome, took) in enumerate(
+            [("resized", 0.5), ("routed", 1.5), ("infeasible", 2.5), (None, None)]
+        )
+    ]
+    line = progress_line(summary, trials)
+    assert "trials 2/6 complete, 1 running" in line
+    assert "resized 1, routed 1, infeasible 1, oom 0" in line
+    assert "plan choice median 1.50 s" in line
 
 
 def _demo(tmp_path: Path, study_name: str, *args: str) -> optuna.Study:
