@@ -124,6 +124,13 @@ def test_nothing_fits_hands_back_the_smallest_reachable_footprint() -> None:
     assert "does not fit" in decision.reason
 
 
+def test_a_hand_back_predicts_as_asked_and_the_smallest_plan_only() -> None:
+    runner = SolvingQuadratic()
+    decision = choose(STATIC, runner=runner)
+    assert isinstance(decision, HandBack)
+    assert runner.solved == 0 and runner.predicted == 2  # no stage searched
+
+
 def test_no_resizing_allowed_hands_back_the_configuration_as_asked() -> None:
     decision = choose(need(Plan()) - 1, MemoryPolicy(margin=0.0, allow_resize=False))
     assert isinstance(decision, HandBack)
