@@ -12,8 +12,8 @@ Writes ``demo_run.{md,json}`` under ``--out`` (default bench/results/).
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import re
 import shlex
 import statistics
 import subprocess
@@ -34,8 +34,8 @@ from bench.report import write_report  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 TARGET_S = 180.0
-# A worker's `started` / `handed_back` log line (logfmt): the trial and its plan-choice time.
-CHOICE = re.compile(r"^(started|handed_back) .*?trial_id=(\d+).*?planning_s=([\d.]+)")
+# The workers' log events that end a plan choice (each with its `planning_s`).
+CHOICES = ("started", "handed_back")
 
 
 def run_demo(trials: int, workdir: Path) -> dict[str, Any]:
@@ -73,22 +73,25 @@ def run_demo(trials: int, workdir: Path) -> dict[str, Any]:
 
 
 def plan_choices(log_dir: Path) -> list[dict[str, Any]]:
-    """Every plan choice the workers logged, in order."""
+    """Every plan choice the workers logged (JSON lines: `started`, `handed_back`), in order."""
     choices = []
     for log in sorted(log_dir.glob("worker-*.log")):
         for line in log.read_text(errors="replace").splitlines():
-            found = CHOICE.match(line)
-            if found:
-                event, trial_id, seconds = found.groups()
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue  # a line that is not an event (a library's own print)
+            if isinstance(event, dict) and event.get("event") in CHOICES:
                 choices.append(
                     {
                         "worker": log.stem.removeprefix("worker-"),
-                        "event": event,
-                        "trial_id": int(trial_id),
-                        "planning_s": float(seconds),
+                        "event": event["event"],
+                        "number": event.get("number"),
+                        "planning_s": float(event.get("planning_s", 0.0)),
+                        "time": event.get("time", ""),
                     }
                 )
-    return choices
+    return sorted(choices, key=lambda c: c["time"])
 
 
 def trial_rows(database: Path) -> list[dict[str, Any]]:
@@ -152,12 +155,11 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "## Plan choices (worker logs, in order)",
         "",
-        "| worker | trial id | event | planning_s |",
+        "| worker | trial # | event | planning_s |",
         "|---|---:|---|---:|",
     ]
     lines += [
-        f"| {c['worker']} | {c['trial_id']} | {c['event']} | {c['planning_s']:.2f} |"
-        for c in choices
+        f"| {c['worker']} | {c['number']} | {c['event']} | {c['planning_s']:.2f} |" for c in choices
     ]
     lines += [
         "",
@@ -200,15 +202,24 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=6)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--workdir", type=Path, help="where the demo's database and logs stay")
+    parser.add_argument(
+        "--reread", type=Path, help="a run's demo_run.json: report its workdir again, not run"
+    )
     args = parser.parse_args()
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="vramtune-demo-"))
-    result: dict[str, Any] = {
-        "when": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": commit(),
-        "trials_asked": args.trials,
-        "run": run_demo(args.trials, workdir),
-    }
-    print(result["run"]["stdout"], f"\ndatabase and logs: {workdir}", flush=True)
+    result: dict[str, Any]
+    if args.reread:
+        result = json.loads(args.reread.read_text())
+        workdir = Path(result["workdir"])
+    else:
+        workdir = args.workdir or Path(tempfile.mkdtemp(prefix="vramtune-demo-"))
+        result = {
+            "when": datetime.now(UTC).isoformat(timespec="seconds"),
+            "commit": commit(),
+            "trials_asked": args.trials,
+            "workdir": str(workdir),
+            "run": run_demo(args.trials, workdir),
+        }
+        print(result["run"]["stdout"], f"\ndatabase and logs: {workdir}", flush=True)
     result["choices"] = plan_choices(workdir / "logs")
     result["trials"] = trial_rows(workdir / "demo.db")
     write_report(args.out, "demo_run", result, markdown(result))

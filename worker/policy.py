@@ -172,7 +172,7 @@ def _choose(
     below_oom = _micro_batch_cap(chooser.batch, plans_tried)
     for precise, cap in _search_order(below_oom, chooser.batch):
         ladder = [s for s in stages if s.bf16 != precise]
-        if not chooser.smallest_fits(ladder, budget):
+        if first.peak_bytes > budget and not chooser.smallest_fits(ladder, budget):
             continue
         found = chooser.cheapest(ladder, budget, _keys(plans_tried), cap)
         if found is not None:

@@ -53,7 +53,9 @@ def effective_batch(plan: Plan) -> int:
 
 
 def test_a_configuration_that_fits_runs_as_asked() -> None:
-    decision = choose(need(Plan()))
+    runner = SolvingQuadratic()
+    decision = choose(need(Plan()), runner=runner)
+    assert runner.predicted == 1  # nothing but the plan as asked
     assert isinstance(decision, RunAsPlanned)
     assert decision.plan.model_copy(update={"reason": ""}) == Plan()
     assert decision.plan.reason.startswith("as asked")
