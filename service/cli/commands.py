@@ -124,7 +124,8 @@ def keep_alive_s(settings: Any) -> int:
     closed between two heartbeats and each of those paid a new TCP connection (measured:
     about one heartbeat in five of 256 workers reconnected).
     """
-    return max(KEEP_ALIVE_MIN_S, math.ceil(2 * settings.heartbeat_interval_s) + 5)
+    period: float = settings.heartbeat_interval_s
+    return max(KEEP_ALIVE_MIN_S, math.ceil(2 * period) + 5)
 
 
 def _optuna_logs_to_root() -> None:
