@@ -42,7 +42,7 @@ from worker.delivery import Delivery
 from worker.events import AgentLog
 from worker.heartbeat import Heartbeats, RunningTrial
 from worker.policy import Decision, HandBack, choose_plan, measured_step_time
-from worker.runner import CardSpec, OutOfMemory, Stopped, TrialRunner
+from worker.runner import CardSpec, OutOfMemory, RunFailed, Stopped, TrialRunner
 from worker.shared_predictions import shape_keys, shared
 from worker.spool import Spool
 
@@ -292,6 +292,12 @@ class Agent:
             self._finish(assignment, request, time.monotonic() - began)
         except Stopped as stopped:
             self._stopped(assignment, stopped, plan, prediction, reporter.trained)
+        except RunFailed as failure:  # it trained: its peak is an observation all the same
+            message = outcomes.error_message(failure)
+            request = outcomes.failed(
+                assignment, "error", message, plan, prediction, failure.measured
+            )
+            self._finish(assignment, request, time.monotonic() - began)
         except Exception as error:  # a broken configuration must fail its trial, not the worker
             message = outcomes.error_message(error)
             request = outcomes.failed(assignment, "error", message, plan, prediction)

@@ -6,7 +6,10 @@ checkpointing → + bf16 autocast (only when the study allows precision changes)
 that keep the numerics (everything but bf16) the one with the least predicted time per step wins
 (service.step_time: the fleet's own fit for this card model and task, the fixed model before any
 measurement); bf16 is used only when nothing else fits. A plan that already ran out of memory on
-this card model (`plans_tried`) is never chosen again, nor any plan predicted to need as much.
+this card model (`plans_tried`) is never chosen again, nor any plan predicted to need as much;
+after an OOM, plans whose micro-batch is smaller than the smallest that ran out are searched first
+(a run can die above a micro-batch the prediction missed: a faster plan at the same micro-batch,
+say with checkpointing, would likely die the same way).
 """
 
 from __future__ import annotations
@@ -164,9 +167,10 @@ def _choose(
     margin_budget = int(free_bytes * (1.0 - policy.margin))
     budget = chooser.below_tried(margin_budget, plans_tried)
     stages = _stages(runner, policy)
-    for precise in (True, False):
+    below_oom = _micro_batch_cap(chooser.batch, plans_tried)
+    for precise, cap in _search_order(below_oom, chooser.batch):
         found = chooser.cheapest(
-            [s for s in stages if s.bf16 != precise], budget, _keys(plans_tried)
+            [s for s in stages if s.bf16 != precise], budget, _keys(plans_tried), cap
         )
         if found is not None:
             plan, prediction = found
@@ -220,15 +224,16 @@ class _Chooser:
         return budget
 
     def cheapest(
-        self, stages: Sequence[_Stage], budget: int, tried: set[PlanKey]
+        self, stages: Sequence[_Stage], budget: int, tried: set[PlanKey], cap: int
     ) -> tuple[Plan, Prediction] | None:
-        """The fitting plan of least predicted step time over `stages` (earlier wins ties)."""
+        """The fitting plan of least predicted step time over `stages` with micro-batches of at
+        most `cap` (earlier wins ties)."""
         best: tuple[Plan, Prediction] | None = None
         best_slowdown = math.inf
         for stage in stages:
             if stage.best_slowdown(self.batch, self.step_fit) >= best_slowdown:
                 continue
-            found = self.fit(stage, budget)
+            found = self.fit(stage, budget, cap)
             if found is None or plan_key(found[0]) in tried:
                 continue
             slowdown = expected_slowdown(found[0], self.batch, self.step_fit)
@@ -236,15 +241,19 @@ class _Chooser:
                 best, best_slowdown = found, slowdown
         return best
 
-    def fit(self, stage: _Stage, budget: int) -> tuple[Plan, Prediction] | None:
-        """The largest-micro-batch plan of `stage` predicted to fit `budget`."""
+    def fit(self, stage: _Stage, budget: int, cap: int) -> tuple[Plan, Prediction] | None:
+        """The largest-micro-batch plan of `stage`, micro-batch at most `cap`, predicted to fit
+        `budget`."""
         if not stage.micro_batch:
+            if self.batch > cap:
+                return None
             plan = Plan(**stage.flags())
             prediction = self.predict(plan)
             return (plan, prediction) if prediction.peak_bytes <= budget else None
         micro = self.largest_micro_batch(stage, budget)
         if micro is None:
             return None
+        micro = min(micro, cap)
         # The same number of micro-batches, evenly split: the smallest peak for that slowdown.
         micro = math.ceil(self.batch / math.ceil(self.batch / micro))
         plan = plan_for_micro_batch(self.batch, micro, **stage.flags())
@@ -298,6 +307,18 @@ def _stages(runner: TrialRunner, policy: MemoryPolicy) -> list[_Stage]:
             continue
         stages.append(stage)
     return stages
+
+
+def _micro_batch_cap(batch: int, plans_tried: Sequence[PlanOut]) -> int:
+    """One less than the smallest micro-batch that ran out of memory (the batch when none did)."""
+    micros = [tried.micro_batch or batch for tried in plans_tried]
+    return max(min(micros) - 1, 1) if micros else batch
+
+
+def _search_order(cap: int, batch: int) -> list[tuple[bool, int]]:
+    """(keep precision, micro-batch cap) pairs: precise plans first, each below the OOM first."""
+    caps = [cap, batch] if cap < batch else [batch]
+    return [(precise, c) for precise in (True, False) for c in caps]
 
 
 def _largest_true(high: int, fits: Callable[[int], bool]) -> int | None:

@@ -48,6 +48,15 @@ class OutOfMemory(Exception):
         self.measured = measured
 
 
+class RunFailed(Exception):
+    """The run trained and then failed (say its metric diverged): the trial fails, and the peak
+    it measured still goes to the server as an observation."""
+
+    def __init__(self, message: str, measured: Measured | None = None) -> None:
+        super().__init__(message)
+        self.measured = measured
+
+
 class Stopped(Exception):
     """The run was stopped from outside: pruned, study paused/deleted, lease lost, SIGTERM."""
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from service.wire import Measured, Plan, Prediction, TrainBudget
 from worker.memory import MemoryTracker
-from worker.runner import CardSpec, Config, OutOfMemory, Reporter, RunResult, Stopped
+from worker.runner import CardSpec, Config, OutOfMemory, Reporter, RunFailed, RunResult, Stopped
 from worker.steps import autocast_for, batch_feeder, build_for_plan, micro_batch_sizes, train_step
 from worker.task import Batch, Task
 
@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 LOSS_DISPLAY_EVERY = 10
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(RunFailed):
     """The metric became NaN or infinite: the trial fails, as Optuna fails a NaN objective."""
 
 
@@ -269,7 +269,8 @@ class _Loop:
             self.eval_seconds += time.monotonic() - began
         if not math.isfinite(value):
             raise TrainingDiverged(
-                f"{self.task.metric.name} is {value} after {self.steps} steps (training diverged)"
+                f"{self.task.metric.name} is {value} after {self.steps} steps (training diverged)",
+                self.meter.measured(),
             )
         return value
 

@@ -86,11 +86,6 @@ def test_too_big_for_every_card_is_infeasible_with_its_constraint_stored(
     assert any(key.startswith("constraints:") for key in frozen.system_attrs)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known failure at the 2026-12-03 stop: on PostgreSQL the retried trial FAILED "
-    "instead of completing after the shared-predictions and step-time merges; not yet diagnosed",
-)
 def test_an_oom_at_run_time_is_retried_with_a_smaller_plan(
     fleet_server: ServerProcess, studies: Studies, start_worker: WorkerFactory
 ) -> None:

@@ -314,3 +314,20 @@ def test_a_decision_says_how_long_choosing_it_took(monkeypatch: pytest.MonkeyPat
     clock.now = 0.0
     handed_back = choose(free=1, runner=Slow())
     assert isinstance(handed_back, HandBack) and handed_back.seconds == len(predictions) > 1
+
+
+def test_after_an_oom_plans_below_the_micro_batch_that_died_come_first() -> None:
+    # Checkpointing measured nearly free and micro-batches costly: just under the as-asked
+    # peak, checkpointing at the whole batch is the fastest plan that fits. After the as-asked
+    # run died (say above a micro-batch the prediction missed), the same micro-batch with
+    # checkpointing would likely die too: a smaller micro-batch is tried first.
+    fit = _fit(64.0, 1.01)
+    unfailed = choose_plan(QuadraticTask(), CONFIG, NO_MARGIN, CARD, need(Plan()) - 1, step_fit=fit)
+    assert isinstance(unfailed, RunAsPlanned)
+    assert unfailed.plan.checkpointing and unfailed.plan.micro_batch is None
+    after_oom = choose_plan(
+        QuadraticTask(), CONFIG, NO_MARGIN, CARD, 2**30, [PlanOut()], step_fit=fit
+    )
+    assert isinstance(after_oom, RunAsPlanned)
+    assert after_oom.plan.micro_batch is not None and after_oom.plan.micro_batch < 256
+    assert effective_batch(after_oom.plan) == CONFIG["batch_size"]

