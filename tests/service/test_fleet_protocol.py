@@ -239,6 +239,21 @@ def test_protocol_runs_a_study_to_its_budget(env: Env) -> None:
     assert env.observations() == 3
 
 
+def test_a_grid_study_runs_its_whole_grid(env: Env) -> None:
+    # Telling the last point makes Optuna's GridSampler call study.stop(): never a 500.
+    grid = {"x": {"type": "categorical", "choices": [-1.0, 0.5, 2.0]}}
+    env.create_study(n_trials=3, sampler={"name": "grid"}, search_space=grid)
+    worker = env.worker("w1")
+    while (assignment := worker.next()) is not None:
+        worker.call(assignment, "start", plan=PLAN, prediction=_prediction(GIB))
+        x = assignment["params"]["x"]
+        done = worker.complete(assignment, x * x)
+        assert done.status_code == 200, done.text
+    trials = env.trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
+    assert sorted(t.params["x"] for t in trials) == [-1.0, 0.5, 2.0]
+
+
 def test_complete_twice_is_one_tell_and_the_same_answer(env: Env) -> None:
     env.create_study(n_trials=2)
     worker = env.worker("w1")
