@@ -712,9 +712,18 @@ def wait_ready(start: Start, count: int) -> None:
 
 
 def run_clients(
-    cell: Cell, target: Callable[..., None], arg: str | int, duration_s: float
+    cell: Cell,
+    target: Callable[..., None],
+    arg: str | int,
+    duration_s: float,
+    on_start: Callable[[], None] = lambda: None,
 ) -> tuple[list[ClientReport], float, float]:
-    """Fork N clients, start them together once all are warm, collect their reports."""
+    """Fork N clients, start them together once all are warm, collect their reports.
+
+    ``on_start`` runs once every client is warm, just before the window opens: the service's
+    CPU is read from there, so the clients' warm-up (registering, the first lease) is not
+    charged to the window.
+    """
     context = mp.get_context("fork")
     start = Start(context.Queue(), context.Event(), context.Array("d", [0.0, 0.0]))
     out = context.Queue()
@@ -732,6 +741,7 @@ def run_clients(
         for process in processes:
             process.join(30)
         raise
+    on_start()
     begin = time.time() + 0.2
     start.window[:] = [begin, begin + duration_s]
     start.go.set()
@@ -867,9 +877,14 @@ def measure_cell(cell: Cell, duration_s: float, tag: str) -> CellResult:
     with fresh_database(cell.database, tag) as url:
         with system_under_test(cell, url) as (client, target, server):
             servers = [server, *server.children(recursive=True)] if server else []
-            backends = database_backends(url)
-            before = cpu_seconds([*servers, *backends])
-            reports, begin, end = run_clients(cell, client, target, duration_s)
+            before: dict[int, float] = {}
+            backends: list[psutil.Process] = []
+
+            def window_opens() -> None:
+                backends[:] = database_backends(url)
+                before.update(cpu_seconds([*servers, *backends]))
+
+            reports, begin, end = run_clients(cell, client, target, duration_s, window_opens)
             # Backends the pools opened during the window: all their CPU is the window's.
             opened = [p for p in database_backends(url) if p.pid not in before]
             before |= {p.pid: 0.0 for p in opened}

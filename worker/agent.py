@@ -6,7 +6,8 @@ step and goes back to the server as interrupted, to be re-offered, not failed.
 
 The parts around the loop live apart: the outcome mapping (worker/outcomes.py), delivery of a
 trial's final call with its spool (worker/delivery.py), the heartbeat thread
-(worker/heartbeat.py) and the structured log (worker/events.py).
+(worker/heartbeat.py), the structured log (worker/events.py), and the packing loop that runs
+several trials at once on the card (worker/packing.py, with `max_trials_per_card` > 1).
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from service.wire import (
     MAX_SHARED_PREDICTIONS,
@@ -33,6 +34,7 @@ from service.wire import (
     ReportRequest,
     StepTimeFit,
     StepTimeObservation,
+    TrainBudget,
     WorkerRegister,
     WorkerRegistered,
 )
@@ -42,14 +44,26 @@ from worker.delivery import Delivery
 from worker.events import AgentLog
 from worker.heartbeat import Heartbeats, RunningTrial
 from worker.lookahead import PlanAhead
-from worker.policy import Decision, HandBack, choose_plan, measured_step_time
-from worker.runner import CardSpec, OutOfMemory, RunFailed, Stopped, TrialRunner
+from worker.policy import Decision, HandBack, RunAsPlanned, choose_plan, measured_step_time
+from worker.runner import (
+    CardSpec,
+    Config,
+    OutOfMemory,
+    Reporter,
+    RunFailed,
+    RunResult,
+    Stopped,
+    TrialRunner,
+)
 from worker.shared_predictions import shape_keys, shared
+from worker.slot_process import RunnerSource
 from worker.spool import Spool
 from worker.time_routing import prefer_larger_card
 
 Chosen = tuple[Decision, PlanChoice, dict[str, Any]]
 """A plan choice: the decision, how it was chosen (sent to the server), that in log fields."""
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -65,6 +79,19 @@ class AgentOptions:
     shutdown_grace_s: float = 30.0
     spool_dir: Path | None = None
     plan_ahead: bool = False  # lease and plan the next trial while one trains (worker.lookahead)
+    # More than 1: trials of studies that allow packing share the card, each in its own
+    # process (worker/packing.py); 1 runs one trial at a time in this process.
+    max_trials_per_card: int = 1
+    # Where a packed trial's process finds the runners; None: the agent's own, pickled.
+    runner_source: RunnerSource | None = None
+
+
+class RunsTrials(Protocol):
+    """What runs a planned trial: a task's `TrialRunner`, or a packed trial's process."""
+
+    def run(
+        self, config: Config, plan: Plan, budget: TrainBudget, card: CardSpec, reporter: Reporter
+    ) -> RunResult: ...
 
 
 @dataclass
@@ -134,14 +161,18 @@ class Agent:
         self.registered: WorkerRegistered | None = None
         self.trials_run = 0
         self.log = AgentLog(options.name)
-        self.heartbeats = Heartbeats(client, self.free_bytes, self.log, self._token_refused)
+        # What the worker can still give: the card's free bytes, less what packed trials hold.
+        self.offered_bytes: Callable[[], int] = self.free_bytes
+        self.heartbeats = Heartbeats(
+            client, lambda: self.offered_bytes(), self.log, self._token_refused
+        )
         self.refused: Rejected | None = None  # set when the server refused our token
         self.spool = None if options.spool_dir is None else Spool(options.spool_dir)
         self.delivery = Delivery(
             client, self.spool, self.log, lambda: self.stop, options.shutdown_grace_s
         )
         self.ahead: PlanAhead[Chosen] = PlanAhead(
-            self._lease, self._choose_ahead, lambda e: self.event("plan_ahead_failed", error=str(e))
+            self.lease, self._choose_ahead, lambda e: self.event("plan_ahead_failed", error=str(e))
         )
 
     # ------------------------------------------------------------ life cycle
@@ -182,17 +213,14 @@ class Agent:
         """Run trials until `stop` is set, the trial cap is reached or the server idles too long."""
         if stop is not None:
             self.stop = stop
-        idle_since = time.monotonic()
         try:
             self.start()
-            while not self.stop.is_set() and not self._reached_max_trials():
-                if self.run_once():
-                    idle_since = time.monotonic()
-                elif self._idle_too_long(idle_since):
-                    self.event("idle_exit", idle_s=round(time.monotonic() - idle_since, 1))
-                    break
-                else:
-                    self.stop.wait(self.options.idle_poll_s)
+            if self.options.max_trials_per_card > 1:
+                from worker.packing import Packer
+
+                Packer(self).run()
+            else:
+                self._run_one_at_a_time()
         except ServerUnavailable as error:
             if not self.stop.is_set():
                 raise
@@ -202,48 +230,83 @@ class Agent:
         if self.refused is not None:
             raise self.refused
 
+    def _run_one_at_a_time(self) -> None:
+        idle_since = time.monotonic()
+        while not self.stop.is_set() and not self.reached_max_trials():
+            if self.run_once():
+                idle_since = time.monotonic()
+            elif self.idle_too_long(idle_since):
+                self.event("idle_exit", idle_s=round(time.monotonic() - idle_since, 1))
+                break
+            else:
+                self.stop.wait(self.options.idle_poll_s)
+
     def run_once(self) -> bool:
         """One cycle: ask for a trial and see it to its end; False when there was no work."""
         ahead = self.ahead.take()
-        assignment = ahead.assignment if ahead else self._lease(self.free_bytes())
+        assignment = ahead.assignment if ahead else self.lease(self.free_bytes())
         if assignment is None:
             return False
-        self.trials_run += 1
+        chosen = None if ahead is None else ahead.chosen
         try:
-            self._run_trial(assignment, None if ahead is None else ahead.chosen)
-        except LeaseLost as error:
-            self.event("lease_lost", assignment, detail=str(error))
-        except Rejected as error:
-            self.event("rejected", assignment, status=error.status_code, detail=str(error.detail))
+            self.guarded(assignment, lambda: self._run_trial(assignment, chosen))
         finally:
             self.heartbeats.release(assignment.trial_id)
         return True
 
-    # ------------------------------------------------------------ one trial
-
-    def _lease(self, free_bytes: int) -> Assignment | None:
-        """Ask the server for a trial for a card with `free_bytes` free; hold its lease."""
+    def lease(self, free_bytes: int) -> Assignment | None:
+        """Ask for a trial, stating `free_bytes`; hold its lease (heartbeats renew it)."""
         request = NextRequest(free_bytes=free_bytes)
         assignment = self.client.next(self.worker_id, request, cancel=self.stop)
-        if assignment is not None:
-            self.heartbeats.hold(assignment.trial_id)
-            self.event("leased", assignment, attempt=assignment.attempt, params=assignment.params)
+        if assignment is None:
+            return None
+        self.trials_run += 1
+        self.heartbeats.hold(assignment.trial_id)
+        self.event("leased", assignment, attempt=assignment.attempt, params=assignment.params)
         return assignment
+
+    def guarded(self, assignment: Assignment, work: Callable[[], T]) -> T | None:
+        """`work()` for the trial; a lost lease or a refused call ends it (logged), None."""
+        try:
+            return work()
+        except LeaseLost as error:
+            self.event("lease_lost", assignment, detail=str(error))
+        except Rejected as error:
+            self.event("rejected", assignment, status=error.status_code, detail=str(error.detail))
+        return None
+
+    # ------------------------------------------------------------ one trial
 
     def _run_trial(self, assignment: Assignment, chosen: Chosen | None = None) -> None:
         runner = self.runners.get(assignment.task)
         if runner is None:
             message = f"task {assignment.task!r} is not installed here"
-            self._finish(assignment, outcomes.failed(assignment, "error", message))
+            self.finish(assignment, outcomes.failed(assignment, "error", message))
             return
         config = {**assignment.task_config, **assignment.params}
-        chosen = chosen or self._choose(assignment, runner, config, self.free_bytes())
+        chosen = chosen or self.choose(assignment, runner, config)
         if chosen is None:
             return
         decision, choice, how = chosen
         if isinstance(decision, HandBack):
-            self._hand_back(assignment, decision, choice, how)
+            self.hand_back(assignment, decision, choice, how)
             return
+        self.started(assignment, decision, choice, how)
+        if self.options.plan_ahead and not self.stop.is_set() and not self.reached_max_trials():
+            self.ahead.begin(self.free_bytes())  # the card as this trial found it
+        self.run_planned(
+            assignment, runner, config, decision.plan, decision.prediction, decision.step_time
+        )
+
+    def started(
+        self,
+        assignment: Assignment,
+        decision: RunAsPlanned,
+        choice: PlanChoice,
+        how: dict[str, Any],
+        **fields: Any,
+    ) -> None:
+        """Tell the server the trial runs as planned, and log it."""
         self.client.start(assignment.trial_id, outcomes.started(assignment, decision, choice))
         self.event(
             "started",
@@ -251,23 +314,25 @@ class Agent:
             plan=decision.plan.reason,
             predicted=decision.prediction.peak_bytes,
             **how,
-        )
-        if self.options.plan_ahead and not self.stop.is_set() and not self._reached_max_trials():
-            self.ahead.begin(self.free_bytes())  # the card as this trial found it
-        self._run_planned(
-            assignment, runner, config, decision.plan, decision.prediction, decision.step_time
+            **fields,
         )
 
-    def _choose(
-        self, assignment: Assignment, runner: TrialRunner, config: dict[str, Any], free: int
+    def choose(
+        self,
+        assignment: Assignment,
+        runner: TrialRunner,
+        config: dict[str, Any],
+        free_bytes: int | None = None,
     ) -> Chosen | None:
-        """The plan (or hand-back), how it was chosen, and that in log fields; None when the
-        configuration is refused (the trial is failed with the task's message)."""
+        """The plan (or hand-back) within `free_bytes` (default: the card's free bytes now), how
+        it was chosen, and that in log fields; None when the configuration is refused (the trial
+        is failed with the task's message)."""
+        free = self.free_bytes() if free_bytes is None else free_bytes
         try:
             return self._decide(assignment, runner, config, free)
         except Exception as error:  # the task's check of its configuration (TaskConfigError)
             message = outcomes.error_message(error)
-            self._finish(assignment, outcomes.failed(assignment, "error", message))
+            self.finish(assignment, outcomes.failed(assignment, "error", message))
             return None
 
     def _choose_ahead(self, assignment: Assignment, free: int) -> Chosen | None:
@@ -281,7 +346,7 @@ class Agent:
     def _decide(
         self, assignment: Assignment, runner: TrialRunner, config: dict[str, Any], free: int
     ) -> Chosen:
-        """choose_plan through the fleet's shared predictions, for a card with `free` bytes."""
+        """choose_plan through the fleet's shared predictions, then routing by predicted time."""
         predictions = shared(runner, config, assignment.predictions)
         fit = self._step_fit(assignment.task)
         decision = choose_plan(
@@ -295,7 +360,7 @@ class Agent:
             fit,
         )
         policy, larger = assignment.memory_policy, assignment.larger_card_bytes
-        decision = prefer_larger_card(decision, larger, policy, fit)  # route by predicted time
+        decision = prefer_larger_card(decision, larger, policy, fit)
         choice = PlanChoice(
             planning_s=round(decision.seconds, 4),
             prediction_source=predictions.source,
@@ -309,15 +374,21 @@ class Agent:
         }
         return decision, choice, how
 
-    def _run_planned(
+    def run_planned(
         self,
         assignment: Assignment,
-        runner: TrialRunner,
+        runner: RunsTrials,
         config: dict[str, Any],
         plan: Plan,
         prediction: Prediction,
         step_time: StepTimeObservation | None = None,
+        alone: bool = True,
     ) -> None:
+        """Run the trial as planned and deliver its final call.
+
+        A run that shared the card (`alone` False) sends its step-time features unmeasured:
+        its neighbours slowed it, and the fleet's step-time model is fit to runs alone.
+        """
         running = self.heartbeats.running(assignment)
         reporter = _TrialReporter(self, running)
         began = time.monotonic()
@@ -325,7 +396,7 @@ class Agent:
             result = runner.run(config, plan, assignment.budget, self.card, reporter)
         except OutOfMemory as oom:
             request = outcomes.failed(assignment, "oom", str(oom), plan, prediction, oom.measured)
-            self._finish(assignment, request, time.monotonic() - began)
+            self.finish(assignment, request, time.monotonic() - began)
         except Stopped as stopped:
             self._stopped(assignment, stopped, plan, prediction, reporter.trained)
         except RunFailed as failure:  # it trained: its peak is an observation all the same
@@ -333,14 +404,14 @@ class Agent:
             request = outcomes.failed(
                 assignment, "error", message, plan, prediction, failure.measured
             )
-            self._finish(assignment, request, time.monotonic() - began)
+            self.finish(assignment, request, time.monotonic() - began)
         except Exception as error:  # a broken configuration must fail its trial, not the worker
             message = outcomes.error_message(error)
             request = outcomes.failed(assignment, "error", message, plan, prediction)
-            self._finish(assignment, request, time.monotonic() - began)
+            self.finish(assignment, request, time.monotonic() - began)
         else:
-            step = measured_step_time(step_time, result)
-            self._finish(assignment, outcomes.completed(assignment, result, plan, prediction, step))
+            step = measured_step_time(step_time, result) if alone else step_time
+            self.finish(assignment, outcomes.completed(assignment, result, plan, prediction, step))
         finally:
             self.heartbeats.finished(running)
 
@@ -356,9 +427,9 @@ class Agent:
         if request is None:
             self.event("dropped", assignment, reason=str(stopped.reason))
             return
-        self._finish(assignment, request)
+        self.finish(assignment, request)
 
-    def _finish(
+    def finish(
         self,
         assignment: Assignment,
         request: CompleteRequest | FailRequest,
@@ -389,10 +460,10 @@ class Agent:
     def _give_back(self, assignment: Assignment) -> None:
         """A trial leased ahead that will not run here: failed 'interrupted', re-offered."""
         message = "the worker stopped before running it"
-        self._finish(assignment, outcomes.failed(assignment, "interrupted", message))
+        self.finish(assignment, outcomes.failed(assignment, "interrupted", message))
         self.heartbeats.release(assignment.trial_id)
 
-    def _hand_back(
+    def hand_back(
         self, assignment: Assignment, decision: HandBack, choice: PlanChoice, how: dict[str, Any]
     ) -> None:
         request = outcomes.handed_back(assignment, decision, choice)
@@ -456,9 +527,9 @@ class Agent:
         except (ServerUnavailable, Rejected, LeaseLost):
             return None
 
-    def _reached_max_trials(self) -> bool:
+    def reached_max_trials(self) -> bool:
         return self.options.max_trials is not None and self.trials_run >= self.options.max_trials
 
-    def _idle_too_long(self, idle_since: float) -> bool:
+    def idle_too_long(self, idle_since: float) -> bool:
         limit = self.options.exit_when_idle_s
         return limit is not None and time.monotonic() - idle_since >= limit

@@ -64,6 +64,15 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         "--max-trials", type=int, metavar="N", help="exit after N trials (bounded runs, CI)"
     )
     worker.add_argument(
+        "--max-trials-per-card",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="run up to N trials at once on the card, each in its own process limited to its "
+        "predicted peak plus the margin, for studies whose memory policy allows packing "
+        "(default 1: one trial at a time)",
+    )
+    worker.add_argument(
         "--plan-ahead",
         action="store_true",
         help="lease and plan the next trial while one trains (planning off the card's time)",
@@ -164,6 +173,7 @@ def _run_agent(
     from worker.agent import Agent, AgentOptions
     from worker.api import Rejected, ServerClient, ServerUnavailable
     from worker.runner import CardSpec
+    from worker.slot_process import Discovered
 
     card = CardSpec(info=info, constants=_card_constants(args.device), device=args.device)
     options = AgentOptions(
@@ -175,6 +185,8 @@ def _run_agent(
         idle_poll_s=args.poll,
         spool_dir=args.spool,
         plan_ahead=args.plan_ahead,
+        max_trials_per_card=args.max_trials_per_card,
+        runner_source=Discovered(tuple(args.tasks), entry_points=not args.no_entry_points),
     )
     if stop.is_set():
         return 0
@@ -223,6 +235,7 @@ def _child_argv(args: argparse.Namespace, index: int) -> list[str]:
         argv += ["--max-trials", str(args.max_trials)]
     if args.exit_when_idle is not None:
         argv += ["--exit-when-idle", str(args.exit_when_idle)]
+    argv += ["--max-trials-per-card", str(args.max_trials_per_card)]
     if args.spool is not None:
         argv += ["--spool", str(args.spool / f"cuda{index}")]
     if args.plan_ahead:
@@ -272,6 +285,16 @@ def _add_tasks_option(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="only the --tasks modules, not the installed vramtune.tasks entry points",
     )
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from error
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _size(text: str) -> int:

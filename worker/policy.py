@@ -48,7 +48,9 @@ class MicroBatchSearch(Protocol):
     Contract:
         largest_micro_batch(config, plan, budget_bytes, card): the largest micro-batch whose
             predicted peak under `plan`'s flags is at most `budget_bytes`, with that prediction;
-            None when not even a micro-batch of 1 fits.
+            None when not even a micro-batch of 1 fits. It may answer the largest of an even
+            split instead (ceil(batch / k) for k micro-batches: the plan the policy evens any
+            answer to), which the predictor's solver does to spare a trace.
     """
 
     def largest_micro_batch(
@@ -169,9 +171,10 @@ def _choose(
     stages = _stages(runner, policy)
     below_oom = _micro_batch_cap(chooser.batch, plans_tried)
     for precise, cap in _search_order(below_oom, chooser.batch):
-        found = chooser.cheapest(
-            [s for s in stages if s.bf16 != precise], budget, _keys(plans_tried), cap
-        )
+        ladder = [s for s in stages if s.bf16 != precise]
+        if first.peak_bytes > budget and not chooser.smallest_fits(ladder, budget):
+            continue
+        found = chooser.cheapest(ladder, budget, _keys(plans_tried), cap)
         if found is not None:
             plan, prediction = found
             reason = _reason(chooser, plan, prediction, first, budget, free_bytes, policy)
@@ -222,6 +225,21 @@ class _Chooser:
         for tried in plans_tried:
             budget = min(budget, self.predict(_plan_of(tried)).peak_bytes - 1)
         return budget
+
+    def smallest_fits(self, stages: Sequence[_Stage], budget: int) -> bool:
+        """Whether the ladder's smallest plan (its last stage at a micro-batch of 1) fits.
+
+        Each resize only lowers the peak (the hand-back reports that plan as the smallest for
+        the same reason), so when it does not fit no plan of the ladder does: one trace
+        settles what searching every stage would take two each to find. A ladder of one stage
+        (no resizes) is left to the search.
+        """
+        if len(stages) < 2:
+            return True
+        smallest = stages[-1]
+        micro = 1 if smallest.micro_batch else self.batch
+        plan = plan_for_micro_batch(self.batch, micro, **smallest.flags())
+        return self.predict(plan).peak_bytes <= budget
 
     def cheapest(
         self, stages: Sequence[_Stage], budget: int, tried: set[PlanKey], cap: int

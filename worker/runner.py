@@ -28,6 +28,18 @@ def plan_for_micro_batch(batch_size: int, micro_batch: int, **flags: bool) -> Pl
     )
 
 
+def micro_batch_choices(batch: int, even: bool = True) -> list[int]:
+    """The micro-batches a plan search considers, ascending: those that split `batch` into
+    equal parts, ceil(batch / k) for k micro-batches (or, not `even`, all of [1, batch]).
+
+    The largest even one that fits is the policy's plan: the largest micro-batch m that fits,
+    evened to ceil(batch / ceil(batch / m)) (the same number of micro-batches, a lower peak).
+    """
+    if not even:
+        return list(range(1, batch + 1))
+    return sorted({math.ceil(batch / k) for k in range(1, batch + 1)})
+
+
 @dataclass
 class RunResult:
     """What a finished run measured. `values` holds the task's metric(s) only; the agent

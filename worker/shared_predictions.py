@@ -28,7 +28,15 @@ from service.wire import (
     shape_of,
 )
 from worker.policy import MicroBatchSearch
-from worker.runner import CardSpec, Config, Reporter, RunResult, TrialRunner, plan_for_micro_batch
+from worker.runner import (
+    CardSpec,
+    Config,
+    Reporter,
+    RunResult,
+    TrialRunner,
+    micro_batch_choices,
+    plan_for_micro_batch,
+)
 
 
 def shape_keys(runner: TrialRunner) -> list[str] | None:
@@ -127,10 +135,11 @@ class SharedPredictionsWithSolver(SharedPredictions):
     ) -> tuple[int, Prediction] | None:
         """The largest micro-batch whose prediction fits `budget_bytes` under `plan`'s flags.
 
-        Without the fleet's predictions for these flags, the runner's solver answers (and the
-        prediction just past its answer is made too: mostly a hit in the predictor's cache,
-        which the solve has just filled), so the next worker's search starts settled. With
-        them, the search narrows the bracket they give, predicting only what is not known.
+        Without the fleet's predictions for these flags, the runner's solver answers, and the
+        predictions at micro-batch 1 and the whole batch are kept beside its answer (hits in
+        the predictor's cache: the solve has just made them), so the next worker's search
+        starts settled. With them, the search narrows the bracket they give, predicting only
+        what is not known, over the even splits the policy runs.
         """
         batch = self.batch_size(config)
         flags = {"checkpointing": plan.checkpointing, "bf16": plan.bf16}
@@ -141,15 +150,14 @@ class SharedPredictionsWithSolver(SharedPredictions):
         known = self._known_peaks(batch, flags)
         if not any(key in self._given for key in known.values()):
             found = self.solver.largest_micro_batch(config, plan, budget_bytes, card)
-            if found is None:
-                at(1)  # the solver predicted it: the fleet learns that not even 1 fits
-            else:
+            at(batch)
+            if found is None or found[0] < batch:
+                at(1)  # the fleet learns that not even 1 fits, or the lines' lower anchor
+            if found is not None:
                 self._keep(plan_for_micro_batch(batch, found[0], **flags), found[1])
-                if found[0] < batch:
-                    at(found[0] + 1)
             return found
         peaks = {micro: self._fleet[key].prediction.peak_bytes for micro, key in known.items()}
-        return largest_fitting(at, batch, peaks, budget_bytes)
+        return largest_fitting(at, batch, peaks, budget_bytes, even=True)
 
     def _known_peaks(self, batch: int, flags: dict[str, bool]) -> dict[int, PlanKey]:
         """Micro-batches with a known prediction under these flags, and their plans' keys."""
@@ -162,12 +170,21 @@ class SharedPredictionsWithSolver(SharedPredictions):
 
 
 def largest_fitting(
-    at: Callable[[int], Prediction], batch: int, peaks: Mapping[int, int], budget: int
+    at: Callable[[int], Prediction],
+    batch: int,
+    peaks: Mapping[int, int],
+    budget: int,
+    *,
+    even: bool = False,
 ) -> tuple[int, Prediction] | None:
-    """The largest micro-batch in [1, batch] whose prediction `at` fits `budget`, for a peak
-    that grows with the micro-batch: the bracket [fits, does not fit] the known `peaks` give,
-    narrowed by secant steps (a bisection after a step that did not halve it). Exact: it ends
-    on a micro-batch that fits next to one that does not."""
+    """The largest micro-batch in [1, batch] (`even`: of an even split) whose prediction `at`
+    fits `budget`, for a peak that grows with the micro-batch: the bracket [fits, does not
+    fit] the known `peaks` give, narrowed by secant steps (a bisection after a step that did
+    not halve it). Exact: it ends on a micro-batch that fits next to one that does not, or
+    where the line through two fitting micro-batches below puts the next one over (the peak
+    is a maximum of affine terms, so that line never over-states it)."""
+    if even:
+        return _largest_even(at, batch, peaks, budget)
     hi = min((m for m, peak in peaks.items() if peak > budget), default=batch + 1)
     lo = max((m for m, peak in peaks.items() if peak <= budget and m < hi), default=0)
     if lo == 0:
@@ -195,6 +212,25 @@ def largest_fitting(
             hi, hi_p = guess, prediction
         halve = hi - lo > width // 2
     return lo, lo_p
+
+
+def _largest_even(
+    at: Callable[[int], Prediction], batch: int, peaks: Mapping[int, int], budget: int
+) -> tuple[int, Prediction] | None:
+    """`largest_fitting` over the even splits: searched by their count of micro-batches."""
+    choices = micro_batch_choices(batch)
+    index = {micro: i + 1 for i, micro in enumerate(choices)}  # 1-based: 0 is "none fits"
+    known = {index[m]: peak for m, peak in peaks.items() if m in index}
+    below = sorted((m, peak) for m, peak in peaks.items() if peak <= budget)
+    hi = min((m for m, peak in peaks.items() if peak > budget), default=batch + 1)
+    lo = max((m for m, _ in below if m < hi), default=0)
+    if lo and len(below) >= 2 and lo == below[-1][0]:
+        (m0, p0), (m1, p1) = below[-2], below[-1]
+        beyond = [m for m in choices if lo < m < hi]
+        if not beyond or p1 + (p1 - p0) * (beyond[0] - m1) / (m1 - m0) > budget:
+            return lo, at(lo)
+    found = largest_fitting(lambda i: at(choices[i - 1]), len(choices), known, budget)
+    return None if found is None else (choices[found[0] - 1], found[1])
 
 
 def _secant(lo: int, lo_p: Prediction, hi: int, hi_p: Prediction, budget: int) -> int:

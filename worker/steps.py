@@ -100,14 +100,19 @@ def train_step(
     plan: Plan,
     device: torch.device,
     sizes: Sequence[int] | None = None,
+    *,
+    accumulating: bool = False,
 ) -> torch.Tensor:
     """One optimizer step over `batch_size` examples as the plan's micro-batches.
 
     Each micro-batch's mean loss is weighted by its share of the effective batch, so the
     accumulated gradient equals the full batch's. Returns the step's loss (detached). `sizes`
-    overrides the micro-batches run (the predictor's `traced_micro_batch_sizes`).
+    overrides the micro-batches run (the predictor's `traced_micro_batch_sizes`);
+    `accumulating` keeps the gradients there are (the predictor stands them in for a first
+    micro-batch it does not trace).
     """
-    optimizer.zero_grad(set_to_none=True)
+    if not accumulating:
+        optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)
     for size in sizes if sizes is not None else micro_batch_sizes(batch_size, plan):
         batch = next_batch(size)

@@ -313,11 +313,12 @@ class TorchTaskRunner:
     def largest_micro_batch(
         self, config: Config, plan: Plan, budget_bytes: int, card: CardSpec
     ) -> tuple[int, Prediction] | None:
-        """The predictor's largest micro-batch fitting `budget_bytes` under `plan`'s flags."""
+        """The predictor's largest micro-batch of an even split (the policy's plans) fitting
+        `budget_bytes` under `plan`'s flags."""
         from worker.predictor import largest_micro_batch
 
         found: tuple[int, Prediction] | None = largest_micro_batch(
-            self.task, config, plan, budget_bytes, card
+            self.task, config, plan, budget_bytes, card, even=True
         )
         return found
 

@@ -13,6 +13,7 @@ import argparse
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -31,7 +32,7 @@ from service.wire import StudySummary, TrialOut
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 DEFAULT_STUDY = EXAMPLES / "char-transformer.yaml"
-CARDS = (("small", "384MiB"), ("large", "2GiB"))
+CARDS = (("small", "64MiB"), ("large", "256MiB"))
 
 
 @dataclass
@@ -142,15 +143,19 @@ def _all_trials(client: Client, name: str) -> list[TrialOut]:
 
 
 def progress_line(summary: StudySummary, trials: Sequence[TrialOut]) -> str:
-    """One line of progress: trials by state and memory outcome, and the best value so far."""
+    """One line of progress: trials by state and memory outcome, the workers' plan-choice time
+    (median over the trials that recorded one), and the best value so far."""
     outcomes = Counter(t.outcome for t in trials if t.outcome)
     done = summary.counts.get("COMPLETE", 0)
     best = "-" if summary.best_value is None else f"{summary.best_value:.4g}"
+    planning = [t.planning_s for t in trials if t.planning_s is not None]
+    planned = f"{statistics.median(planning):.2f} s" if planning else "-"
     return (
         f"trials {done}/{summary.n_trials} complete, {summary.counts.get('RUNNING', 0)} running,"
         f" {summary.counts.get('FAIL', 0)} failed, {summary.counts.get('PRUNED', 0)} pruned |"
         f" resized {outcomes['resized']}, routed {outcomes['routed']},"
-        f" infeasible {outcomes['infeasible']}, oom {outcomes['oom']} | best {best}"
+        f" infeasible {outcomes['infeasible']}, oom {outcomes['oom']} |"
+        f" plan choice median {planned} | best {best}"
     )
 
 

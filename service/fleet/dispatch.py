@@ -71,9 +71,10 @@ def next_assignment(
         except KeyError:  # deleted from Optuna underneath; the other studies may have work
             continue
         with fleet_transaction(state) as session:
-            asked = _record_asked(session, row.study_id, drafts, now)
+            worker = running_worker(session, worker_id)
+            asked = _record_asked(session, worker, row.study_id, drafts, now)
             if asked:
-                return _lease(session, state, asked[0], running_worker(session, worker_id), now)
+                return _lease(session, state, asked[0], worker, now)
     return None
 
 
@@ -174,19 +175,31 @@ def _ask_count(session: Session, row: StudyRow, left: int) -> int:
 
 
 def _record_asked(
-    session: Session, study_id: int, drafts: Sequence[FrozenTrial], now: datetime
+    session: Session,
+    worker: WorkerRow,
+    study_id: int,
+    drafts: Sequence[FrozenTrial],
+    now: datetime,
 ) -> list[TrialRow]:
     """Insert drafted trials, Optuna's rows and vramtune's, as far as the budget still allows.
 
     Optuna's study row is locked until commit: replicas number and count one ask at a time,
     for the few statements of the insert only (the sampler ran before). The trials are
     pending: the caller leases the first, the next calls are offered the others.
+
+    Workers that found no pending trial together all drafted and queued on that lock; the
+    first inserted trials ahead for the others. Once it holds the lock, an ask takes such a
+    trial and drops its drafts (Optuna never saw them): the study is not over-asked, and the
+    queue on the lock drains at the cost of one read each, not one insert each.
     """
     row = session.scalar(
         select(StudyRow).where(StudyRow.study_id == study_id, StudyRow.paused.is_(False))
     )
     if row is None or not optuna_rows.lock_study(session, study_id):
         return []  # paused or deleted meanwhile
+    inserted_meanwhile = _offered(session, worker, [row])
+    if inserted_meanwhile is not None:
+        return [inserted_meanwhile]
     asked = optuna_rows.insert_trials(
         session, study_id, drafts[: max(_budget_left(session, row), 0)], now
     )

@@ -353,5 +353,12 @@ def tell(
     given a ``constraints_func``, which cannot be set over REST.
     """
     study = load_optuna_study(storage, row)
+    # GridSampler calls study.stop() once its grid is told, which raises outside an optimize
+    # loop; the service has no loop to stop (its budget is n_trials), so stopping is a no-op.
+    study.stop = _no_loop_to_stop  # type: ignore[method-assign]
     study.sampler.after_trial(study, asked_trial(storage, row, trial), state, values)
     optuna_rows.finish(session, trial.trial_id, state, now, values)
+
+
+def _no_loop_to_stop() -> None:
+    """What ``Study.stop`` does in the service: nothing (see ``tell``)."""

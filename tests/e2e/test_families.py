@@ -78,3 +78,17 @@ def test_a_model_name_the_library_lacks_fails_the_trial_with_close_matches(
     reason = _fails_naming(agent, studies, "torchvision-image", space)
     assert "model_name: torchvision has no classification model 'mobilenet_v3_smal'" in reason
     assert "mobilenet_v3_small" in reason
+
+
+def test_a_resolution_too_small_for_the_model_fails_the_trial_naming_the_field(
+    agent: Agent, studies: Studies
+) -> None:
+    # 32 px passes the server's floor for every model; Inception's stem shrinks it below its
+    # kernels, which only building and running the model tells (the worker's plan choice).
+    space = {
+        "model_name": {"type": "categorical", "choices": ["inception_v3"]},
+        "resolution": {"type": "categorical", "choices": [32]},
+    }
+    reason = _fails_naming(agent, studies, "torchvision-image", space)
+    assert "resolution: torchvision model cannot run" in reason
+    assert agent.run_once() is False  # still polling: the worker did not crash

@@ -28,9 +28,10 @@ from sqlalchemy import func, select
 
 from service.app import build_state
 from service.db.tables import LeaseRow, MemoryObservationRow, TrialRow, WorkerRow
-from service.fleet import predictions
+from service.fleet import dispatch, predictions
 from service.fleet.dispatch import next_assignment
 from service.fleet.reaper import reap_once
+from service.optuna.drafts import draft_trial
 from service.optuna.glue import dispose_storage
 from service.settings import Settings
 from service.state import AppState, utcnow
@@ -236,6 +237,21 @@ def test_protocol_runs_a_study_to_its_budget(env: Env) -> None:
     assert (listed["state"], listed["trials_done"], listed["current_trials"]) == ("live", 3, [])
     assert {t["outcome"] for t in env.page().values()} == {"as_asked"}
     assert env.observations() == 3
+
+
+def test_a_grid_study_runs_its_whole_grid(env: Env) -> None:
+    # Telling the last point makes Optuna's GridSampler call study.stop(): never a 500.
+    grid = {"x": {"type": "categorical", "choices": [-1.0, 0.5, 2.0]}}
+    env.create_study(n_trials=3, sampler={"name": "grid"}, search_space=grid)
+    worker = env.worker("w1")
+    while (assignment := worker.next()) is not None:
+        worker.call(assignment, "start", plan=PLAN, prediction=_prediction(GIB))
+        x = assignment["params"]["x"]
+        done = worker.complete(assignment, x * x)
+        assert done.status_code == 200, done.text
+    trials = env.trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
+    assert sorted(t.params["x"] for t in trials) == [-1.0, 0.5, 2.0]
 
 
 def test_complete_twice_is_one_tell_and_the_same_answer(env: Env) -> None:
@@ -749,6 +765,30 @@ def test_random_trials_are_asked_ahead_within_the_budget_and_leased_once(env: En
     assert len(leased) == 7 and rest[-2:] == [None, None]  # the budget, not one more
     assert sorted(a["number"] for a in leased) == list(range(7))
     assert len(env.trials()) == 7
+
+
+def test_an_ask_that_waited_takes_the_trial_another_ask_inserted_meanwhile(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two workers find no pending trial and both draft; the second to reach Optuna's study
+    lock leases a trial the first asked ahead, and its own drafts are never written."""
+    env.create_study(n_trials=20)
+    assert all(env.worker(f"w{i}").next() is not None for i in range(4))  # 4 leased: asks of 2
+    racer, late = env.worker("racer"), env.worker("late")
+    raced: list[dict[str, Any] | None] = []
+
+    def draft_while_another_asks(*args: Any, **kwargs: Any) -> FrozenTrial:
+        if not raced:  # the racer's whole next (its own server process) runs meanwhile
+            raced.append(racer.next())
+        return draft_trial(*args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "draft_trial", draft_while_another_asks)
+    assignment = next_assignment(env.state, late.id, NextRequest(free_bytes=GIB), utcnow())
+    [first] = raced
+    assert first is not None and assignment is not None
+    # The racer asked two (trials 4 and 5) and leased one; the late ask leased the other.
+    assert sorted([first["number"], assignment.number]) == [4, 5]
+    assert len(env.trials()) == 6  # not 8: the late ask's two drafts were dropped
 
 
 def test_a_sampler_that_reads_the_study_is_asked_one_trial_at_a_time(env: Env) -> None:

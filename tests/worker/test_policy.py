@@ -53,7 +53,9 @@ def effective_batch(plan: Plan) -> int:
 
 
 def test_a_configuration_that_fits_runs_as_asked() -> None:
-    decision = choose(need(Plan()))
+    runner = SolvingQuadratic()
+    decision = choose(need(Plan()), runner=runner)
+    assert runner.predicted == 1  # nothing but the plan as asked
     assert isinstance(decision, RunAsPlanned)
     assert decision.plan.model_copy(update={"reason": ""}) == Plan()
     assert decision.plan.reason.startswith("as asked")
@@ -122,6 +124,13 @@ def test_nothing_fits_hands_back_the_smallest_reachable_footprint() -> None:
     assert decision.min_footprint_bytes == need(smallest) > STATIC
     assert decision.plan is not None and decision.plan.micro_batch == 1
     assert "does not fit" in decision.reason
+
+
+def test_a_hand_back_predicts_as_asked_and_the_smallest_plan_only() -> None:
+    runner = SolvingQuadratic()
+    decision = choose(STATIC, runner=runner)
+    assert isinstance(decision, HandBack)
+    assert runner.solved == 0 and runner.predicted == 2  # no stage searched
 
 
 def test_no_resizing_allowed_hands_back_the_configuration_as_asked() -> None:

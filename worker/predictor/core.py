@@ -12,7 +12,6 @@ the micro-batch, sets it. `largest_micro_batch` solves the maximum of those line
 
 from __future__ import annotations
 
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -34,14 +33,13 @@ from worker.predictor.allocator import replay
 from worker.predictor.probe import PhasePeaks, measure_point, probe_micro_batches, probe_prediction
 from worker.predictor.trace import CannotTrace, Target, Trace, target_for, trace_training
 from worker.predictor.warmup import warm_up
-from worker.runner import CardSpec, plan_for_micro_batch
+from worker.runner import CardSpec, micro_batch_choices, plan_for_micro_batch
 from worker.steps import micro_batch_sizes
 from worker.task import Config, Task
 
 CACHE_SIZE = 512
+# A bound on the search's rounds (one trace each); every answer it gives was traced to fit.
 MAX_SEARCH_TRACES = 8
-# A confirming trace within this of the line means the peak is affine here: stop searching.
-AFFINE_TOLERANCE = 0.002
 
 
 class _LRU(OrderedDict[Hashable, Any]):
@@ -156,6 +154,20 @@ class _Point:
     prediction: Prediction
     phases: dict[str, int]
 
+    def accumulating(self) -> _Point:
+        """The whole batch's point as a step that accumulates would reach it: each gradient
+        is then held through forward and backward. Step 1's replayed setup phase made them
+        all beside the parameters, which tells their bytes; without it (a CUDA trace, a
+        probe) the point is kept as it is."""
+        if "setup" not in self.phases:
+            return self
+        gradients = self.phases["setup"] - self.prediction.breakdown.get("parameters", 0)
+        raised = {
+            phase: peak + max(gradients, 0) if phase in ("forward", "backward") else peak
+            for phase, peak in self.phases.items()
+        }
+        return _Point(self.prediction, raised)
+
 
 def _phase_peaks(
     task: Task, config: Config, plan: Plan, card: CardSpec | None, target: Target | None
@@ -235,14 +247,15 @@ def largest_micro_batch(
     *,
     calibration: Calibration | None = None,
     target: Target | None = None,
+    even: bool = False,
 ) -> tuple[int, Prediction] | None:
-    """The largest micro-batch whose footprint under `plan`'s flags fits `budget_bytes`.
+    """The largest micro-batch whose footprint under `plan`'s flags fits `budget_bytes`
+    (`even`: the largest of an even split, `worker.runner.micro_batch_choices`).
 
-    The whole batch is tried first; otherwise the peak is solved as the maximum of the phases'
-    lines through two traces (micro-batches 1 and half the batch) and confirmed by a trace at
-    the solution (more traces only where the peak is not affine). Predictions are compared
-    calibrated when `calibration` is given (and returned so). None when not even a micro-batch
-    of 1 fits.
+    The whole batch is tried first, then a micro-batch of 1; between them the footprint is
+    solved as the maximum of the phases' lines and each solution confirmed by one trace
+    (`_search`). Predictions are compared calibrated when `calibration` is given (and returned
+    so). None when not even a micro-batch of 1 fits.
     """
     batch = _batch_size(task, config)
     flags = {"checkpointing": plan.checkpointing, "bf16": plan.bf16}
@@ -261,57 +274,56 @@ def largest_micro_batch(
     whole = at(batch)
     if footprint(whole.prediction) <= budget_bytes:
         return batch, whole.prediction
-    one = at(1)
-    if batch == 1 or footprint(one.prediction) > budget_bytes:
+    if batch == 1:
         return None
-    return _search(at, calibrated, batch, one, whole, budget_bytes)
+    one = at(1)
+    if footprint(one.prediction) > budget_bytes:
+        return None
+    traced = {1: one, batch: whole}
+    choices = micro_batch_choices(batch, even)
+    return _search(at, calibrated, choices, traced, budget_bytes)
 
 
 def _search(
     at: Callable[[int], _Point],
     calibrated: Callable[[float], float],
-    batch: int,
-    one: _Point,
-    whole: _Point,
+    choices: list[int],
+    traced: dict[int, _Point],
     budget: int,
 ) -> tuple[int, Prediction]:
-    """Solve the phases' lines through m=1 and m=batch/2, then regula falsi on the bracket."""
-    fits, fails = (1, one), (batch, whole)
-    half = math.ceil(batch / 2)
-    if 1 < half < batch:
-        middle = at(half)
-        if footprint(middle.prediction) <= budget:
-            fits = (half, middle)
-        else:
-            fails = (half, middle)
-        lines = _PiecewiseLines((1, one), (half, middle), calibrated)
-        guess = lines.largest_within(fits[0] + 1, fails[0] - 1, budget)
-        if guess is not None:
-            point = at(guess)
-            if footprint(point.prediction) > budget:
-                fails = (guess, point)
-            else:
-                fits = (guess, point)
-                # The lines miss the trace here by `error`: if guess + 1 is over the budget by
-                # more than that (or known to fail), it does not fit and guess is the answer.
-                error = abs(footprint(point.prediction) - lines.footprint(guess))
-                if guess + 1 >= fails[0] or lines.footprint(guess + 1) - error > budget:
-                    return guess, point.prediction
+    """The largest of `choices` that fits, from a bracket [1 fits, batch does not].
+
+    Each round solves the phases' lines for the largest choice inside the bracket that they
+    say fits and traces it (one trace a round), narrowing the bracket. The lines run through
+    the two largest traced micro-batches that fit when there are two (both accumulate
+    gradients, as every plan inside does): each phase's peak is a maximum of affine terms, so
+    past them the lines never over-state it, and a next choice they put over the budget is
+    over. Only then does the search stop short of a closed bracket; through [1, batch] (the
+    whole batch keeps no gradients between micro-batches) the lines only guess.
+    """
+    fits, fails = choices[0], choices[-1]
     for _ in range(MAX_SEARCH_TRACES):
-        if fails[0] - fits[0] <= 1:
+        inside = [m for m in choices if fits < m < fails]
+        if not inside:
             break
-        guess, expected = _secant(fits, fails, budget)
-        point = at(guess)
-        if footprint(point.prediction) > budget:
-            fails = (guess, point)
-            continue
-        fits = (guess, point)
-        if _on_line(footprint(point.prediction), expected):
-            break
-    return fits[0], fits[1].prediction
-
-
-Bracket = tuple[int, _Point]
+        below = [m for m in traced if m < fits]
+        extrapolating = bool(below)
+        anchor = (max(below), fits) if extrapolating else (fits, fails)
+        upper = traced[anchor[1]]
+        if anchor[1] == choices[-1]:
+            upper = upper.accumulating()  # lines of the accumulating plans inside
+        lines = _PiecewiseLines((anchor[0], traced[anchor[0]]), (anchor[1], upper), calibrated)
+        guess = lines.largest_within(inside, budget)
+        if guess is None:
+            if extrapolating:
+                break  # the next choice is over the budget on lines that under-state it
+            guess = inside[0]
+        traced[guess] = at(guess)
+        if footprint(traced[guess].prediction) <= budget:
+            fits = guess
+        else:
+            fails = guess
+    return fits, traced[fits].prediction
 
 
 @dataclass(frozen=True)
@@ -331,7 +343,8 @@ class _PiecewiseLines:
         phases = set(p0.phases) & set(p1.phases)
         if not phases:
             return _line(m0, _raw(p0.prediction), m1, _raw(p1.prediction), micro)
-        gap = _raw(p1.prediction) - max(p1.phases.values())
+        # Never below the phases: a point raised to accumulate (`_Point.accumulating`).
+        gap = max(_raw(p1.prediction) - max(p1.phases.values()), 0)
         return gap + max(
             _line(m0, p0.phases[phase], m1, p1.phases[phase], micro) for phase in phases
         )
@@ -340,17 +353,16 @@ class _PiecewiseLines:
         """The footprint the lines give, calibrated as the predictions are compared."""
         return self.calibrated(self.raw(micro))
 
-    def largest_within(self, low: int, high: int, budget: int) -> int | None:
-        """The largest micro-batch in [low, high] the lines say fits (lines rise: bisect)."""
-        if low > high or self.footprint(low) > budget:
-            return None
+    def largest_within(self, choices: list[int], budget: int) -> int | None:
+        """The largest of the ascending `choices` the lines say fits (lines rise: bisect)."""
+        low, high = 0, len(choices)  # choices[:low] fit, choices[high:] do not
         while low < high:
-            middle = (low + high + 1) // 2
-            if self.footprint(middle) <= budget:
-                low = middle
+            middle = (low + high) // 2
+            if self.footprint(choices[middle]) <= budget:
+                low = middle + 1
             else:
-                high = middle - 1
-        return low
+                high = middle
+        return choices[low - 1] if low else None
 
 
 def _line(m0: int, v0: float, m1: int, v1: float, micro: int) -> float:
@@ -361,17 +373,3 @@ def _raw(prediction: Prediction) -> int:
     """The uncalibrated footprint of a (possibly calibrated) prediction."""
     allocated, reserved = raw_peaks(prediction)
     return max(allocated, reserved)
-
-
-def _secant(fits: Bracket, fails: Bracket, budget: int) -> tuple[int, float]:
-    """The micro-batch where the line through the bracket meets the budget, and the line there."""
-    (m0, p0), (m1, p1) = fits, fails
-    f0, f1 = footprint(p0.prediction), footprint(p1.prediction)
-    slope = (f1 - f0) / (m1 - m0)
-    guess = m0 + math.floor((budget - f0) / slope) if slope > 0 else m1 - 1
-    guess = min(max(guess, m0 + 1), m1 - 1)
-    return guess, f0 + slope * (guess - m0)
-
-
-def _on_line(measured: int, expected: float) -> bool:
-    return abs(measured - expected) <= AFFINE_TOLERANCE * max(expected, 1.0)

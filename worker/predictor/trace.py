@@ -108,7 +108,9 @@ def trace_training(
 ) -> Trace:
     """Trace `TRACED_STEPS` steps of `task` under `plan`; raises CannotTrace with a reason.
 
-    `real_first_step` traces step 1's forward and backward too (default: on CUDA targets only).
+    `real_first_step` traces everything the trainer runs (default: on CUDA targets only): step
+    1's forward and backward, and step 2's every micro-batch that `traced_micro_batch_sizes`
+    keeps, where otherwise those are replayed as what they leave (`_replayed_micro_batches`).
     """
     if real_first_step is None:
         real_first_step = target.cuda
@@ -166,11 +168,45 @@ def _run_steps(
     for step in range(TRACED_STEPS):
         if step == 0 and not real_first_step:
             loss = _first_step_state(model, optimizer, device, tracker)
+        elif not real_first_step and _replayable(sizes):
+            optimizer.zero_grad(set_to_none=True)
+            with tracker.phase("backward"), torch.no_grad():
+                _zero_gradients(model)
+            loss = train_step(
+                task,
+                model,
+                optimizer,
+                next_batch,
+                batch_size,
+                plan,
+                device,
+                sizes[1:2],
+                accumulating=True,
+            )
         else:
             # Kept across the next step, as the trainer's loop keeps its last loss.
             loss = train_step(task, model, optimizer, next_batch, batch_size, plan, device, sizes)
         tracker.label_training_state(model, optimizer)
     del loss
+
+
+def _replayable(sizes: list[int]) -> bool:
+    """Whether a step of these micro-batches is traced as its second alone (on the CPU card).
+
+    The second of two equal micro-batches allocates what the first does with every gradient
+    already held (each gradient is added into in place rather than made), so at every point it
+    holds at least what the first did; a smaller tail runs the same operators on smaller
+    tensors from the same live set. Neither can set a phase's peak: the first is replayed as
+    the gradients it leaves (made in the backward phase, as it makes them), the tail dropped.
+    Tested equal to tracing every micro-batch (tests/worker/test_predictor_phases.py).
+    """
+    return len(sizes) >= 2 and sizes[0] == sizes[1]
+
+
+def _zero_gradients(model: nn.Module) -> None:
+    for parameter in model.parameters():
+        if parameter.requires_grad:
+            parameter.grad = torch.zeros_like(parameter)
 
 
 def _first_step_state(
@@ -187,9 +223,7 @@ def _first_step_state(
     optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)  # made in the forward phase, as train_step makes it
     with tracker.phase("setup"), torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.requires_grad:
-                parameter.grad = torch.zeros_like(parameter)
+        _zero_gradients(model)
     optimizer.step()
     return total
 

@@ -17,9 +17,12 @@
 
   function current(worker) {
     if (!worker.current.length) return el("span", { class: "muted", text: "idle" });
+    // A packing worker (--max-trials-per-card) holds several leases: say how many run at once.
+    const together = worker.current.length > 1 ? el("span", { class: "muted", "data-col": "at-once", text: `${worker.current.length} at once: ` }) : null;
     return el(
       "div",
       { class: "chips" },
+      together,
       worker.current.map((t) =>
         t.study
           ? el("a", { class: "chip", href: `/studies/${encodeURIComponent(t.study)}`, title: `trial id ${t.trial_id}, attempt ${t.attempt}` }, `${t.study} #${t.number}`)
