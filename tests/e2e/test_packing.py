@@ -72,6 +72,9 @@ def test_a_packed_trial_that_runs_out_of_memory_is_retried_alone_and_counted_onc
     # are packed beside it. (One study per behaviour: a grid over the knob would give each value
     # to one trial, but the server answers 500 to the complete of a grid study's last trial.)
     doomed_config = {**SLOW, "oom_above_micro_batch": 15, "oom_step": 20}
+    # SQLite reuses a deleted study's id, and observations outlive their study (calibration):
+    # only the observations made from here on are this test's.
+    since = last_observation_id(fleet_server.database_url)
     doomed = studies.create(
         SMALL_TRIAL, n_trials=1, task_config=doomed_config, budget=BUDGET, memory_policy=PACKING
     )
@@ -94,8 +97,8 @@ def test_a_packed_trial_that_runs_out_of_memory_is_retried_alone_and_counted_onc
     for trial in neighbours:
         assert all(not overlaps(w, retry) for w in runs[trial.id]), (runs[trial.id], retry)
     # One OOM in the results: one observation, one trial counted by the dashboard.
-    assert oom_observations(fleet_server.database_url, doomed) == 1
-    assert oom_observations(fleet_server.database_url, others) == 0
+    assert oom_observations(fleet_server.database_url, doomed, since) == 1
+    assert oom_observations(fleet_server.database_url, others, since) == 0
     assert dashboard_memory(fleet_server, doomed)["oom"] == 1
     assert dashboard_memory(fleet_server, others)["oom"] == 0
 
@@ -159,23 +162,30 @@ def max_overlap(events: list[dict[str, Any]]) -> int:
     return most
 
 
-def oom_observations(database_url: str, study: str) -> int:
-    """Memory observations with outcome oom in the study."""
+def _scalar(database_url: str, query: str, **params: Any) -> int:
     engine = sa.create_engine(database_url)
     try:
         with engine.connect() as connection:
-            return int(
-                connection.execute(
-                    sa.text(
-                        "SELECT count(*) FROM vramtune_memory_observations o "
-                        "JOIN vramtune_studies s ON s.study_id = o.study_id "
-                        "WHERE s.name = :name AND o.outcome = 'oom'"
-                    ),
-                    {"name": study},
-                ).scalar_one()
-            )
+            return int(connection.execute(sa.text(query), params).scalar_one())
     finally:
         engine.dispose()
+
+
+def last_observation_id(database_url: str) -> int:
+    """The id of the newest memory observation (0 when none)."""
+    return _scalar(database_url, "SELECT coalesce(max(id), 0) FROM vramtune_memory_observations")
+
+
+def oom_observations(database_url: str, study: str, since: int) -> int:
+    """Memory observations with outcome oom in the study, newer than observation `since`."""
+    return _scalar(
+        database_url,
+        "SELECT count(*) FROM vramtune_memory_observations o "
+        "JOIN vramtune_studies s ON s.study_id = o.study_id "
+        "WHERE s.name = :name AND o.outcome = 'oom' AND o.id > :since",
+        name=study,
+        since=since,
+    )
 
 
 def dashboard_memory(server: ServerProcess, study: str) -> dict[str, int]:
