@@ -54,6 +54,7 @@ from worker.runner import (
     RunResult,
     Stopped,
     TrialRunner,
+    trial_config,
 )
 from worker.shared_predictions import shape_keys, shared
 from worker.slot_process import RunnerSource
@@ -277,13 +278,21 @@ class Agent:
 
     # ------------------------------------------------------------ one trial
 
-    def _run_trial(self, assignment: Assignment, chosen: Chosen | None = None) -> None:
+    def runner_for(self, assignment: Assignment) -> tuple[TrialRunner, dict[str, Any]] | None:
+        """The trial's runner and configuration; None once a trial whose task is not installed
+        here is failed with that reason."""
         runner = self.runners.get(assignment.task)
         if runner is None:
             message = f"task {assignment.task!r} is not installed here"
             self.finish(assignment, outcomes.failed(assignment, "error", message))
+            return None
+        return runner, trial_config(assignment.task_config, assignment.params)
+
+    def _run_trial(self, assignment: Assignment, chosen: Chosen | None = None) -> None:
+        found = self.runner_for(assignment)
+        if found is None:
             return
-        config = {**assignment.task_config, **assignment.params}
+        runner, config = found
         chosen = chosen or self.choose(assignment, runner, config)
         if chosen is None:
             return
@@ -338,9 +347,9 @@ class Agent:
     def _choose_ahead(self, assignment: Assignment, free: int) -> Chosen | None:
         """The choice made in the background (worker.lookahead); None leaves it to _run_trial."""
         runner = self.runners.get(assignment.task)
-        if runner is None:
+        if runner is None:  # failed by the main thread, which owns the trial's calls
             return None
-        config = {**assignment.task_config, **assignment.params}
+        config = trial_config(assignment.task_config, assignment.params)
         return self._decide(assignment, runner, config, free)
 
     def _decide(

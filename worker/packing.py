@@ -148,12 +148,10 @@ class Packer:
         """Choose the plan, wait for room, start the trial's thread; True once it owns the
         trial (the thread then releases its lease)."""
         agent = self.agent
-        runner = agent.runners.get(assignment.task)
-        if runner is None:
-            message = f"task {assignment.task!r} is not installed here"
-            agent.finish(assignment, outcomes.failed(assignment, "error", message))
+        found = agent.runner_for(assignment)
+        if found is None:
             return False
-        config = {**assignment.task_config, **assignment.params}
+        runner, config = found
         capacity = self.book.capacity
         chosen = agent.choose(assignment, runner, config, capacity)  # as if alone on the card
         if chosen is None:

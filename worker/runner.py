@@ -52,6 +52,11 @@ class RunResult:
     steps: int = 0
 
 
+def trial_config(task_config: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
+    """A trial's configuration: the study's fixed task_config overlaid with the sampled params."""
+    return {**task_config, **params}
+
+
 class OutOfMemory(Exception):
     """The run exceeded the card (a real CUDA OOM or the simulated card's limit)."""
 

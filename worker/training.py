@@ -15,7 +15,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -25,7 +25,16 @@ from torch import nn
 
 from service.wire import Measured, Plan, Prediction, TrainBudget
 from worker.memory import MemoryTracker
-from worker.runner import CardSpec, Config, OutOfMemory, Reporter, RunFailed, RunResult, Stopped
+from worker.runner import (
+    CardSpec,
+    Config,
+    OutOfMemory,
+    Reporter,
+    RunFailed,
+    RunResult,
+    Stopped,
+    trial_config,
+)
 from worker.steps import autocast_for, batch_feeder, build_for_plan, micro_batch_sizes, train_step
 from worker.task import Batch, Task
 
@@ -37,11 +46,6 @@ LOSS_DISPLAY_EVERY = 10
 
 class TrainingDiverged(RunFailed):
     """The metric became NaN or infinite: the trial fails, as Optuna fails a NaN objective."""
-
-
-def trial_config(task_config: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
-    """A trial's configuration: the study's fixed task_config overlaid with the sampled params."""
-    return {**task_config, **params}
 
 
 class PeakMeter(Protocol):
