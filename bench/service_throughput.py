@@ -146,6 +146,10 @@ class CellResult:
     # in percent of one core over the window: the heartbeat cell's figure.
     service_core_pct: float | None = None
     load: tuple[float, float] | None = None  # 1-minute load average before and after
+    # Mean ms per request and per phase of a call inside the server, over the window, from its
+    # /metrics (process 1 of the server only when it runs several): "route call" and
+    # "phase call/name" (service.metrics.PHASE_SECONDS), with their counts.
+    phases_ms: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -880,11 +884,17 @@ def measure_cell(cell: Cell, duration_s: float, tag: str) -> CellResult:
             before: dict[int, float] = {}
             backends: list[psutil.Process] = []
 
+            timings: dict[str, tuple[float, float]] = {}
+            served = server is not None and cell.system != "grpc"
+
             def window_opens() -> None:
                 backends[:] = database_backends(url)
                 before.update(cpu_seconds([*servers, *backends]))
+                if served:
+                    timings.update(server_timings(int(target)))
 
             reports, begin, end = run_clients(cell, client, target, duration_s, window_opens)
+            phases = timings_between(timings, server_timings(int(target))) if served else {}
             # Backends the pools opened during the window: all their CPU is the window's.
             opened = [p for p in database_backends(url) if p.pid not in before]
             before |= {p.pid: 0.0 for p in opened}
@@ -919,6 +929,7 @@ def measure_cell(cell: Cell, duration_s: float, tag: str) -> CellResult:
         cpu_ms_per_trial=round(1000 * cpu / done, 1) if done else None,
         notes=notes,
         service_core_pct=round(100 * system_cpu / duration_s, 2),
+        phases_ms=phases,
     )
 
 
@@ -932,6 +943,46 @@ def database_backends(url: str) -> list[psutil.Process]:
         query = "SELECT pid FROM pg_stat_activity WHERE datname = %s"
         pids = [int(pid) for (pid,) in connection.execute(query, (url.rsplit("/", 1)[1],))]
     return [psutil.Process(pid) for pid in pids if psutil.pid_exists(pid)]
+
+
+def server_timings(port: int) -> dict[str, tuple[float, float]]:
+    """(seconds, count) summed per request route and per call phase, from the server's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        connection.request("GET", "/metrics")
+        text = connection.getresponse().read().decode()
+    finally:
+        connection.close()
+    sums: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name not in ("vramtune_http_request_duration_seconds", "vramtune_call_phase_seconds"):
+            continue
+        for sample in family.samples:
+            if not sample.name.endswith(("_sum", "_count")):
+                continue
+            labels = sample.labels
+            if "phase" in labels:
+                key = f"phase {labels['call']}/{labels['phase']}"
+            else:
+                key = f"route {labels['route'].rsplit('/', 1)[-1]}"
+            slot = sums.setdefault(key, [0.0, 0.0])
+            slot[0 if sample.name.endswith("_sum") else 1] += sample.value
+    return {key: (total, count) for key, (total, count) in sums.items()}
+
+
+def timings_between(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, dict[str, float]]:
+    """Mean ms and count per key over the window (two server_timings readings)."""
+    means = {}
+    for key, (total, count) in sorted(after.items()):
+        total0, count0 = before.get(key, (0.0, 0.0))
+        if count > count0:
+            n = count - count0
+            means[key] = {"n": n, "mean_ms": round(1000 * (total - total0) / n, 2)}
+    return means
 
 
 def cpu_seconds(processes: list[psutil.Process]) -> dict[int, float]:
@@ -1234,6 +1285,7 @@ def summary_line(result: CellResult) -> str:
         f"service {result.service_core_pct} % of a core  load {result.load}  "
         f"errors {result.errors}  check {check}  "
         f"{json.dumps(result.latency_ms)}  {'; '.join(result.notes)}"
+        + (f"\n    server: {json.dumps(result.phases_ms)}" if result.phases_ms else "")
     )
 
 

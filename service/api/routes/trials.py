@@ -39,7 +39,7 @@ def _run(
     body: Body,
 ) -> Reply:
     """One trial call in one fleet transaction, by the token of the lease's worker."""
-    with fleet_transaction(state) as session:
+    with fleet_transaction(state, use_case.__name__) as session:
         call = TrialCall(session, state.storage, state.settings, state.clock(), principal.token_id)
         return use_case(call, trial_id, body)
 
