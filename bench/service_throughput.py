@@ -43,7 +43,6 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -498,6 +497,9 @@ def _loop(body: Callable[[], None], end: float, report: ClientReport) -> None:
     try:
         while time.time() < end:
             body()
+        drain = getattr(body, "drain", None)
+        if drain is not None:  # a simulated worker leased its next trial with its last complete
+            drain()
     except Exception:
         report.errors.append(traceback.format_exc(limit=3))
 
@@ -585,7 +587,7 @@ def vramtune_client(cell: Cell, port: int, index: int, start: Start, out: Any) -
         for k in range(threads_per_client(cell)):
             client = Http(port)
             worker_id = register(client, index * 1000 + k)
-            bodies.append(partial(one_vramtune_trial, client, worker_id, report))
+            bodies.append(SimulatedWorker(client, worker_id, report))
         return bodies
 
     run_client(index, start, out, warm_up)
@@ -661,37 +663,69 @@ def timed_post(
     return status, reply
 
 
-def one_vramtune_trial(client: Http, worker_id: int, report: ClientReport) -> None:
-    """The protocol for one trial; a non-2xx answer is an error, recorded."""
-    status, assignment = timed_post(
-        client, report, "next", f"/workers/{worker_id}/next", {"free_bytes": CARD_BYTES}
-    )
-    if status == 204:
-        report.empty_nexts += 1
-        return
-    if status != 200:
-        report.errors.append(f"next: {status} {assignment}")
-        return
-    trial_id, lease = assignment["trial_id"], assignment["lease"]
-    status, reply = timed_post(
-        client, report, "start", f"/trials/{trial_id}/start", {"lease": lease, "plan": {}}
-    )
-    if status != 200:
-        report.errors.append(f"start: {status} {reply}")
-        return
-    value = objective(assignment["params"]["x"], assignment["params"]["y"])
-    body = {
-        "lease": lease,
-        "values": [value],
-        "plan": {},
-        "duration_s": 0.0,
-        "measured": {"peak_allocated_bytes": 1 << 20},
-    }
-    status, reply = timed_post(client, report, "complete", f"/trials/{trial_id}/complete", body)
-    if status != 200:
-        report.errors.append(f"complete: {status} {reply}")
-        return
-    report.completed.append((trial_id, time.time()))
+@dataclass
+class SimulatedWorker:
+    """One simulated worker: next -> start -> complete, the complete asking for the next trial
+    (``CompleteRequest.next``), so that a trial costs two requests once the first is leased."""
+
+    client: Http
+    worker_id: int
+    report: ClientReport
+    assignment: dict[str, Any] | None = None
+
+    def __call__(self) -> None:
+        self.one()
+
+    def drain(self) -> None:
+        """After the window: complete the trial the last complete leased, asking for no more."""
+        if self.assignment is not None:
+            self.one(ask_next=False)
+
+    def one(self, ask_next: bool = True) -> None:
+        """One trial; a non-2xx answer is an error, recorded."""
+        if self.assignment is None:
+            path = f"/workers/{self.worker_id}/next"
+            status, reply = timed_post(self.client, self.report, "next", path, NEXT)
+            if status == 204:
+                self.report.empty_nexts += 1
+                return
+            if status != 200:
+                self.report.errors.append(f"next: {status} {reply}")
+                return
+            self.assignment = reply
+        assignment, self.assignment = self.assignment, None
+        trial_id, lease = assignment["trial_id"], assignment["lease"]
+        status, reply = timed_post(
+            self.client,
+            self.report,
+            "start",
+            f"/trials/{trial_id}/start",
+            {"lease": lease, "plan": {}},
+        )
+        if status != 200:
+            self.report.errors.append(f"start: {status} {reply}")
+            return
+        value = objective(assignment["params"]["x"], assignment["params"]["y"])
+        body = {
+            "lease": lease,
+            "values": [value],
+            "plan": {},
+            "duration_s": 0.0,
+            "measured": {"peak_allocated_bytes": 1 << 20},
+            **({"next": NEXT} if ask_next else {}),
+        }
+        path = f"/trials/{trial_id}/complete"
+        status, reply = timed_post(
+            self.client, self.report, "complete+next" if ask_next else "complete", path, body
+        )
+        if status != 200:
+            self.report.errors.append(f"complete: {status} {reply}")
+            return
+        self.report.completed.append((trial_id, time.time()))
+        self.assignment = reply.get("next")
+
+
+NEXT = {"free_bytes": CARD_BYTES}
 
 
 class CellSkipped(Exception):
@@ -957,7 +991,10 @@ def server_timings(port: int) -> dict[str, tuple[float, float]]:
         connection.close()
     sums: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(text):
-        if family.name not in ("vramtune_http_request_duration_seconds", "vramtune_call_phase_seconds"):
+        if family.name not in (
+            "vramtune_http_request_duration_seconds",
+            "vramtune_call_phase_seconds",
+        ):
             continue
         for sample in family.samples:
             if not sample.name.endswith(("_sum", "_count")):

@@ -276,6 +276,82 @@ def test_complete_twice_is_one_tell_and_the_same_answer(env: Env) -> None:
     assert worker.complete(second, 0.5).status_code == 200
 
 
+def _complete_asking_next(
+    worker: SimWorker, assignment: dict[str, Any], value: float, **next_body: Any
+) -> httpx.Response:
+    """A complete that also asks for the worker's next trial (CompleteRequest.next)."""
+    body = {"free_bytes": worker.total_bytes, **next_body}
+    return worker.call(
+        assignment,
+        "complete",
+        values=[value],
+        plan=PLAN,
+        measured={"peak_allocated_bytes": GIB},
+        duration_s=1.0,
+        next=body,
+    )
+
+
+def test_complete_asking_next_completes_once_and_leases_the_next(env: Env) -> None:
+    env.create_study(n_trials=3)
+    worker = env.worker("w1")
+    assignment = worker.next()
+    numbers = []
+    while assignment is not None:
+        numbers.append(assignment["number"])
+        worker.call(assignment, "start", plan=PLAN)
+        reply = _complete_asking_next(worker, assignment, assignment["params"]["x"] ** 2)
+        assert reply.status_code == 200, reply.text
+        answer = reply.json()
+        assert answer["resolution"] == "complete" and answer["trial_id"] == assignment["trial_id"]
+        following = answer["next"]
+        if following is not None:  # leased to this worker, as POST /workers/ID/next would
+            assert worker.out()["current_trials"] == [following["trial_id"]]
+        else:
+            assert answer["next_detail"] == "no work for this worker now"
+        last, assignment = assignment, following
+    assert numbers == [0, 1, 2]
+    trials = env.trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
+    assert env.observations() == 3
+    assert (worker.out()["trials_done"], worker.out()["current_trials"]) == (3, [])
+    # the reply was lost: the repeated complete is answered the same, told once
+    again = _complete_asking_next(worker, last, 99.0)
+    assert again.status_code == 200 and again.json()["resolution"] == "complete"
+    assert again.json()["next"] is None  # the budget is spent
+    assert env.trials()[2].value == last["params"]["x"] ** 2
+    assert env.observations() == 3 and worker.out()["trials_done"] == 3
+
+
+def test_complete_asking_next_keeps_the_result_when_no_lease_can_be_granted(env: Env) -> None:
+    env.create_study(n_trials=2)
+    worker = env.worker("w1")
+    assignment = worker.next()
+    assert assignment is not None
+    with env.state.sessions.begin() as session:  # stopped meanwhile, its lease still live
+        session.get_one(WorkerRow, worker.id).stopped = True
+    reply = _complete_asking_next(worker, assignment, 0.25)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["next"] is None and "has stopped" in reply.json()["next_detail"]
+    assert env.trials()[0].state == TrialState.COMPLETE and env.trials()[0].value == 0.25
+    assert [t.state for t in env.trials()] == [TrialState.COMPLETE]  # nothing else asked
+
+
+def test_complete_asking_next_with_bad_input_is_422_naming_the_field(env: Env) -> None:
+    env.create_study()
+    worker = env.worker("w1")
+    assignment = worker.next()
+    assert assignment is not None
+    negative = _complete_asking_next(worker, assignment, 1.0, free_bytes=-1)
+    assert negative.status_code == 422
+    assert negative.json()["detail"][0]["loc"] == ["body", "next", "free_bytes"]
+    unknown = _complete_asking_next(worker, assignment, 1.0, gpus=2)
+    assert unknown.status_code == 422
+    assert unknown.json()["detail"][0]["loc"] == ["body", "next", "gpus"]
+    assert env.trials()[0].state == TrialState.RUNNING  # nothing was written
+    assert _complete_asking_next(worker, assignment, 1.0).status_code == 200
+
+
 def test_wrong_objective_count_is_422_and_the_trial_lives_on(env: Env) -> None:
     env.create_study()
     worker = env.worker("w1")
