@@ -32,11 +32,11 @@ from service.wire import Assignment, NextRequest, PlanOut
 
 # Samplers that draw without reading the study's trials (random, quasi-Monte Carlo) lose
 # nothing when trials are asked ahead of the workers: one transaction asks several, and the
-# extra ones wait as pending trials (RUNNING in Optuna) for the next calls. One per live
-# worker of the study's task, at most ASK_AHEAD_MAX: a lone worker asks one at a time. (Half
-# the workers holding a lease, as before, shrank under load, when most workers were waiting
-# in ``next``: at 16 workers most asks were of one trial.) The other samplers see each
-# result before they propose again: one at a time.
+# extra ones wait as pending trials (RUNNING in Optuna) for the next calls. As many as half
+# the live workers of the study's task, at most ASK_AHEAD_MAX: a lone worker asks one at a
+# time. (Half the workers holding a lease, as before, shrank under load, when most workers
+# were waiting in ``next``: at 16 workers most asks were of one trial.) The other samplers
+# see each result before they propose again: one at a time.
 ASK_AHEAD_SAMPLERS = frozenset({"random", "qmc"})
 ASK_AHEAD_MAX = 16
 
@@ -273,7 +273,7 @@ def _ask_count(session: Session, call: _Call, row: StudyRow, left: int) -> int:
     if spec_of(row).sampler.name not in ASK_AHEAD_SAMPLERS:
         return 1
     workers = len(call.live_cards(session, row.task))
-    return max(1, min(left, ASK_AHEAD_MAX, workers))
+    return max(1, min(left, ASK_AHEAD_MAX, workers // 2))
 
 
 def _record_asked(

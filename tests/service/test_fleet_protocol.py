@@ -224,6 +224,7 @@ def test_protocol_runs_a_study_to_its_budget(env: Env) -> None:
         x = assignment["params"]["x"]
         done = worker.complete(assignment, x * x)
         assert done.status_code == 200 and done.json()["resolution"] == "complete"
+        assert set(done.json()) == {"trial_id", "resolution", "detail"}  # a TrialAck, as ever
         seen.append((assignment["number"], x))
     assert [number for number, _ in seen] == [0, 1, 2]
     trials = env.trials()
@@ -832,10 +833,12 @@ def test_next_offers_only_the_studies_a_limited_token_allows(env: Env) -> None:
 def test_random_trials_are_asked_ahead_within_the_budget_and_leased_once(env: Env) -> None:
     env.create_study(n_trials=7)
     workers = [env.worker(f"w{i}") for i in range(9)]
-    first = [worker.next() for worker in workers[:5]]
-    # The fifth next found four leased trials: it asked two (half of them), leased one, and
-    # left the other pending, RUNNING in Optuna, for the next call.
-    assert len(env.trials()) == 6
+    first = [workers[0].next()]
+    # Nine live workers: the first next asked four (half of them), leased one, and left the
+    # others pending, RUNNING in Optuna, for the next calls.
+    assert len(env.trials()) == 4
+    first += [worker.next() for worker in workers[1:5]]
+    assert len(env.trials()) == 7  # the fifth asked three: what the budget had left
     rest = [worker.next() for worker in workers[5:]]
     leased = [a for a in first + rest if a is not None]
     assert len(leased) == 7 and rest[-2:] == [None, None]  # the budget, not one more
@@ -847,10 +850,12 @@ def test_an_ask_that_waited_takes_the_trial_another_ask_inserted_meanwhile(
     env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two workers find no pending trial and both draft; the second to reach Optuna's study
-    lock leases a trial the first asked ahead, and its own drafts are never written."""
+    lock leases a trial the first asked ahead, and its own drafts wait as pending trials."""
     env.create_study(n_trials=20)
-    assert all(env.worker(f"w{i}").next() is not None for i in range(4))  # 4 leased: asks of 2
+    early = [env.worker(f"w{i}") for i in range(4)]
     racer, late = env.worker("racer"), env.worker("late")
+    # Six live workers: asks of three; the first three nexts leave no trial pending.
+    assert all(worker.next() is not None for worker in early[:3])
     raced: list[dict[str, Any] | None] = []
 
     def draft_while_another_asks(*args: Any, **kwargs: Any) -> FrozenTrial:
@@ -862,9 +867,10 @@ def test_an_ask_that_waited_takes_the_trial_another_ask_inserted_meanwhile(
     assignment = next_assignment(env.state, late.id, NextRequest(free_bytes=GIB), utcnow())
     [first] = raced
     assert first is not None and assignment is not None
-    # The racer asked two (trials 4 and 5) and leased one; the late ask leased the other.
-    assert sorted([first["number"], assignment.number]) == [4, 5]
-    assert len(env.trials()) == 6  # not 8: the late ask's two drafts were dropped
+    # The racer asked three (trials 3 to 5) and leased the first; the late ask leased the
+    # next, and inserted its three drafts (6 to 8) for the calls to come.
+    assert sorted([first["number"], assignment.number]) == [3, 4]
+    assert len(env.trials()) == 9
 
 
 def test_a_sampler_that_reads_the_study_is_asked_one_trial_at_a_time(env: Env) -> None:

@@ -63,7 +63,9 @@ def report(
     return _run(state, principal, fleet_trials.report, trial_id, body)
 
 
-@router.post("/{trial_id}/complete")
+# exclude_unset: a complete that did not ask for its next trial is answered a TrialAck, as
+# before (workers that validate it strictly, extra fields forbidden, keep working).
+@router.post("/{trial_id}/complete", response_model_exclude_unset=True)
 def complete(
     trial_id: TrialId, body: CompleteRequest, state: StateDep, principal: PrincipalDep
 ) -> CompleteReply:
@@ -79,6 +81,7 @@ def complete(
         ack, worker_id = fleet_trials.complete_by(call, trial_id, body)
     reply = CompleteReply(**ack.model_dump())
     if body.next is not None:
+        reply.next, reply.next_detail = None, ""  # set: answered even when null
         try:
             reply.next = dispatch.next_assignment(
                 state, worker_id, body.next, state.clock(), principal.studies, principal.token_id
