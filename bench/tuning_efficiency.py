@@ -113,7 +113,7 @@ def _choices(*values: Any) -> dict[str, Any]:
 
 # Discrete spaces: what a user sweeps, and what bounds the distinct real runs (the cache).
 # Predicted peaks: digits-cnn 0.2-94 MiB, char-transformer 2-148 MiB, hf-causal-lm (GPT-2)
-# 1-130 MiB: the 16 and 64 MiB cards hold only part of each space as asked. (An 8 MiB card would
+# 1.6-132 MiB: the 16 and 64 MiB cards hold only part of each space as asked. (An 8 MiB card would
 # need up to 18 micro-batches, and the predictor traces every one: one plan choice then costs
 # ~35 CPU-s on this machine.) Budgets: 2.5x the previous report's 10 and 12 s, so that the
 # best-over-time curves are not the first few trials'; each task's invocation stays < 8 min.
@@ -147,8 +147,8 @@ BENCHES = {
 }
 if HFCausalLMTask is not None:
     # A GPT-2 built from its config (transformers, nothing downloaded), on the char task's
-    # corpus; 20 steps of the largest configuration (2 x 64 wide, 128 x 64 tokens) take
-    # ~4.5 CPU-s and peak at ~130 MiB (attention scores grow with seq_len squared).
+    # corpus; 20 steps of the largest configuration (2 x 64 wide, 64 x 128 tokens) take
+    # 3.9 CPU-s and peak at 132 MiB predicted, the smallest 0.16 CPU-s and 1.6 MiB.
     BENCHES["hf-causal-lm"] = Bench(
         HFCausalLMTask(),
         "minimize",
