@@ -1094,7 +1094,9 @@ def markdown(results: list[CellResult], meta: dict[str, Any]) -> str:
         "`bench/service_throughput.py`; raw figures in `service_throughput.json`.",
         "",
         "trials/s counts trials completed inside the window; latencies are per call (raw and "
-        "gRPC: ask, tell; vramtune: next, start, complete over HTTP); `check` = every trial of the "
+        "gRPC: ask, tell; vramtune over HTTP: next (a worker's first trial only), start, and "
+        "complete+next, the complete that also leases the worker's next trial "
+        "(`CompleteRequest.next`; earlier runs: complete, then next)); `check` = every trial of the "
         "study COMPLETE exactly once and the clients' completed trials are exactly the study's "
         "new ones (vramtune: trials it asked ahead and no worker has leased yet are left out: "
         "they are RUNNING in Optuna, pending in vramtune). CPU ms/trial = CPU seconds of every "
