@@ -873,6 +873,24 @@ def test_an_ask_that_waited_takes_the_trial_another_ask_inserted_meanwhile(
     assert len(env.trials()) == 9
 
 
+def test_concurrent_asks_in_one_process_lease_every_trial_once(env: Env) -> None:
+    """Threads of one process that find no pending trial wait for one asker (dispatch._Flight)
+    instead of queueing on the study lock; every trial of the budget is leased exactly once."""
+    env.create_study(n_trials=12)
+    workers = [env.worker(f"w{i}") for i in range(12)]
+
+    def lease(worker: SimWorker) -> Assignment | None:
+        return next_assignment(env.state, worker.id, NextRequest(free_bytes=GIB), utcnow())
+
+    with ThreadPoolExecutor(len(workers)) as pool:
+        leased = list(pool.map(lease, workers))
+    assert all(a is not None for a in leased)
+    assert sorted(a.number for a in leased if a is not None) == list(range(12))
+    assert len({a.trial_id for a in leased if a is not None}) == 12
+    assert len(env.trials()) == 12  # the budget, not one more
+    assert [worker.next() for worker in workers[:2]] == [None, None]
+
+
 def test_a_sampler_that_reads_the_study_is_asked_one_trial_at_a_time(env: Env) -> None:
     env.create_study(n_trials=20, sampler={"name": "tpe", "args": {"seed": 3}})
     for count, worker in enumerate((env.worker(f"w{i}") for i in range(8)), start=1):
