@@ -43,7 +43,6 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +145,10 @@ class CellResult:
     # in percent of one core over the window: the heartbeat cell's figure.
     service_core_pct: float | None = None
     load: tuple[float, float] | None = None  # 1-minute load average before and after
+    # Mean ms per request and per phase of a call inside the server, over the window, from its
+    # /metrics (process 1 of the server only when it runs several): "route call" and
+    # "phase call/name" (service.metrics.PHASE_SECONDS), with their counts.
+    phases_ms: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -494,6 +497,9 @@ def _loop(body: Callable[[], None], end: float, report: ClientReport) -> None:
     try:
         while time.time() < end:
             body()
+        drain = getattr(body, "drain", None)
+        if drain is not None:  # a simulated worker leased its next trial with its last complete
+            drain()
     except Exception:
         report.errors.append(traceback.format_exc(limit=3))
 
@@ -581,7 +587,7 @@ def vramtune_client(cell: Cell, port: int, index: int, start: Start, out: Any) -
         for k in range(threads_per_client(cell)):
             client = Http(port)
             worker_id = register(client, index * 1000 + k)
-            bodies.append(partial(one_vramtune_trial, client, worker_id, report))
+            bodies.append(SimulatedWorker(client, worker_id, report))
         return bodies
 
     run_client(index, start, out, warm_up)
@@ -657,37 +663,69 @@ def timed_post(
     return status, reply
 
 
-def one_vramtune_trial(client: Http, worker_id: int, report: ClientReport) -> None:
-    """The protocol for one trial; a non-2xx answer is an error, recorded."""
-    status, assignment = timed_post(
-        client, report, "next", f"/workers/{worker_id}/next", {"free_bytes": CARD_BYTES}
-    )
-    if status == 204:
-        report.empty_nexts += 1
-        return
-    if status != 200:
-        report.errors.append(f"next: {status} {assignment}")
-        return
-    trial_id, lease = assignment["trial_id"], assignment["lease"]
-    status, reply = timed_post(
-        client, report, "start", f"/trials/{trial_id}/start", {"lease": lease, "plan": {}}
-    )
-    if status != 200:
-        report.errors.append(f"start: {status} {reply}")
-        return
-    value = objective(assignment["params"]["x"], assignment["params"]["y"])
-    body = {
-        "lease": lease,
-        "values": [value],
-        "plan": {},
-        "duration_s": 0.0,
-        "measured": {"peak_allocated_bytes": 1 << 20},
-    }
-    status, reply = timed_post(client, report, "complete", f"/trials/{trial_id}/complete", body)
-    if status != 200:
-        report.errors.append(f"complete: {status} {reply}")
-        return
-    report.completed.append((trial_id, time.time()))
+@dataclass
+class SimulatedWorker:
+    """One simulated worker: next -> start -> complete, the complete asking for the next trial
+    (``CompleteRequest.next``), so that a trial costs two requests once the first is leased."""
+
+    client: Http
+    worker_id: int
+    report: ClientReport
+    assignment: dict[str, Any] | None = None
+
+    def __call__(self) -> None:
+        self.one()
+
+    def drain(self) -> None:
+        """After the window: complete the trial the last complete leased, asking for no more."""
+        if self.assignment is not None:
+            self.one(ask_next=False)
+
+    def one(self, ask_next: bool = True) -> None:
+        """One trial; a non-2xx answer is an error, recorded."""
+        if self.assignment is None:
+            path = f"/workers/{self.worker_id}/next"
+            status, reply = timed_post(self.client, self.report, "next", path, NEXT)
+            if status == 204:
+                self.report.empty_nexts += 1
+                return
+            if status != 200:
+                self.report.errors.append(f"next: {status} {reply}")
+                return
+            self.assignment = reply
+        assignment, self.assignment = self.assignment, None
+        trial_id, lease = assignment["trial_id"], assignment["lease"]
+        status, reply = timed_post(
+            self.client,
+            self.report,
+            "start",
+            f"/trials/{trial_id}/start",
+            {"lease": lease, "plan": {}},
+        )
+        if status != 200:
+            self.report.errors.append(f"start: {status} {reply}")
+            return
+        value = objective(assignment["params"]["x"], assignment["params"]["y"])
+        body = {
+            "lease": lease,
+            "values": [value],
+            "plan": {},
+            "duration_s": 0.0,
+            "measured": {"peak_allocated_bytes": 1 << 20},
+            **({"next": NEXT} if ask_next else {}),
+        }
+        path = f"/trials/{trial_id}/complete"
+        status, reply = timed_post(
+            self.client, self.report, "complete+next" if ask_next else "complete", path, body
+        )
+        if status != 200:
+            self.report.errors.append(f"complete: {status} {reply}")
+            return
+        self.report.completed.append((trial_id, time.time()))
+        self.assignment = reply.get("next")
+
+
+NEXT = {"free_bytes": CARD_BYTES}
 
 
 class CellSkipped(Exception):
@@ -880,11 +918,17 @@ def measure_cell(cell: Cell, duration_s: float, tag: str) -> CellResult:
             before: dict[int, float] = {}
             backends: list[psutil.Process] = []
 
+            timings: dict[str, tuple[float, float]] = {}
+            served = server is not None and cell.system != "grpc"
+
             def window_opens() -> None:
                 backends[:] = database_backends(url)
                 before.update(cpu_seconds([*servers, *backends]))
+                if served:
+                    timings.update(server_timings(int(target)))
 
             reports, begin, end = run_clients(cell, client, target, duration_s, window_opens)
+            phases = timings_between(timings, server_timings(int(target))) if served else {}
             # Backends the pools opened during the window: all their CPU is the window's.
             opened = [p for p in database_backends(url) if p.pid not in before]
             before |= {p.pid: 0.0 for p in opened}
@@ -919,6 +963,7 @@ def measure_cell(cell: Cell, duration_s: float, tag: str) -> CellResult:
         cpu_ms_per_trial=round(1000 * cpu / done, 1) if done else None,
         notes=notes,
         service_core_pct=round(100 * system_cpu / duration_s, 2),
+        phases_ms=phases,
     )
 
 
@@ -932,6 +977,49 @@ def database_backends(url: str) -> list[psutil.Process]:
         query = "SELECT pid FROM pg_stat_activity WHERE datname = %s"
         pids = [int(pid) for (pid,) in connection.execute(query, (url.rsplit("/", 1)[1],))]
     return [psutil.Process(pid) for pid in pids if psutil.pid_exists(pid)]
+
+
+def server_timings(port: int) -> dict[str, tuple[float, float]]:
+    """(seconds, count) summed per request route and per call phase, from the server's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        connection.request("GET", "/metrics")
+        text = connection.getresponse().read().decode()
+    finally:
+        connection.close()
+    sums: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name not in (
+            "vramtune_http_request_duration_seconds",
+            "vramtune_call_phase_seconds",
+        ):
+            continue
+        for sample in family.samples:
+            if not sample.name.endswith(("_sum", "_count")):
+                continue
+            labels = sample.labels
+            if "phase" in labels:
+                key = f"phase {labels['call']}/{labels['phase']}"
+            else:
+                key = f"route {labels['route'].rsplit('/', 1)[-1]}"
+            slot = sums.setdefault(key, [0.0, 0.0])
+            slot[0 if sample.name.endswith("_sum") else 1] += sample.value
+    return {key: (total, count) for key, (total, count) in sums.items()}
+
+
+def timings_between(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, dict[str, float]]:
+    """Mean ms and count per key over the window (two server_timings readings)."""
+    means = {}
+    for key, (total, count) in sorted(after.items()):
+        total0, count0 = before.get(key, (0.0, 0.0))
+        if count > count0:
+            n = count - count0
+            means[key] = {"n": n, "mean_ms": round(1000 * (total - total0) / n, 2)}
+    return means
 
 
 def cpu_seconds(processes: list[psutil.Process]) -> dict[int, float]:
@@ -1006,8 +1094,10 @@ def markdown(results: list[CellResult], meta: dict[str, Any]) -> str:
         "`bench/service_throughput.py`; raw figures in `service_throughput.json`.",
         "",
         "trials/s counts trials completed inside the window; latencies are per call (raw and "
-        "gRPC: ask, tell; vramtune: next, start, complete over HTTP); `check` = every trial of the "
-        "study COMPLETE exactly once and the clients' completed trials are exactly the study's "
+        "gRPC: ask, tell; vramtune over HTTP: next (a worker's first trial only), start, and "
+        "complete+next, the complete that also leases the worker's next trial "
+        "(`CompleteRequest.next`; earlier runs: complete, then next)); `check` = every trial of "
+        "the study COMPLETE exactly once and the clients' completed trials are exactly the study's "
         "new ones (vramtune: trials it asked ahead and no worker has leased yet are left out: "
         "they are RUNNING in Optuna, pending in vramtune). CPU ms/trial = CPU seconds of every "
         "process of the system (clients, server processes, the cell database's PostgreSQL "
@@ -1234,6 +1324,7 @@ def summary_line(result: CellResult) -> str:
         f"service {result.service_core_pct} % of a core  load {result.load}  "
         f"errors {result.errors}  check {check}  "
         f"{json.dumps(result.latency_ms)}  {'; '.join(result.notes)}"
+        + (f"\n    server: {json.dumps(result.phases_ms)}" if result.phases_ms else "")
     )
 
 

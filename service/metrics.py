@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any, cast
 
@@ -35,7 +36,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service.db.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
 from service.state import AppState
 
-__all__ = ["REGISTRY", "install_metrics", "record_reaper_action"]
+__all__ = ["REGISTRY", "install_metrics", "phase", "record_reaper_action"]
 
 log = logging.getLogger("vramtune.metrics")
 
@@ -58,11 +59,31 @@ REAPER_ACTIONS = Counter(
     ["action"],
     registry=REGISTRY,
 )
+# Where a worker call's time goes, inside the route: waiting for a pooled connection, holding
+# a transaction, drafting with the sampler. Next to the request histogram it tells an operator
+# whether slow calls queue for the server (threads, CPU), the pool, a lock, or the sampler.
+PHASE_SECONDS = Histogram(
+    "vramtune_call_phase_seconds",
+    "Time spent in one phase of a worker call (connect: waiting for a pooled connection).",
+    ["call", "phase"],
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
+    registry=REGISTRY,
+)
 SCRAPE_ERRORS = Counter(
     "vramtune_metrics_scrape_errors",
     "Scrapes whose database-backed metrics could not be read.",
     registry=REGISTRY,
 )
+
+
+@contextmanager
+def phase(call: str, name: str) -> Iterator[None]:
+    """Observe the time the block takes as one phase of a call (PHASE_SECONDS)."""
+    began = time.perf_counter()
+    try:
+        yield
+    finally:
+        PHASE_SECONDS.labels(call=call, phase=name).observe(time.perf_counter() - began)
 
 
 def record_reaper_action(action: str, count: int = 1) -> None:

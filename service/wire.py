@@ -606,6 +606,12 @@ class CompleteRequest(LeaseCall):
     duration_s: Finite = Field(ge=0)
     samples_per_s: Finite | None = Field(None, ge=0)
     step_time: StepTimeObservation | None = None
+    next: NextRequest | None = Field(
+        None,
+        description="Also ask for the worker's next trial, as POST /workers/ID/next would: "
+        "the reply's `next` holds the assignment (null when there is no work, or when it "
+        "could not be leased: `next_detail` says why). Saves a request per trial.",
+    )
 
 
 FailKind = Literal["oom", "error", "interrupted", "pruned"]
@@ -645,6 +651,13 @@ class TrialAck(Wire):
     trial_id: int
     resolution: TrialResolution
     detail: str = ""
+
+
+class CompleteReply(TrialAck):
+    """A complete's answer; with the worker's next trial when the request asked for one."""
+
+    next: Assignment | None = None
+    next_detail: str = ""
 
 
 class WorkerOut(Wire):

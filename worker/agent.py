@@ -25,6 +25,7 @@ from service.wire import (
     Assignment,
     Calibration,
     CardConstants,
+    CompleteReply,
     CompleteRequest,
     FailRequest,
     NextRequest,
@@ -172,6 +173,8 @@ class Agent:
         self.delivery = Delivery(
             client, self.spool, self.log, lambda: self.stop, options.shutdown_grace_s
         )
+        # The trial the last complete leased (CompleteRequest.next), run next.
+        self.following: Assignment | None = None
         self.ahead: PlanAhead[Chosen] = PlanAhead(
             self.lease,
             self._choose_ahead,
@@ -237,7 +240,7 @@ class Agent:
 
     def _run_one_at_a_time(self) -> None:
         idle_since = time.monotonic()
-        while not self.stop.is_set() and not self.reached_max_trials():
+        while not self.stop.is_set() and (self.following or not self.reached_max_trials()):
             if self.run_once():
                 idle_since = time.monotonic()
             elif self.idle_too_long(idle_since):
@@ -249,7 +252,11 @@ class Agent:
     def run_once(self) -> bool:
         """One cycle: ask for a trial and see it to its end; False when there was no work."""
         ahead = self.ahead.take()
-        assignment = ahead.assignment if ahead else self.lease(self.free_bytes())
+        following, self.following = self.following, None
+        if following is not None:
+            assignment: Assignment | None = following
+        else:
+            assignment = ahead.assignment if ahead else self.lease(self.free_bytes())
         if assignment is None:
             return False
         chosen = None if ahead is None else ahead.chosen
@@ -263,8 +270,10 @@ class Agent:
         """Ask for a trial, stating `free_bytes`; hold its lease (heartbeats renew it)."""
         request = NextRequest(free_bytes=free_bytes)
         assignment = self.client.next(self.worker_id, request, cancel=self.stop)
-        if assignment is None:
-            return None
+        return None if assignment is None else self._leased(assignment)
+
+    def _leased(self, assignment: Assignment) -> Assignment:
+        """A trial leased to this worker (by a next, or by a complete that asked for it)."""
         self.trials_run += 1
         self.heartbeats.hold(assignment.trial_id)
         self.event("leased", assignment, attempt=assignment.attempt, params=assignment.params)
@@ -450,7 +459,13 @@ class Agent:
     ) -> None:
         """Deliver a complete or fail call and log what became of the trial."""
         if isinstance(request, CompleteRequest):
+            if self._asks_next_with_complete():
+                request = request.model_copy(
+                    update={"next": NextRequest(free_bytes=self.free_bytes())}
+                )
             ack = self.delivery.deliver("complete", assignment, request)
+            if isinstance(ack, CompleteReply) and ack.next is not None:
+                self.following = self._leased(ack.next)
             self.event(
                 "completed",
                 assignment,
@@ -554,6 +569,17 @@ class Agent:
             return self.client.calibration(self.card.info.model, torch_version, task)
         except (ServerUnavailable, Rejected, LeaseLost):
             return None
+
+    def _asks_next_with_complete(self) -> bool:
+        """Whether a complete asks for the next trial (one request a trial less): one trial at
+        a time, nothing leased ahead, and another trial wanted."""
+        return (
+            self.options.max_trials_per_card == 1
+            and not self.options.plan_ahead
+            and self.following is None
+            and not self.stop.is_set()
+            and not self.reached_max_trials()
+        )
 
     def reached_max_trials(self) -> bool:
         return self.options.max_trials is not None and self.trials_run >= self.options.max_trials

@@ -24,6 +24,7 @@ from service.wire import (
     API_PREFIX,
     Assignment,
     Calibration,
+    CompleteReply,
     CompleteRequest,
     FailRequest,
     HandBackRequest,
@@ -181,7 +182,8 @@ class ServerClient:
         response = self._send(
             "POST", path, body, retry_for_s=retry_for_s, cancel=cancel, on_retry=on_retry
         )
-        return TrialAck.model_validate_json(response.content)
+        reply = CompleteReply if call == "complete" else TrialAck  # may hold the next trial
+        return reply.model_validate_json(response.content)
 
     def _trial(
         self,

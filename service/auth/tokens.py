@@ -71,8 +71,8 @@ class Principal:
 LOCAL_ADMIN = Principal(name="local (auth off)", scopes=frozenset({"admin"}))
 
 
-def current_principal(request: Request) -> Principal:
-    """The caller, as the guard (service.auth.guard) identified it."""
+async def current_principal(request: Request) -> Principal:
+    """The caller, as the guard (service.auth.guard) identified it (async: no thread hop)."""
     principal = getattr(request.state, "principal", None)
     if not isinstance(principal, Principal):
         raise RuntimeError("service.auth.guard.AuthGuard is not installed on this app")

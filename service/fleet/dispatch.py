@@ -7,9 +7,13 @@ one ``fleet_transaction`` (service.fleet.workers).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
+from weakref import WeakKeyDictionary
 
+from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial
 from sqlalchemy import case, func, or_, select
 from sqlalchemy.orm import Session
@@ -17,8 +21,9 @@ from sqlalchemy.orm import Session
 from service.db.tables import StudyRow, TrialRow, WorkerRow
 from service.fleet import predictions
 from service.fleet.leases import grant
-from service.fleet.routing import live_capacity, plans_on
+from service.fleet.routing import largest_card, live_cards, plans_on
 from service.fleet.workers import fleet_transaction, running_worker
+from service.metrics import phase
 from service.optuna import rows as optuna_rows
 from service.optuna.drafts import draft_trial
 from service.optuna.glue import asked_trial, spec_of, strategy
@@ -28,10 +33,29 @@ from service.wire import Assignment, NextRequest, PlanOut
 # Samplers that draw without reading the study's trials (random, quasi-Monte Carlo) lose
 # nothing when trials are asked ahead of the workers: one transaction asks several, and the
 # extra ones wait as pending trials (RUNNING in Optuna) for the next calls. As many as half
-# the workers running the study's trials now, at most ASK_AHEAD_MAX: a lone worker asks one
-# at a time. The other samplers see each result before they propose again: one at a time.
+# the live workers of the study's task, at most ASK_AHEAD_MAX: a lone worker asks one at a
+# time. (Half the workers holding a lease, as before, shrank under load, when most workers
+# were waiting in ``next``: at 16 workers most asks were of one trial.) The other samplers
+# see each result before they propose again: one at a time.
 ASK_AHEAD_SAMPLERS = frozenset({"random", "qmc"})
-ASK_AHEAD_MAX = 8
+ASK_AHEAD_MAX = 16
+
+
+@dataclass
+class _Call:
+    """One ``next`` call: who asks, when, and the live fleet, read once for the call."""
+
+    state: AppState
+    worker_id: int
+    now: datetime
+    cards: dict[str, dict[int, int]] = field(default_factory=dict)
+
+    def live_cards(self, session: Session, task: str) -> dict[int, int]:
+        """The live workers of ``task`` and their card sizes (routing.live_cards), cached."""
+        if task not in self.cards:
+            stale_s = self.state.settings.worker_stale_s
+            self.cards[task] = live_cards(session, task, self.now, stale_s)
+        return self.cards[task]
 
 
 def next_assignment(
@@ -48,45 +72,128 @@ def next_assignment(
     ``token_id``: the caller's token, which must be the worker's. The sampler runs between
     two transactions, holding neither a lock nor a connection.
     """
-    with fleet_transaction(state) as session:
+    call = _Call(state, worker_id, now)
+    with fleet_transaction(state, "next") as session, phase("next", "offer"):
         worker = running_worker(session, worker_id, token_id)
         worker.free_bytes = body.free_bytes
         studies = _open_studies(session, worker.tasks, allowed)
         offered = _offered(session, worker, studies)
         if offered is not None:
-            return _lease(session, state, offered, worker, now)
+            return _lease(session, call, offered, worker)
         askable = [
-            (row, optuna_rows.count_trials(session, row.study_id), _ask_count(session, row, left))
+            (
+                row,
+                optuna_rows.count_trials(session, row.study_id),
+                _ask_count(session, call, row, left),
+            )
             for row, left in _budgets_left(session, studies)
         ]
     for row, number, count in askable:
-        how = strategy(state.storage, row)
-        try:
-            drafts = [
-                draft_trial(
-                    state.storage, row.study_id, row.name, how.sampler, how.space, number + i
-                )
-                for i in range(count)
-            ]
-        except KeyError:  # deleted from Optuna underneath; the other studies may have work
-            continue
-        with fleet_transaction(state) as session:
-            worker = running_worker(session, worker_id)
-            asked = _record_asked(session, worker, row.study_id, drafts, now)
-            if asked:
-                return _lease(session, state, asked[0], worker, now)
+        assignment = _ask(call, row, number, count)
+        if assignment is not None:
+            return assignment
     return None
 
 
-def _lease(
-    session: Session, state: AppState, trial: TrialRow, worker: WorkerRow, now: datetime
-) -> Assignment:
+@dataclass
+class _Flight:
+    """The asks of one study in this process: one thread drafts and inserts at a time.
+
+    Threads that find no pending trial while another is asking wait here, holding no
+    connection, and are drafted for: the asker asks one more trial per waiter. Without it they
+    all queued on Optuna's study-row lock, and each then leased the trial it found under that
+    lock, one after the other (at 16 workers, ~130 ms of a ~220 ms ``next``; the ``study_lock``
+    phase of service.metrics.PHASE_SECONDS). Replicas still serialize on the lock, one asker
+    per process.
+    """
+
+    changed: threading.Condition = field(default_factory=threading.Condition)
+    asking: bool = False
+    waiting: int = 0
+
+
+_flights: WeakKeyDictionary[BaseStorage, dict[int, _Flight]] = WeakKeyDictionary()
+_flights_lock = threading.Lock()
+FLIGHT_WAIT_S = 30.0  # as long as a pooled connection is waited for
+FLIGHT_ROUNDS = 3  # a waiter that finds the trials asked for it taken waits for the next ask
+
+
+def _flight(state: AppState, study_id: int) -> _Flight:
+    """The study's flight in this process (per storage: tests run several apps in one)."""
+    with _flights_lock:
+        return _flights.setdefault(state.storage, {}).setdefault(study_id, _Flight())
+
+
+def _ask(call: _Call, row: StudyRow, number: int, count: int) -> Assignment | None:
+    """Lease a new trial of the study: ask it, or take one a concurrent ask made for us.
+
+    Samplers that read the history (not ASK_AHEAD_SAMPLERS) ask one trial per call, side by side.
+    """
+    if spec_of(row).sampler.name not in ASK_AHEAD_SAMPLERS:
+        return _draft_and_insert(call, row, number, count)
+    flight = _flight(call.state, row.study_id)
+    for _ in range(FLIGHT_ROUNDS):
+        with flight.changed:
+            joined = flight.asking
+            if joined:
+                flight.waiting += 1
+                with phase("next", "wait_ask"):
+                    flight.changed.wait_for(lambda: not flight.asking, FLIGHT_WAIT_S)
+                flight.waiting -= 1
+            else:
+                flight.asking = True
+        if not joined:
+            try:
+                return _draft_and_insert(call, row, number, count, flight)
+            finally:
+                with flight.changed:
+                    flight.asking = False
+                    flight.changed.notify_all()
+        with fleet_transaction(call.state, "next") as session, phase("next", "offer"):
+            worker = running_worker(session, call.worker_id)
+            offered = _offered(session, worker, [row])
+            if offered is not None:
+                return _lease(session, call, offered, worker)
+    return _draft_and_insert(call, row, number, count)
+
+
+def _draft_and_insert(
+    call: _Call, row: StudyRow, number: int, count: int, flight: _Flight | None = None
+) -> Assignment | None:
+    """Draft ``count`` trials (and one per waiter of the flight), insert them, lease the first."""
+    if flight is not None:  # one more per waiter: real demand, never asked in vain
+        with flight.changed:
+            count += flight.waiting
+    storage = call.state.storage
+    how = strategy(storage, row)
+    try:
+        with phase("next", "draft"):
+            drafts = [
+                draft_trial(storage, row.study_id, row.name, how.sampler, how.space, number + i)
+                for i in range(count)
+            ]
+    except KeyError:  # deleted from Optuna underneath; the other studies may have work
+        return None
+    with fleet_transaction(call.state, "next") as session, phase("next", "insert"):
+        worker = running_worker(session, call.worker_id)
+        asked = _record_asked(session, worker, row.study_id, drafts, call.now)
+        if asked:
+            return _lease(session, call, asked[0], worker)
+    return None
+
+
+def _lease(session: Session, call: _Call, trial: TrialRow, worker: WorkerRow) -> Assignment:
     """Grant the worker a lease on the trial; the assignment it is answered with."""
+    with phase("next", "lease"):
+        return _assignment(session, call, trial, worker)
+
+
+def _assignment(session: Session, call: _Call, trial: TrialRow, worker: WorkerRow) -> Assignment:
     row = session.get_one(StudyRow, trial.study_id)
-    lease = grant(session, trial, worker, now, state.settings.lease_ttl_s)
+    lease = grant(session, trial, worker, call.now, call.state.settings.lease_ttl_s)
     session.flush()
     spec = spec_of(row)
-    params = asked_trial(state.storage, row, trial).params
+    params = asked_trial(call.state.storage, row, trial).params
     config = {**spec.task_config, **params}
     return Assignment(
         trial_id=trial.trial_id,
@@ -106,17 +213,14 @@ def _lease(
             PlanOut.model_validate(plan) for plan in plans_on(trial.plans_tried, worker.card_model)
         ],
         predictions=predictions.shared_for(session, worker, row.task, config),
-        larger_card_bytes=_larger_card(session, state, worker, row.task, now),
+        larger_card_bytes=_larger_card(session, call, worker, row.task),
     )
 
 
-def _larger_card(
-    session: Session, state: AppState, worker: WorkerRow, task: str, now: datetime
-) -> int | None:
+def _larger_card(session: Session, call: _Call, worker: WorkerRow, task: str) -> int | None:
     """The largest live card of another worker for `task`, when larger than this worker's
     (worker/time_routing.py hands a slow resize back to it)."""
-    stale_s = state.settings.worker_stale_s
-    largest = live_capacity(session, task, now, stale_s, exclude=worker.id)
+    largest = largest_card(call.live_cards(session, task), exclude=worker.id)
     return largest if largest > worker.total_bytes else None
 
 
@@ -164,14 +268,12 @@ def _budget_left(session: Session, row: StudyRow) -> int:
     return spec_of(row).n_trials - int(session.scalar(used) or 0)
 
 
-def _ask_count(session: Session, row: StudyRow, left: int) -> int:
+def _ask_count(session: Session, call: _Call, row: StudyRow, left: int) -> int:
     """How many trials to ask in one go (see ASK_AHEAD_SAMPLERS), within the budget left."""
     if spec_of(row).sampler.name not in ASK_AHEAD_SAMPLERS:
         return 1
-    running = select(func.count()).where(
-        TrialRow.study_id == row.study_id, TrialRow.status == "leased"
-    )
-    return max(1, min(left, ASK_AHEAD_MAX, int(session.scalar(running) or 0) // 2))
+    workers = len(call.live_cards(session, row.task))
+    return max(1, min(left, ASK_AHEAD_MAX, workers // 2))
 
 
 def _record_asked(
@@ -187,19 +289,18 @@ def _record_asked(
     for the few statements of the insert only (the sampler ran before). The trials are
     pending: the caller leases the first, the next calls are offered the others.
 
-    Workers that found no pending trial together all drafted and queued on that lock; the
-    first inserted trials ahead for the others. Once it holds the lock, an ask takes such a
-    trial and drops its drafts (Optuna never saw them): the study is not over-asked, and the
-    queue on the lock drains at the cost of one read each, not one insert each.
+    An ask that finds, once it holds the lock, a trial another ask inserted meanwhile leases
+    that one (it waited longer) and still inserts its drafts: they wait as pending trials for
+    the next calls. Dropping them kept the pool of pending trials empty under load, so that
+    every ``next`` queued on the lock (service.fleet.dispatch._Flight).
     """
     row = session.scalar(
         select(StudyRow).where(StudyRow.study_id == study_id, StudyRow.paused.is_(False))
     )
-    if row is None or not optuna_rows.lock_study(session, study_id):
-        return []  # paused or deleted meanwhile
+    with phase("next", "study_lock"):
+        if row is None or not optuna_rows.lock_study(session, study_id):
+            return []  # paused or deleted meanwhile
     inserted_meanwhile = _offered(session, worker, [row])
-    if inserted_meanwhile is not None:
-        return [inserted_meanwhile]
     asked = optuna_rows.insert_trials(
         session, study_id, drafts[: max(_budget_left(session, row), 0)], now
     )
@@ -218,4 +319,4 @@ def _record_asked(
         for trial in asked
     ]
     session.add_all(trials)
-    return trials
+    return trials if inserted_meanwhile is None else [inserted_meanwhile, *trials]

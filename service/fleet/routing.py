@@ -58,19 +58,26 @@ class OptunaTell:
     now: datetime
 
 
-def live_capacity(
-    session: Session, task: str, now: datetime, stale_s: float, exclude: int | None = None
-) -> int:
-    """The largest card (total bytes) of a live worker that runs ``task``; 0 when none."""
+def live_cards(session: Session, task: str, now: datetime, stale_s: float) -> dict[int, int]:
+    """The live workers that run ``task``: worker id -> card size (total bytes)."""
     cutoff = now - timedelta(seconds=stale_s)
     query = select(WorkerRow.id, WorkerRow.total_bytes, WorkerRow.tasks).where(
         WorkerRow.stopped.is_(False), WorkerRow.last_heartbeat >= cutoff
     )
     # tasks is a JSON list: filtered here, portably, rather than with a dialect's JSON operator
-    sizes = [
-        total for wid, total, tasks in session.execute(query) if task in tasks and wid != exclude
-    ]
-    return max(sizes, default=0)
+    return {wid: total for wid, total, tasks in session.execute(query) if task in tasks}
+
+
+def largest_card(cards: dict[int, int], exclude: int | None = None) -> int:
+    """The largest of ``live_cards`` but the excluded worker's; 0 when none."""
+    return max((total for wid, total in cards.items() if wid != exclude), default=0)
+
+
+def live_capacity(
+    session: Session, task: str, now: datetime, stale_s: float, exclude: int | None = None
+) -> int:
+    """The largest card (total bytes) of a live worker that runs ``task``; 0 when none."""
+    return largest_card(live_cards(session, task, now, stale_s), exclude)
 
 
 def headroom(footprint: int, card_bytes: int) -> float:

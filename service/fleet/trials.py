@@ -199,9 +199,19 @@ def objective_values(spec: StudyCreate, body: CompleteRequest) -> list[float]:
 
 def complete(call: TrialCall, trial_id: int, body: CompleteRequest) -> TrialAck:
     """Tell Optuna the value(s), with the plan, the peaks and a feasible memory constraint."""
+    return complete_by(call, trial_id, body)[0]
+
+
+def complete_by(call: TrialCall, trial_id: int, body: CompleteRequest) -> tuple[TrialAck, int]:
+    """``complete``, and the id of the worker whose lease it was (it may ask for its next)."""
     fenced = call.fence(trial_id, body.lease, "complete")
     if fenced.replay is not None:
-        return fenced.replay
+        return fenced.replay, fenced.worker.id
+    return _complete(call, fenced, body), fenced.worker.id
+
+
+def _complete(call: TrialCall, fenced: Fenced, body: CompleteRequest) -> TrialAck:
+    trial_id = fenced.trial.trial_id
     spec = spec_of(fenced.study)
     values = objective_values(spec, body)  # 422 before anything is written
     worker, peak = fenced.worker, body.measured.peak_bytes

@@ -28,6 +28,7 @@ from service.db.engine import is_sqlite
 from service.db.tables import LeaseRow, StudyRow, TokenRow, TrialRow, WorkerRow
 from service.fleet.leases import active_leases, end, resolution
 from service.fleet.routing import reoffer
+from service.metrics import phase
 from service.settings import Settings
 from service.state import AppState
 from service.wire import (
@@ -46,10 +47,16 @@ _sqlite_writes = threading.Lock()
 
 
 @contextmanager
-def fleet_transaction(state: AppState) -> Iterator[Session]:
-    """One use case, one transaction; serialized in-process on SQLite (see the module doc)."""
+def fleet_transaction(state: AppState, call: str = "other") -> Iterator[Session]:
+    """One use case, one transaction; serialized in-process on SQLite (see the module doc).
+
+    The wait for a pooled connection (and its pre-ping) is observed as the call's ``connect``
+    phase (service.metrics.phase): a pool too small for the fleet shows there.
+    """
     lock = _sqlite_writes if is_sqlite(state.settings.database_url) else nullcontext()
     with lock, state.sessions() as session, session.begin():
+        with phase(call, "connect"):
+            session.connection()
         yield session
 
 

@@ -41,8 +41,19 @@ _STUDIES = optuna_tables.studies
 
 
 def lock_study(session: Session, study_id: int) -> bool:
-    """Lock Optuna's study row until commit, as RDBStorage does to number a new trial."""
-    query = select(_STUDIES.c.study_id).where(_STUDIES.c.study_id == study_id).with_for_update()
+    """Lock Optuna's study row until commit, as RDBStorage does to number a new trial.
+
+    ``FOR NO KEY UPDATE``, not RDBStorage's ``FOR UPDATE``: both exclude each other and
+    themselves (askers still number one at a time), but it does not wait for the ``KEY SHARE``
+    lock that every insert referencing the study holds until commit (a complete's observation
+    row, any trial call's rows): with ``FOR UPDATE`` an ask waited for every trial call in
+    flight, ~110 ms of a ~220 ms ``next`` at 16 workers. A no-op on SQLite.
+    """
+    query = (
+        select(_STUDIES.c.study_id)
+        .where(_STUDIES.c.study_id == study_id)
+        .with_for_update(key_share=True)
+    )
     return session.execute(query).first() is not None
 
 

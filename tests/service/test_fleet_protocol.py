@@ -224,6 +224,7 @@ def test_protocol_runs_a_study_to_its_budget(env: Env) -> None:
         x = assignment["params"]["x"]
         done = worker.complete(assignment, x * x)
         assert done.status_code == 200 and done.json()["resolution"] == "complete"
+        assert set(done.json()) == {"trial_id", "resolution", "detail"}  # a TrialAck, as ever
         seen.append((assignment["number"], x))
     assert [number for number, _ in seen] == [0, 1, 2]
     trials = env.trials()
@@ -274,6 +275,82 @@ def test_complete_twice_is_one_tell_and_the_same_answer(env: Env) -> None:
     assert worker.complete(foreign, 3.0).status_code == 409
     assert env.trials()[0].value == 1.25
     assert worker.complete(second, 0.5).status_code == 200
+
+
+def _complete_asking_next(
+    worker: SimWorker, assignment: dict[str, Any], value: float, **next_body: Any
+) -> httpx.Response:
+    """A complete that also asks for the worker's next trial (CompleteRequest.next)."""
+    body = {"free_bytes": worker.total_bytes, **next_body}
+    return worker.call(
+        assignment,
+        "complete",
+        values=[value],
+        plan=PLAN,
+        measured={"peak_allocated_bytes": GIB},
+        duration_s=1.0,
+        next=body,
+    )
+
+
+def test_complete_asking_next_completes_once_and_leases_the_next(env: Env) -> None:
+    env.create_study(n_trials=3)
+    worker = env.worker("w1")
+    assignment = worker.next()
+    numbers = []
+    while assignment is not None:
+        numbers.append(assignment["number"])
+        worker.call(assignment, "start", plan=PLAN)
+        reply = _complete_asking_next(worker, assignment, assignment["params"]["x"] ** 2)
+        assert reply.status_code == 200, reply.text
+        answer = reply.json()
+        assert answer["resolution"] == "complete" and answer["trial_id"] == assignment["trial_id"]
+        following = answer["next"]
+        if following is not None:  # leased to this worker, as POST /workers/ID/next would
+            assert worker.out()["current_trials"] == [following["trial_id"]]
+        else:
+            assert answer["next_detail"] == "no work for this worker now"
+        last, assignment = assignment, following
+    assert numbers == [0, 1, 2]
+    trials = env.trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
+    assert env.observations() == 3
+    assert (worker.out()["trials_done"], worker.out()["current_trials"]) == (3, [])
+    # the reply was lost: the repeated complete is answered the same, told once
+    again = _complete_asking_next(worker, last, 99.0)
+    assert again.status_code == 200 and again.json()["resolution"] == "complete"
+    assert again.json()["next"] is None  # the budget is spent
+    assert env.trials()[2].value == last["params"]["x"] ** 2
+    assert env.observations() == 3 and worker.out()["trials_done"] == 3
+
+
+def test_complete_asking_next_keeps_the_result_when_no_lease_can_be_granted(env: Env) -> None:
+    env.create_study(n_trials=2)
+    worker = env.worker("w1")
+    assignment = worker.next()
+    assert assignment is not None
+    with env.state.sessions.begin() as session:  # stopped meanwhile, its lease still live
+        session.get_one(WorkerRow, worker.id).stopped = True
+    reply = _complete_asking_next(worker, assignment, 0.25)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["next"] is None and "has stopped" in reply.json()["next_detail"]
+    assert env.trials()[0].state == TrialState.COMPLETE and env.trials()[0].value == 0.25
+    assert [t.state for t in env.trials()] == [TrialState.COMPLETE]  # nothing else asked
+
+
+def test_complete_asking_next_with_bad_input_is_422_naming_the_field(env: Env) -> None:
+    env.create_study()
+    worker = env.worker("w1")
+    assignment = worker.next()
+    assert assignment is not None
+    negative = _complete_asking_next(worker, assignment, 1.0, free_bytes=-1)
+    assert negative.status_code == 422
+    assert negative.json()["detail"][0]["loc"] == ["body", "next", "free_bytes"]
+    unknown = _complete_asking_next(worker, assignment, 1.0, gpus=2)
+    assert unknown.status_code == 422
+    assert unknown.json()["detail"][0]["loc"] == ["body", "next", "gpus"]
+    assert env.trials()[0].state == TrialState.RUNNING  # nothing was written
+    assert _complete_asking_next(worker, assignment, 1.0).status_code == 200
 
 
 def test_wrong_objective_count_is_422_and_the_trial_lives_on(env: Env) -> None:
@@ -756,10 +833,12 @@ def test_next_offers_only_the_studies_a_limited_token_allows(env: Env) -> None:
 def test_random_trials_are_asked_ahead_within_the_budget_and_leased_once(env: Env) -> None:
     env.create_study(n_trials=7)
     workers = [env.worker(f"w{i}") for i in range(9)]
-    first = [worker.next() for worker in workers[:5]]
-    # The fifth next found four leased trials: it asked two (half of them), leased one, and
-    # left the other pending, RUNNING in Optuna, for the next call.
-    assert len(env.trials()) == 6
+    first = [workers[0].next()]
+    # Nine live workers: the first next asked four (half of them), leased one, and left the
+    # others pending, RUNNING in Optuna, for the next calls.
+    assert len(env.trials()) == 4
+    first += [worker.next() for worker in workers[1:5]]
+    assert len(env.trials()) == 7  # the fifth asked three: what the budget had left
     rest = [worker.next() for worker in workers[5:]]
     leased = [a for a in first + rest if a is not None]
     assert len(leased) == 7 and rest[-2:] == [None, None]  # the budget, not one more
@@ -771,10 +850,12 @@ def test_an_ask_that_waited_takes_the_trial_another_ask_inserted_meanwhile(
     env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two workers find no pending trial and both draft; the second to reach Optuna's study
-    lock leases a trial the first asked ahead, and its own drafts are never written."""
+    lock leases a trial the first asked ahead, and its own drafts wait as pending trials."""
     env.create_study(n_trials=20)
-    assert all(env.worker(f"w{i}").next() is not None for i in range(4))  # 4 leased: asks of 2
+    early = [env.worker(f"w{i}") for i in range(4)]
     racer, late = env.worker("racer"), env.worker("late")
+    # Six live workers: asks of three; the first three nexts leave no trial pending.
+    assert all(worker.next() is not None for worker in early[:3])
     raced: list[dict[str, Any] | None] = []
 
     def draft_while_another_asks(*args: Any, **kwargs: Any) -> FrozenTrial:
@@ -786,9 +867,28 @@ def test_an_ask_that_waited_takes_the_trial_another_ask_inserted_meanwhile(
     assignment = next_assignment(env.state, late.id, NextRequest(free_bytes=GIB), utcnow())
     [first] = raced
     assert first is not None and assignment is not None
-    # The racer asked two (trials 4 and 5) and leased one; the late ask leased the other.
-    assert sorted([first["number"], assignment.number]) == [4, 5]
-    assert len(env.trials()) == 6  # not 8: the late ask's two drafts were dropped
+    # The racer asked three (trials 3 to 5) and leased the first; the late ask leased the
+    # next, and inserted its three drafts (6 to 8) for the calls to come.
+    assert sorted([first["number"], assignment.number]) == [3, 4]
+    assert len(env.trials()) == 9
+
+
+def test_concurrent_asks_in_one_process_lease_every_trial_once(env: Env) -> None:
+    """Threads of one process that find no pending trial wait for one asker (dispatch._Flight)
+    instead of queueing on the study lock; every trial of the budget is leased exactly once."""
+    env.create_study(n_trials=12)
+    workers = [env.worker(f"w{i}") for i in range(12)]
+
+    def lease(worker: SimWorker) -> Assignment | None:
+        return next_assignment(env.state, worker.id, NextRequest(free_bytes=GIB), utcnow())
+
+    with ThreadPoolExecutor(len(workers)) as pool:
+        leased = list(pool.map(lease, workers))
+    assert all(a is not None for a in leased)
+    assert sorted(a.number for a in leased if a is not None) == list(range(12))
+    assert len({a.trial_id for a in leased if a is not None}) == 12
+    assert len(env.trials()) == 12  # the budget, not one more
+    assert [worker.next() for worker in workers[:2]] == [None, None]
 
 
 def test_a_sampler_that_reads_the_study_is_asked_one_trial_at_a_time(env: Env) -> None:

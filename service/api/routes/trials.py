@@ -7,14 +7,17 @@ from typing import Annotated, TypeVar
 
 from fastapi import APIRouter, Path
 from pydantic import BaseModel
+from sqlalchemy.exc import SQLAlchemyError
 
 from service.api.deps import StateDep
+from service.api.errors import DomainError
 from service.auth.tokens import Principal, PrincipalDep
-from service.fleet import trials as fleet_trials
+from service.fleet import dispatch, trials as fleet_trials
 from service.fleet.trials import TrialCall
 from service.fleet.workers import fleet_transaction
 from service.state import AppState
 from service.wire import (
+    CompleteReply,
     CompleteRequest,
     FailRequest,
     HandBackRequest,
@@ -39,7 +42,7 @@ def _run(
     body: Body,
 ) -> Reply:
     """One trial call in one fleet transaction, by the token of the lease's worker."""
-    with fleet_transaction(state) as session:
+    with fleet_transaction(state, use_case.__name__) as session:
         call = TrialCall(session, state.storage, state.settings, state.clock(), principal.token_id)
         return use_case(call, trial_id, body)
 
@@ -60,12 +63,34 @@ def report(
     return _run(state, principal, fleet_trials.report, trial_id, body)
 
 
-@router.post("/{trial_id}/complete")
+# exclude_unset: a complete that did not ask for its next trial is answered a TrialAck, as
+# before (workers that validate it strictly, extra fields forbidden, keep working).
+@router.post("/{trial_id}/complete", response_model_exclude_unset=True)
 def complete(
     trial_id: TrialId, body: CompleteRequest, state: StateDep, principal: PrincipalDep
-) -> TrialAck:
-    """The trial's value(s), plan and peaks; told to Optuna once (idempotent per lease)."""
-    return _run(state, principal, fleet_trials.complete, trial_id, body)
+) -> CompleteReply:
+    """The trial's value(s), plan and peaks; told to Optuna once (idempotent per lease).
+
+    With ``next``, the worker's next trial is leased too, in a transaction of its own once the
+    complete has committed: a lease that cannot be granted leaves the result told, and says
+    why in ``next_detail``. A repeated complete (a lost reply) leases anew; a trial leased by
+    the lost reply is re-offered once its lease expires (its worker never heard of it).
+    """
+    with fleet_transaction(state, "complete") as session:
+        call = TrialCall(session, state.storage, state.settings, state.clock(), principal.token_id)
+        ack, worker_id = fleet_trials.complete_by(call, trial_id, body)
+    reply = CompleteReply(**ack.model_dump())
+    if body.next is not None:
+        reply.next, reply.next_detail = None, ""  # set: answered even when null
+        try:
+            reply.next = dispatch.next_assignment(
+                state, worker_id, body.next, state.clock(), principal.studies, principal.token_id
+            )
+        except (DomainError, SQLAlchemyError) as error:  # told already: the result stands
+            reply.next_detail = f"no trial leased: {error}"
+        else:
+            reply.next_detail = "" if reply.next else "no work for this worker now"
+    return reply
 
 
 @router.post("/{trial_id}/fail")
