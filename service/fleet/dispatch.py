@@ -8,6 +8,7 @@ one ``fleet_transaction`` (service.fleet.workers).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from datetime import datetime
 
 from optuna.trial import FrozenTrial
@@ -20,18 +21,23 @@ from service.fleet.leases import grant
 from service.fleet.routing import live_capacity, plans_on
 from service.fleet.workers import fleet_transaction, running_worker
 from service.optuna import rows as optuna_rows
-from service.optuna.drafts import draft_trial
+from service.optuna.drafts import draft_trials, one_batch_at_a_time
 from service.optuna.glue import asked_trial, spec_of, strategy
 from service.state import AppState
 from service.wire import Assignment, NextRequest, PlanOut
 
-# Samplers that draw without reading the study's trials (random, quasi-Monte Carlo) lose
-# nothing when trials are asked ahead of the workers: one transaction asks several, and the
-# extra ones wait as pending trials (RUNNING in Optuna) for the next calls. As many as half
-# the workers running the study's trials now, at most ASK_AHEAD_MAX: a lone worker asks one
-# at a time. The other samplers see each result before they propose again: one at a time.
-ASK_AHEAD_SAMPLERS = frozenset({"random", "qmc"})
+# Samplers asked ahead of the workers: one transaction asks several, and the extra ones wait
+# as pending trials (RUNNING in Optuna) for the next calls. As many as half the workers running
+# the study's trials now, at most ASK_AHEAD_MAX: a lone worker asks one at a time. Random and
+# quasi-Monte Carlo lose nothing (they do not read the study's trials); TPE's batch shares one
+# Parzen fit on the history as the batch began (service.optuna.tpe: its drafts are not lied
+# about to each other, trials asked before are, constant liar). The other samplers see each
+# result before they propose again: one at a time.
+ASK_AHEAD_SAMPLERS = frozenset({"random", "qmc", "tpe"})
 ASK_AHEAD_MAX = 8
+# Samplers whose batch is costly: one batch of a study at a time per process; the asks that
+# waited for it take its trials (service.optuna.drafts.one_batch_at_a_time).
+ONE_BATCH_SAMPLERS = frozenset({"tpe"})
 
 
 def next_assignment(
@@ -60,22 +66,39 @@ def next_assignment(
             for row, left in _budgets_left(session, studies)
         ]
     for row, number, count in askable:
-        how = strategy(state.storage, row)
-        try:
-            drafts = [
-                draft_trial(
-                    state.storage, row.study_id, row.name, how.sampler, how.space, number + i
-                )
-                for i in range(count)
-            ]
-        except KeyError:  # deleted from Optuna underneath; the other studies may have work
-            continue
-        with fleet_transaction(state) as session:
-            worker = running_worker(session, worker_id)
-            asked = _record_asked(session, worker, row.study_id, drafts, now)
-            if asked:
-                return _lease(session, state, asked[0], worker, now)
+        with _batching(state, row) as waited:
+            # one that waited for another batch first takes a trial of it, drafting none
+            for size in (0, count) if waited else (count,):
+                try:
+                    assignment = _ask_and_lease(state, worker_id, row, number, size, now)
+                except KeyError:  # deleted from Optuna underneath; other studies may have work
+                    break
+                if assignment is not None:
+                    return assignment
     return None
+
+
+def _batching(state: AppState, row: StudyRow) -> AbstractContextManager[bool]:
+    """One batch at a time for ONE_BATCH_SAMPLERS; yields whether this ask waited for one."""
+    if spec_of(row).sampler.name in ONE_BATCH_SAMPLERS:
+        return one_batch_at_a_time(state.storage, row.study_id)
+    return nullcontext(False)
+
+
+def _ask_and_lease(
+    state: AppState, worker_id: int, row: StudyRow, number: int, count: int, now: datetime
+) -> Assignment | None:
+    """Draft ``count`` trials (none: only take one inserted meanwhile), lease the first."""
+    how = strategy(state.storage, row)
+    drafts = (
+        draft_trials(state.storage, row.study_id, row.name, how.sampler, how.space, number, count)
+        if count
+        else []
+    )
+    with fleet_transaction(state) as session:
+        worker = running_worker(session, worker_id)
+        asked = _record_asked(session, worker, row.study_id, drafts, now)
+        return _lease(session, state, asked[0], worker, now) if asked else None
 
 
 def _lease(

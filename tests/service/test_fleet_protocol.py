@@ -31,7 +31,7 @@ from service.db.tables import LeaseRow, MemoryObservationRow, TrialRow, WorkerRo
 from service.fleet import dispatch, predictions
 from service.fleet.dispatch import next_assignment
 from service.fleet.reaper import reap_once
-from service.optuna.drafts import draft_trial
+from service.optuna.drafts import draft_trials
 from service.optuna.glue import dispose_storage
 from service.settings import Settings
 from service.state import AppState, utcnow
@@ -777,12 +777,12 @@ def test_an_ask_that_waited_takes_the_trial_another_ask_inserted_meanwhile(
     racer, late = env.worker("racer"), env.worker("late")
     raced: list[dict[str, Any] | None] = []
 
-    def draft_while_another_asks(*args: Any, **kwargs: Any) -> FrozenTrial:
+    def draft_while_another_asks(*args: Any, **kwargs: Any) -> list[FrozenTrial]:
         if not raced:  # the racer's whole next (its own server process) runs meanwhile
             raced.append(racer.next())
-        return draft_trial(*args, **kwargs)
+        return draft_trials(*args, **kwargs)
 
-    monkeypatch.setattr(dispatch, "draft_trial", draft_while_another_asks)
+    monkeypatch.setattr(dispatch, "draft_trials", draft_while_another_asks)
     assignment = next_assignment(env.state, late.id, NextRequest(free_bytes=GIB), utcnow())
     [first] = raced
     assert first is not None and assignment is not None
@@ -792,10 +792,41 @@ def test_an_ask_that_waited_takes_the_trial_another_ask_inserted_meanwhile(
 
 
 def test_a_sampler_that_reads_the_study_is_asked_one_trial_at_a_time(env: Env) -> None:
-    env.create_study(n_trials=20, sampler={"name": "tpe", "args": {"seed": 3}})
+    env.create_study(n_trials=20, sampler={"name": "nsga2", "args": {"seed": 3}})
     for count, worker in enumerate((env.worker(f"w{i}") for i in range(8)), start=1):
         assert worker.next() is not None
         assert len(env.trials()) == count
+
+
+def test_tpe_is_asked_ahead_and_an_ask_that_waited_for_a_batch_takes_its_trial(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TPE batches as Random does (one Parzen fit a batch, service.optuna.tpe); an ask that
+    waited for another batch of this process takes a trial of it and drafts none, and drafts
+    its own when none is left."""
+    env.create_study(n_trials=20, sampler={"name": "tpe", "args": {"seed": 3}})
+    assert all(env.worker(f"w{i}").next() is not None for i in range(5))
+    assert len(env.trials()) == 6  # the fifth found four leased: asked two, one left pending
+    counts: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> list[FrozenTrial]:
+        counts.append(args[-1])
+        return draft_trials(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def waited_for_another(storage: Any, study_id: int) -> Iterator[bool]:
+        yield True
+
+    monkeypatch.setattr(dispatch, "draft_trials", counted)
+    monkeypatch.setattr(dispatch, "one_batch_at_a_time", waited_for_another)
+    late, later = env.worker("late"), env.worker("later")
+    took = next_assignment(env.state, late.id, NextRequest(free_bytes=GIB), utcnow())
+    assert took is not None and took.number == 5 and counts == []
+    drafted = next_assignment(env.state, later.id, NextRequest(free_bytes=GIB), utcnow())
+    assert drafted is not None and drafted.number == 6 and counts == [3]  # half of 6 leased
+    trials = env.trials()
+    assert [t.number for t in trials] == list(range(9))
+    assert sum(t.state == TrialState.RUNNING for t in trials) == 9
 
 
 def test_a_trial_row_from_before_migration_0002_is_leased_with_optunas_params(env: Env) -> None:
