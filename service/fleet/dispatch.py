@@ -21,7 +21,7 @@ from service.fleet.leases import grant
 from service.fleet.routing import live_capacity, plans_on
 from service.fleet.workers import fleet_transaction, running_worker
 from service.optuna import rows as optuna_rows
-from service.optuna.drafts import draft_trials, one_batch_at_a_time
+from service.optuna.drafts import Turn, draft_trials, one_batch_at_a_time
 from service.optuna.glue import asked_trial, spec_of, strategy
 from service.state import AppState
 from service.wire import Assignment, NextRequest, PlanOut
@@ -62,13 +62,20 @@ def next_assignment(
         if offered is not None:
             return _lease(session, state, offered, worker, now)
         askable = [
-            (row, optuna_rows.count_trials(session, row.study_id), _ask_count(session, row, left))
+            (
+                row,
+                optuna_rows.count_trials(session, row.study_id),
+                _ask_count(session, row, left),
+                left,
+            )
             for row, left in _budgets_left(session, studies)
         ]
-    for row, number, count in askable:
-        with _batching(state, row) as waited:
-            # one that waited for another batch first takes a trial of it, drafting none
-            for size in (0, count) if waited else (count,):
+    for row, number, count, left in askable:
+        with _batching(state, row) as turn:
+            # one that waited for another batch first takes a trial of it, drafting none;
+            # a batch is drafted for the asks queued behind it too
+            count = min(max(count, turn.queued + 1), ASK_AHEAD_MAX, left)
+            for size in (0, count) if turn.waited else (count,):
                 try:
                     assignment = _ask_and_lease(state, worker_id, row, number, size, now)
                 except KeyError:  # deleted from Optuna underneath; other studies may have work
@@ -78,11 +85,11 @@ def next_assignment(
     return None
 
 
-def _batching(state: AppState, row: StudyRow) -> AbstractContextManager[bool]:
-    """One batch at a time for ONE_BATCH_SAMPLERS; yields whether this ask waited for one."""
+def _batching(state: AppState, row: StudyRow) -> AbstractContextManager[Turn]:
+    """One batch at a time for ONE_BATCH_SAMPLERS (first come, first served), else no wait."""
     if spec_of(row).sampler.name in ONE_BATCH_SAMPLERS:
         return one_batch_at_a_time(state.storage, row.study_id)
-    return nullcontext(False)
+    return nullcontext(Turn(waited=False, queued=0))
 
 
 def _ask_and_lease(

@@ -23,6 +23,7 @@ import copy
 import threading
 from collections.abc import Container, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 from weakref import WeakKeyDictionary
@@ -198,24 +199,53 @@ def draft_trial(
     return draft
 
 
-_batch_locks: WeakKeyDictionary[BaseStorage, dict[int, threading.Lock]] = WeakKeyDictionary()
+@dataclass(frozen=True)
+class Turn:
+    """An ask's turn to draft a study's batch: whether it waited, how many wait behind it."""
+
+    waited: bool
+    queued: int
+
+
+class _Turns:
+    """First come, first served turns (a ``threading.Lock`` wakes waiters in no order, and
+    one ask could wait through many batches)."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._issued = 0
+        self._serving = 0
+
+    @contextmanager
+    def turn(self) -> Iterator[Turn]:
+        with self._changed:
+            ticket = self._issued
+            self._issued += 1
+            waited = ticket != self._serving
+            self._changed.wait_for(lambda: self._serving == ticket)
+            queued = self._issued - ticket - 1
+        try:
+            yield Turn(waited, queued)
+        finally:
+            with self._changed:
+                self._serving += 1
+                self._changed.notify_all()
+
+
+_turns: WeakKeyDictionary[BaseStorage, dict[int, _Turns]] = WeakKeyDictionary()
 _registry_lock = threading.Lock()
 
 
 @contextmanager
-def one_batch_at_a_time(storage: BaseStorage, study_id: int) -> Iterator[bool]:
-    """Hold the study's drafting lock of this process; yields whether another batch held it.
+def one_batch_at_a_time(storage: BaseStorage, study_id: int) -> Iterator[Turn]:
+    """Take the study's drafting turn in this process, first come first served.
 
     For samplers whose batches are costly (TPE): the asks that find no pending trial while a
     batch is drafted wait for it and take one of its trials instead of each fitting their
-    own. Replicas have their own locks; Optuna's study-row lock orders their inserts.
+    own, and a batch can be sized for the asks queued behind it. Replicas have their own
+    turns; Optuna's study-row lock orders their inserts.
     """
     with _registry_lock:
-        lock = _batch_locks.setdefault(storage, {}).setdefault(study_id, threading.Lock())
-    waited = not lock.acquire(blocking=False)
-    if waited:
-        lock.acquire()
-    try:
-        yield waited
-    finally:
-        lock.release()
+        turns = _turns.setdefault(storage, {}).setdefault(study_id, _Turns())
+    with turns.turn() as turn:
+        yield turn

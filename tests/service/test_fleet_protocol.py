@@ -31,7 +31,7 @@ from service.db.tables import LeaseRow, MemoryObservationRow, TrialRow, WorkerRo
 from service.fleet import dispatch, predictions
 from service.fleet.dispatch import next_assignment
 from service.fleet.reaper import reap_once
-from service.optuna.drafts import draft_trials
+from service.optuna.drafts import Turn, draft_trials
 from service.optuna.glue import dispose_storage
 from service.settings import Settings
 from service.state import AppState, utcnow
@@ -814,8 +814,8 @@ def test_tpe_is_asked_ahead_and_an_ask_that_waited_for_a_batch_takes_its_trial(
         return draft_trials(*args, **kwargs)
 
     @contextlib.contextmanager
-    def waited_for_another(storage: Any, study_id: int) -> Iterator[bool]:
-        yield True
+    def waited_for_another(storage: Any, study_id: int) -> Iterator[Turn]:
+        yield Turn(waited=True, queued=0)
 
     monkeypatch.setattr(dispatch, "draft_trials", counted)
     monkeypatch.setattr(dispatch, "one_batch_at_a_time", waited_for_another)

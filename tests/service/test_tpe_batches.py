@@ -8,6 +8,7 @@ replica) tells is seen by the next batch, never a stale RUNNING or COMPLETE stat
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,8 +18,8 @@ from optuna.distributions import FloatDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from service.db.engine import make_engine, make_sessions
-from service.optuna import rows as optuna_rows
-from service.optuna.drafts import DraftStorage, draft_trials, one_batch_at_a_time
+from service.optuna import drafts as drafts_module, rows as optuna_rows
+from service.optuna.drafts import DraftStorage, Turn, draft_trials, one_batch_at_a_time
 from service.optuna.glue import dispose_storage, make_storage
 from service.optuna.tpe import SharedFitTPESampler
 from service.state import utcnow
@@ -139,9 +140,33 @@ def test_a_batch_reads_the_study_once(study: optuna.Study) -> None:
     assert [t.number for t in history] == [30, 31, 32, 33], "the batch's drafts see each other"
 
 
-def test_one_batch_at_a_time_tells_the_ask_that_waited() -> None:
+def test_turns_are_taken_in_order_and_count_the_asks_queued_behind() -> None:
     storage = optuna.storages.InMemoryStorage()
-    with one_batch_at_a_time(storage, 1) as waited:
-        assert not waited
+    with one_batch_at_a_time(storage, 1) as turn:
+        assert turn == Turn(waited=False, queued=0)
+    order: list[tuple[str, Turn]] = []
+    pause = threading.Event()  # never set: a short sleep while an asker takes its ticket
+
+    def ask(name: str) -> None:
+        with one_batch_at_a_time(storage, 1) as turn:
+            order.append((name, turn))
+
     with one_batch_at_a_time(storage, 1) as first, one_batch_at_a_time(storage, 2) as other:
-        assert not first and not other  # one lock per study
+        assert not first.waited and not other.waited  # one turn per study
+        askers = []
+        for name in ("a", "b", "c"):
+            askers.append(threading.Thread(target=ask, args=(name,)))
+            askers[-1].start()
+            while _tickets(storage, 1) < len(askers) + 1:  # until it holds its ticket
+                pause.wait(0.001)
+    for asker in askers:
+        asker.join()
+    assert order == [
+        ("a", Turn(waited=True, queued=2)),
+        ("b", Turn(waited=True, queued=1)),
+        ("c", Turn(waited=True, queued=0)),
+    ]
+
+
+def _tickets(storage: optuna.storages.BaseStorage, study_id: int) -> int:
+    return drafts_module._turns[storage][study_id]._issued
