@@ -13,6 +13,14 @@ CPU plans while it feeds the card (on a CPU-only worker the two share the cores)
 A trial prepared here is the main thread's from `take()`: it reports, hands back or fails it
 there. When the worker stops with a prepared trial, `release` gives it back (failed
 'interrupted': the server re-offers it, no attempt counted).
+
+Hand-backs in the background (`settle`): a trial whose choice is a hand-back never runs on this
+card, so there is nothing for the main thread to wait for. Given `settle`, the thread hands it
+back itself (settle returns True) and leases and plans the next trial, again and again while
+the current trial trains, so the plan after a hand-back is off the card's time too. It stops
+leasing once `take()` is called (the current trial ended: the choice in progress is finished and
+handed over, never another one begun) or `keep_going()` says no (the worker stops, or reached
+its trial cap).
 """
 
 from __future__ import annotations
@@ -44,15 +52,21 @@ class PlanAhead(Generic[Chosen]):
         lease: Callable[[int], Assignment | None],
         choose: Callable[[Assignment, int], Chosen | None],
         failed: Callable[[Exception], None],
+        settle: Callable[[Prepared[Chosen]], bool] | None = None,
+        keep_going: Callable[[], bool] = lambda: True,
     ) -> None:
         self._lease, self._choose, self._failed = lease, choose, failed
+        self._settle, self._keep_going = settle, keep_going
         self._thread: threading.Thread | None = None
         self._result: Prepared[Chosen] | None = None
+        self._taking = threading.Event()  # the main thread wants the result: lease no more
+        self.settled = 0  # trials seen to their end in the background (handed back)
 
     def begin(self, free_bytes: int) -> None:
         """Lease and plan the next trial in the background for a card with `free_bytes` free."""
         if self._thread is not None:
             return  # one ahead at most: the one prepared is not taken yet
+        self._taking.clear()
         self._thread = threading.Thread(
             target=self._prepare, args=(free_bytes,), name="plan-ahead", daemon=True
         )
@@ -62,6 +76,7 @@ class PlanAhead(Generic[Chosen]):
         """The trial prepared in the background (waiting for its choice), or None."""
         if self._thread is None:
             return None
+        self._taking.set()
         self._thread.join()
         prepared, self._thread, self._result = self._result, None, None
         return prepared
@@ -73,16 +88,34 @@ class PlanAhead(Generic[Chosen]):
             give_back(prepared.assignment)
 
     def _prepare(self, free_bytes: int) -> None:
+        while True:
+            prepared = self._prepare_one(free_bytes)
+            if prepared is None or self._settle is None:
+                self._result = prepared
+                return
+            try:
+                settled = self._settle(prepared)
+            except Exception as error:  # settle owns the trial's calls; stop planning ahead
+                self._failed(error)
+                return
+            if not settled:  # it runs here: the main thread's, when the card is free
+                self._result = prepared
+                return
+            self.settled += 1
+            if self._taking.is_set() or not self._keep_going():
+                return  # the card is free again (or the worker stops): the main thread leases
+
+    def _prepare_one(self, free_bytes: int) -> Prepared[Chosen] | None:
         try:
             assignment = self._lease(free_bytes)
         except Exception as error:  # the main thread leases again itself
             self._failed(error)
-            return
+            return None
         if assignment is None:
-            return
+            return None
         try:
             chosen = self._choose(assignment, free_bytes)
         except Exception as error:  # chosen again, and failed there, by the main thread
             self._failed(error)
             chosen = None
-        self._result = Prepared(assignment, chosen)
+        return Prepared(assignment, chosen)

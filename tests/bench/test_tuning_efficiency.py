@@ -40,6 +40,9 @@ def test_quick_mode_runs_every_arm_on_real_training(quick: tuple[dict, Path]) ->
     # without it every plan choice is on the card's clock
     on_clock = rows["vramtune-plan-on-clock"]
     assert on_clock["planning_s"] == pytest.approx(on_clock["planning_total_s"])
+    # only --plan-ahead hands trials back in the background (while the card trains)
+    assert on_clock["handed_back_ahead"] == 0
+    assert rows["vramtune"]["handed_back_ahead"] >= 0
 
 
 def test_quick_mode_writes_the_plot_and_the_targets(quick: tuple[dict, Path]) -> None:
