@@ -62,11 +62,16 @@ def _draft(study: optuna.Study, sampler: optuna.samplers.BaseSampler, count: int
     return draft_trials(study._storage, study._study_id, NAME, sampler, SPACE, number, count)
 
 
-def test_a_batch_of_one_is_what_optunas_tpe_proposes(study: optuna.Study) -> None:
+@pytest.mark.parametrize(
+    "args", [{}, {"constant_liar": False}, {"multivariate": False}, {"n_ei_candidates": 5}]
+)
+def test_a_batch_of_one_is_what_optunas_tpe_proposes(
+    study: optuna.Study, args: dict[str, Any]
+) -> None:
     """The batch path (Optuna's _sample split in two) draws as Optuna's own TPESampler."""
     for seed in (1, 2, 3):
-        ours = _draft(study, SharedFitTPESampler(seed=seed), 1)[0].params
-        optunas = _draft(study, optuna.samplers.TPESampler(seed=seed), 1)[0].params
+        ours = _draft(study, SharedFitTPESampler(seed=seed, **args), 1)[0].params
+        optunas = _draft(study, optuna.samplers.TPESampler(seed=seed, **args), 1)[0].params
         assert ours == optunas
 
 
