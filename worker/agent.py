@@ -43,7 +43,7 @@ from worker.api import LeaseLost, Rejected, ServerClient, ServerUnavailable
 from worker.delivery import Delivery
 from worker.events import AgentLog
 from worker.heartbeat import Heartbeats, RunningTrial
-from worker.lookahead import PlanAhead
+from worker.lookahead import PlanAhead, Prepared
 from worker.policy import Decision, HandBack, RunAsPlanned, choose_plan, measured_step_time
 from worker.runner import (
     CardSpec,
@@ -173,7 +173,11 @@ class Agent:
             client, self.spool, self.log, lambda: self.stop, options.shutdown_grace_s
         )
         self.ahead: PlanAhead[Chosen] = PlanAhead(
-            self.lease, self._choose_ahead, lambda e: self.event("plan_ahead_failed", error=str(e))
+            self.lease,
+            self._choose_ahead,
+            lambda e: self.event("plan_ahead_failed", error=str(e)),
+            settle=self._hand_back_ahead,
+            keep_going=lambda: not self.stop.is_set() and not self.reached_max_trials(),
         )
 
     # ------------------------------------------------------------ life cycle
@@ -485,6 +489,21 @@ class Agent:
             reason=decision.reason,
             **how,
         )
+
+    def _hand_back_ahead(self, prepared: Prepared[Chosen]) -> bool:
+        """Hand back, from the plan-ahead thread, a trial planned ahead that will not run on
+        this card (worker.lookahead's `settle`); False when it runs here."""
+        if prepared.chosen is None:
+            return False
+        decision, choice, how = prepared.chosen
+        if not isinstance(decision, HandBack):
+            return False
+        assignment = prepared.assignment
+        try:
+            self.guarded(assignment, lambda: self.hand_back(assignment, decision, choice, how))
+        finally:
+            self.heartbeats.release(assignment.trial_id)
+        return True
 
     # ------------------------------------------------------------ helpers
 

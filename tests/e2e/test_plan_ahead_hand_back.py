@@ -1,14 +1,10 @@
 """--plan-ahead hands back in the background a trial planned ahead that this card would hand
 back, and plans the next one while the current trial trains (worker/lookahead.py's `settle`).
 
-Real server, real agents in-process. Skipped until worker/agent.py passes `settle` to its
-PlanAhead (`Agent._hand_back_ahead`, proposed in the efficiency report of 2026-12-04: agent.py
-was being changed by another helper that round).
+Real server, real agents in-process (worker/agent.py's `Agent._hand_back_ahead` is the settle).
 """
 
 from __future__ import annotations
-
-import pytest
 
 from service.testing import ServerProcess
 from tests.e2e.conftest import Studies, finished
@@ -17,10 +13,6 @@ from worker.api import ServerClient
 from worker.gpu import parse_size, simulated_card
 from worker.runner import CardSpec
 from worker.tasks.quadratic import QuadraticTask
-
-pytestmark = pytest.mark.skipif(
-    not hasattr(Agent, "_hand_back_ahead"), reason="agent does not wire PlanAhead's settle yet"
-)
 
 # 272 MiB as asked at batch 32 (16 fixed + 32 samples x 8 MiB): a 59 MiB card holds it only in
 # micro-batches, predicted over 2x slower a step (worker/time_routing.py) by the fixed model (no
