@@ -25,19 +25,22 @@ from service.fleet.routing import largest_card, live_cards, plans_on
 from service.fleet.workers import fleet_transaction, running_worker
 from service.metrics import phase
 from service.optuna import rows as optuna_rows
-from service.optuna.drafts import draft_trial
+from service.optuna.drafts import draft_trials
 from service.optuna.glue import asked_trial, spec_of, strategy
 from service.state import AppState
 from service.wire import Assignment, NextRequest, PlanOut
 
-# Samplers that draw without reading the study's trials (random, quasi-Monte Carlo) lose
-# nothing when trials are asked ahead of the workers: one transaction asks several, and the
-# extra ones wait as pending trials (RUNNING in Optuna) for the next calls. As many as half
-# the live workers of the study's task, at most ASK_AHEAD_MAX: a lone worker asks one at a
-# time. (Half the workers holding a lease, as before, shrank under load, when most workers
-# were waiting in ``next``: at 16 workers most asks were of one trial.) The other samplers
-# see each result before they propose again: one at a time.
-ASK_AHEAD_SAMPLERS = frozenset({"random", "qmc"})
+# Samplers asked ahead of the workers: one transaction asks several, and the extra ones wait
+# as pending trials (RUNNING in Optuna) for the next calls. Random and quasi-Monte Carlo lose
+# nothing (they do not read the study's trials): as many as half the live workers of the
+# study's task, at most ASK_AHEAD_MAX, a lone worker asking one at a time. (Half the workers
+# holding a lease, as before, shrank under load, when most workers were waiting in ``next``.)
+# TPE asks for the workers waiting now only (one per waiter of the study's _Flight), and a
+# batch shares one Parzen fit on the history as it began (service.optuna.tpe: its drafts are
+# not lied about to each other; trials asked before are, constant liar). The other samplers
+# see each result before they propose again: one at a time, side by side.
+ASK_AHEAD_SAMPLERS = frozenset({"random", "qmc", "tpe"})
+HISTORY_FREE_SAMPLERS = frozenset({"random", "qmc"})
 ASK_AHEAD_MAX = 16
 
 
@@ -163,15 +166,14 @@ def _draft_and_insert(
     """Draft ``count`` trials (and one per waiter of the flight), insert them, lease the first."""
     if flight is not None:  # one more per waiter: real demand, never asked in vain
         with flight.changed:
-            count += flight.waiting
+            count = min(count + flight.waiting, ASK_AHEAD_MAX)
     storage = call.state.storage
     how = strategy(storage, row)
     try:
         with phase("next", "draft"):
-            drafts = [
-                draft_trial(storage, row.study_id, row.name, how.sampler, how.space, number + i)
-                for i in range(count)
-            ]
+            drafts = draft_trials(
+                storage, row.study_id, row.name, how.sampler, how.space, number, count
+            )
     except KeyError:  # deleted from Optuna underneath; the other studies may have work
         return None
     with fleet_transaction(call.state, "next") as session, phase("next", "insert"):
@@ -270,8 +272,8 @@ def _budget_left(session: Session, row: StudyRow) -> int:
 
 def _ask_count(session: Session, call: _Call, row: StudyRow, left: int) -> int:
     """How many trials to ask in one go (see ASK_AHEAD_SAMPLERS), within the budget left."""
-    if spec_of(row).sampler.name not in ASK_AHEAD_SAMPLERS:
-        return 1
+    if spec_of(row).sampler.name not in HISTORY_FREE_SAMPLERS:
+        return 1  # TPE: one, and one per waiter (_draft_and_insert)
     workers = len(call.live_cards(session, row.task))
     return max(1, min(left, ASK_AHEAD_MAX, workers // 2))
 

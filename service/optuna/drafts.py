@@ -7,6 +7,12 @@ history as usual), the one new trial and the writes made to it stay in memory, a
 ``service.optuna.rows.insert_trial`` writes the finished draft with vramtune's own rows in one
 transaction. Samplers and ``Study.ask`` are Optuna's, unchanged.
 
+Several trials are drafted in one go (``draft_trials``, the ask-ahead of service.fleet.dispatch)
+on one ``DraftStorage``: the study's history is read once, when the first ask reads it, and
+every later ask of the batch sees that history and the batch's earlier drafts (RUNNING, as
+Optuna's concurrent asks see each other). TPE shares one Parzen fit across the batch
+(service.optuna.tpe).
+
 Trials enqueued into WAITING through Optuna directly are not popped by a draft: vramtune asks
 every trial of its studies itself.
 """
@@ -25,26 +31,29 @@ from optuna.study import StudyDirection
 from optuna.study._frozen import FrozenStudy
 from optuna.trial import FrozenTrial, TrialState
 
-DRAFT_ID = -1  # the draft's trial id until it is inserted
+from service.optuna.tpe import shared_fits
+
+DRAFT_ID = -1  # the first draft's trial id until it is inserted (the next: -2, -3, ...)
 
 
 class DraftStorage(BaseStorage):
-    """A study's storage, read-through, holding one new trial's writes in memory."""
+    """A study's storage, its trials read once, holding new trials' writes in memory."""
 
     def __init__(self, storage: BaseStorage, study_id: int, study_name: str, number: int) -> None:
         self._storage = storage
         self._study_id = study_id
         self._study_name = study_name
         self._number = number
-        self.draft: FrozenTrial | None = None
+        self.drafts: list[FrozenTrial] = []
+        self._history: list[FrozenTrial] | None = None
 
-    # ---- the draft trial: created, parameterized and read in memory
+    # ---- the draft trials: created, parameterized and read in memory
 
     def create_new_trial(self, study_id: int, template_trial: FrozenTrial | None = None) -> int:
-        if self.draft is not None or template_trial is not None:
-            raise RuntimeError("a DraftStorage drafts one new trial per ask")
-        self.draft = FrozenTrial(
-            number=self._number,
+        if template_trial is not None:
+            raise RuntimeError("a DraftStorage drafts new trials, not copies")
+        draft = FrozenTrial(
+            number=self._number + len(self.drafts),
             state=TrialState.RUNNING,
             value=None,
             values=None,
@@ -55,14 +64,16 @@ class DraftStorage(BaseStorage):
             user_attrs={},
             system_attrs={},
             intermediate_values={},
-            trial_id=DRAFT_ID,
+            trial_id=DRAFT_ID - len(self.drafts),
         )
-        return DRAFT_ID
+        self.drafts.append(draft)
+        return draft._trial_id
 
     def _own(self, trial_id: int) -> FrozenTrial:
-        if trial_id != DRAFT_ID or self.draft is None:
-            raise RuntimeError(f"a draft ask may write its own trial only, not {trial_id}")
-        return self.draft
+        index = DRAFT_ID - trial_id
+        if not 0 <= index < len(self.drafts):
+            raise RuntimeError(f"a draft ask may write its own trials only, not {trial_id}")
+        return self.drafts[index]
 
     def set_trial_param(
         self,
@@ -90,7 +101,7 @@ class DraftStorage(BaseStorage):
         raise RuntimeError("a draft trial has no intermediate values")
 
     def get_trial(self, trial_id: int) -> FrozenTrial:
-        if trial_id == DRAFT_ID:
+        if trial_id < 0:
             return copy.deepcopy(self._own(trial_id))
         return self._storage.get_trial(trial_id)
 
@@ -102,10 +113,14 @@ class DraftStorage(BaseStorage):
     ) -> list[FrozenTrial]:
         if states == (TrialState.WAITING,):
             return []  # Study.ask looking for an enqueued trial: see the module doc
-        trials = self._storage.get_all_trials(study_id, deepcopy=deepcopy, states=states)
-        if self.draft is not None and (states is None or self.draft.state in states):
-            trials = [*trials, copy.deepcopy(self.draft) if deepcopy else self.draft]
-        return trials
+        if study_id != self._study_id:
+            return self._storage.get_all_trials(study_id, deepcopy=deepcopy, states=states)
+        if self._history is None:  # once per batch: what its asks see (module doc)
+            self._history = self._storage.get_all_trials(study_id, deepcopy=False)
+        trials = [*self._history, *self.drafts]
+        if states is not None:
+            trials = [t for t in trials if t.state in states]
+        return copy.deepcopy(trials) if deepcopy else trials
 
     # ---- the study: read through (study attributes a sampler sets are written through)
 
@@ -144,6 +159,29 @@ class DraftStorage(BaseStorage):
         raise RuntimeError("a DraftStorage asks; it does not delete studies")
 
 
+def draft_trials(
+    storage: BaseStorage,
+    study_id: int,
+    study_name: str,
+    sampler: optuna.samplers.BaseSampler,
+    space: dict[str, BaseDistribution],
+    number: int,
+    count: int = 1,
+) -> list[FrozenTrial]:
+    """Ask the sampler for ``count`` new trials of the study over ``space``, written nowhere yet.
+
+    ``number``: the number the first trial is expected to get (the study's count of trials);
+    the grid sampler picks its point by it. Two concurrent drafts may expect the same number,
+    as two processes asking one RDBStorage may: the inserted trials are numbered exactly.
+    """
+    drafts = DraftStorage(storage, study_id, study_name, number)
+    study = optuna.Study(study_name=study_name, storage=drafts, sampler=sampler)
+    with shared_fits():
+        for _ in range(count):
+            study.ask(fixed_distributions=space)
+    return drafts.drafts
+
+
 def draft_trial(
     storage: BaseStorage,
     study_id: int,
@@ -152,14 +190,6 @@ def draft_trial(
     space: dict[str, BaseDistribution],
     number: int,
 ) -> FrozenTrial:
-    """Ask the sampler for a new trial of the study over ``space``, written nowhere yet.
-
-    ``number``: the number the trial is expected to get (the study's count of trials); the
-    grid sampler picks its point by it. Two concurrent drafts may expect the same number, as
-    two processes asking one RDBStorage may: the inserted trial is numbered exactly.
-    """
-    drafts = DraftStorage(storage, study_id, study_name, number)
-    study = optuna.Study(study_name=study_name, storage=drafts, sampler=sampler)
-    study.ask(fixed_distributions=space)
-    assert drafts.draft is not None
-    return drafts.draft
+    """One new trial (``draft_trials`` with a count of one)."""
+    [draft] = draft_trials(storage, study_id, study_name, sampler, space, number)
+    return draft

@@ -36,6 +36,7 @@ from service.api.errors import Invalid, NotFound
 from service.db.engine import engine_kwargs
 from service.db.tables import StudyRow, TrialRow
 from service.optuna import rows as optuna_rows
+from service.optuna.tpe import SharedFitTPESampler
 from service.wire import (
     CategoricalParam,
     FloatParam,
@@ -140,8 +141,11 @@ def _construct(factory: Callable[..., Any], field: str, **kwargs: Any) -> Any:
         raise Invalid(field, str(exc)) from exc
 
 
+# "tpe" is Optuna's TPESampler with the same arguments and defaults (constant_liar=True since
+# Optuna 4.x: trials asked and not told yet are lied about); trials asked together share one
+# Parzen fit (service.optuna.tpe).
 _SAMPLERS: dict[str, Callable[..., BaseSampler]] = {
-    "tpe": optuna.samplers.TPESampler,
+    "tpe": SharedFitTPESampler,
     "random": optuna.samplers.RandomSampler,
     "nsga2": optuna.samplers.NSGAIISampler,
     "cmaes": optuna.samplers.CmaEsSampler,

@@ -31,7 +31,7 @@ from service.db.tables import LeaseRow, MemoryObservationRow, TrialRow, WorkerRo
 from service.fleet import dispatch, predictions
 from service.fleet.dispatch import next_assignment
 from service.fleet.reaper import reap_once
-from service.optuna.drafts import draft_trial
+from service.optuna.drafts import draft_trials
 from service.optuna.glue import dispose_storage
 from service.settings import Settings
 from service.state import AppState, utcnow
@@ -858,12 +858,12 @@ def test_an_ask_that_waited_takes_the_trial_another_ask_inserted_meanwhile(
     assert all(worker.next() is not None for worker in early[:3])
     raced: list[dict[str, Any] | None] = []
 
-    def draft_while_another_asks(*args: Any, **kwargs: Any) -> FrozenTrial:
+    def draft_while_another_asks(*args: Any, **kwargs: Any) -> list[FrozenTrial]:
         if not raced:  # the racer's whole next (its own server process) runs meanwhile
             raced.append(racer.next())
-        return draft_trial(*args, **kwargs)
+        return draft_trials(*args, **kwargs)
 
-    monkeypatch.setattr(dispatch, "draft_trial", draft_while_another_asks)
+    monkeypatch.setattr(dispatch, "draft_trials", draft_while_another_asks)
     assignment = next_assignment(env.state, late.id, NextRequest(free_bytes=GIB), utcnow())
     [first] = raced
     assert first is not None and assignment is not None
@@ -892,10 +892,32 @@ def test_concurrent_asks_in_one_process_lease_every_trial_once(env: Env) -> None
 
 
 def test_a_sampler_that_reads_the_study_is_asked_one_trial_at_a_time(env: Env) -> None:
-    env.create_study(n_trials=20, sampler={"name": "tpe", "args": {"seed": 3}})
+    env.create_study(n_trials=20, sampler={"name": "nsga2", "args": {"seed": 3}})
     for count, worker in enumerate((env.worker(f"w{i}") for i in range(8)), start=1):
         assert worker.next() is not None
         assert len(env.trials()) == count
+
+
+def test_tpe_asks_one_trial_a_call_and_for_the_asks_that_wait_on_its_asker(env: Env) -> None:
+    """TPE asks ahead only for the asks of this process waiting on the study's asker
+    (dispatch._Flight; a batch shares one Parzen fit, service.optuna.tpe): asks in sequence
+    ask one trial each; concurrent ones lease every trial of the budget exactly once."""
+    env.create_study(n_trials=12, sampler={"name": "tpe", "args": {"seed": 3}})
+    for count, worker in enumerate((env.worker(f"w{i}") for i in range(4)), start=1):
+        assert worker.next() is not None
+        assert len(env.trials()) == count
+    workers = [env.worker(f"c{i}") for i in range(8)]
+
+    def lease(worker: SimWorker) -> Assignment | None:
+        return next_assignment(env.state, worker.id, NextRequest(free_bytes=GIB), utcnow())
+
+    with ThreadPoolExecutor(len(workers)) as pool:
+        leased = list(pool.map(lease, workers))
+    assert all(a is not None for a in leased)
+    assert sorted(a.number for a in leased if a is not None) == list(range(4, 12))
+    trials = env.trials()
+    assert [t.number for t in trials] == list(range(12))  # the budget, not one more
+    assert all(t.state == TrialState.RUNNING for t in trials)
 
 
 def test_a_trial_row_from_before_migration_0002_is_leased_with_optunas_params(env: Env) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import optuna
+import pytest
 from optuna.trial import TrialState
 from sqlalchemy import create_engine, func, select
 from sqlalchemy.pool import NullPool
@@ -93,7 +94,17 @@ def _complete(http: httpx.Client, assignment: dict[str, Any], record: Record) ->
         record.error(f"complete: {response.status_code} {response.text}")
 
 
-def test_two_replicas_sixteen_workers(postgres_url: str, start_server: ServerFactory) -> None:
+@pytest.mark.parametrize(
+    "sampler",
+    [
+        {"name": "random"},
+        # TPE is asked in batches sharing one Parzen fit, one batch per replica at a time
+        {"name": "tpe", "args": {"n_startup_trials": 2}},
+    ],
+)
+def test_two_replicas_sixteen_workers(
+    postgres_url: str, start_server: ServerFactory, sampler: dict[str, Any]
+) -> None:
     url = upgrade_database(postgres_url)
     settings = {"lease_ttl_s": 3, "reaper_interval_s": 0.2, "worker_stale_s": 3}
     servers = [start_server(url, **settings).url for _ in range(2)]
@@ -101,7 +112,7 @@ def test_two_replicas_sixteen_workers(postgres_url: str, start_server: ServerFac
         "name": "replicas",
         "task": "quadratic",
         "search_space": {"x": {"type": "float", "low": -3.0, "high": 3.0}},
-        "sampler": {"name": "random"},
+        "sampler": sampler,
         "pruner": {"name": "none"},
         "n_trials": N_TRIALS,
         "max_attempts": 5,
