@@ -177,7 +177,8 @@ def _ask_in_flight(
 def _draft_and_insert(
     call: _Call, row: StudyRow, number: int, count: int, flight: _Flight | None = None
 ) -> Assignment | None:
-    """Draft ``count`` trials (and one per waiter of the flight), insert them, lease the first."""
+    """Draft ``count`` trials (with a flight: one per call of its demand, if more), insert
+    them, lease the first."""
     if flight is not None:  # one for each call of this process that wants a trial now
         with flight.changed:
             count = min(max(count, flight.demand), ASK_AHEAD_MAX)
