@@ -180,16 +180,3 @@ def draft_trials(
         for _ in range(count):
             study.ask(fixed_distributions=space)
     return drafts.drafts
-
-
-def draft_trial(
-    storage: BaseStorage,
-    study_id: int,
-    study_name: str,
-    sampler: optuna.samplers.BaseSampler,
-    space: dict[str, BaseDistribution],
-    number: int,
-) -> FrozenTrial:
-    """One new trial (``draft_trials`` with a count of one)."""
-    [draft] = draft_trials(storage, study_id, study_name, sampler, space, number)
-    return draft

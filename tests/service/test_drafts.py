@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 from service.api.errors import Conflict
 from service.db.engine import make_engine, make_sessions
 from service.optuna import rows as optuna_rows
-from service.optuna.drafts import DRAFT_ID, draft_trial
+from service.optuna.drafts import DRAFT_ID, draft_trials
 from service.optuna.glue import dispose_storage, make_storage
 from service.state import utcnow
 
@@ -59,7 +59,7 @@ def test_a_draft_writes_nothing_until_inserted_then_optuna_reads_it_whole(
     optuna_study, session = study
     storage = optuna_study._storage
     sid = optuna_study._study_id
-    draft = draft_trial(storage, sid, "drafts", SAMPLERS[name](), SPACE, number=3)
+    [draft] = draft_trials(storage, sid, "drafts", SAMPLERS[name](), SPACE, number=3)
     assert draft._trial_id == DRAFT_ID and draft.state == TrialState.RUNNING
     assert set(draft.params) == set(SPACE)
     assert all(SPACE[k]._contains(SPACE[k].to_internal_repr(v)) for k, v in draft.params.items())
@@ -82,7 +82,9 @@ def test_insert_numbers_after_the_study_and_finish_reads_back_as_optuna_tells(
     optuna_study, session = study
     storage, sid = optuna_study._storage, optuna_study._study_id
     sampler = optuna.samplers.RandomSampler(seed=2)
-    drafts = [draft_trial(storage, sid, "drafts", sampler, SPACE, number=3 + i) for i in range(3)]
+    drafts = [
+        draft_trials(storage, sid, "drafts", sampler, SPACE, number=3 + i)[0] for i in range(3)
+    ]
     now = utcnow()
     with session.begin():
         optuna_rows.lock_study(session, sid)

@@ -873,17 +873,22 @@ def test_an_ask_that_waited_takes_the_trial_another_ask_inserted_meanwhile(
     assert len(env.trials()) == 9
 
 
-def test_concurrent_asks_in_one_process_lease_every_trial_once(env: Env) -> None:
-    """Threads of one process that find no pending trial wait for one asker (dispatch._Flight)
-    instead of queueing on the study lock; every trial of the budget is leased exactly once."""
-    env.create_study(n_trials=12)
-    workers = [env.worker(f"w{i}") for i in range(12)]
+def _lease_at_once(env: Env, workers: list[SimWorker]) -> list[Assignment | None]:
+    """Each worker's `next`, all at once on threads of this process (the server's own)."""
 
     def lease(worker: SimWorker) -> Assignment | None:
         return next_assignment(env.state, worker.id, NextRequest(free_bytes=GIB), utcnow())
 
     with ThreadPoolExecutor(len(workers)) as pool:
-        leased = list(pool.map(lease, workers))
+        return list(pool.map(lease, workers))
+
+
+def test_concurrent_asks_in_one_process_lease_every_trial_once(env: Env) -> None:
+    """Threads of one process that find no pending trial wait for one asker (dispatch._Flight)
+    instead of queueing on the study lock; every trial of the budget is leased exactly once."""
+    env.create_study(n_trials=12)
+    workers = [env.worker(f"w{i}") for i in range(12)]
+    leased = _lease_at_once(env, workers)
     assert all(a is not None for a in leased)
     assert sorted(a.number for a in leased if a is not None) == list(range(12))
     assert len({a.trial_id for a in leased if a is not None}) == 12
@@ -907,12 +912,7 @@ def test_tpe_asks_one_trial_a_call_and_for_the_asks_that_wait_on_its_asker(env: 
         assert worker.next() is not None
         assert len(env.trials()) == count
     workers = [env.worker(f"c{i}") for i in range(8)]
-
-    def lease(worker: SimWorker) -> Assignment | None:
-        return next_assignment(env.state, worker.id, NextRequest(free_bytes=GIB), utcnow())
-
-    with ThreadPoolExecutor(len(workers)) as pool:
-        leased = list(pool.map(lease, workers))
+    leased = _lease_at_once(env, workers)
     assert all(a is not None for a in leased)
     assert sorted(a.number for a in leased if a is not None) == list(range(4, 12))
     trials = env.trials()
