@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import optuna
 import torch
@@ -80,8 +80,15 @@ from worker.training import TorchTaskRunner, TrainingDiverged
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "tuning_efficiency"
 FLEET = ("16MiB", "64MiB", "256MiB")
-ARMS = ("naive", "retry-halving", "vramtune", "vramtune-plan-on-clock")
+ARMS = (
+    "naive",
+    "retry-halving",
+    "vramtune",
+    "vramtune-hand-back-on-clock",
+    "vramtune-plan-on-clock",
+)
 STEPS = 20
+BULKY = ("curve", "attempts", "hand_back_waits", "step_time_observations")  # not printed
 QUICK_SEED = 4
 
 
@@ -90,7 +97,7 @@ class Bench:
     """One task as the benchmark tunes it: a search space scaled to the fleet's cards."""
 
     task: Any
-    direction: str
+    direction: Literal["minimize", "maximize"]
     search_space: dict[str, Any]
     task_config: dict[str, Any]
     budget_s: float  # simulated wall seconds per arm (every card's clock)
@@ -344,6 +351,8 @@ class Attempt:
     value: float | None = None
     plan: str = "as asked"
     changed_hyperparameter: bool = False
+    params: str = ""  # the trial's parameters as Optuna suggested them (JSON)
+    planning_s: float = 0.0  # of the card's busy time, the plan choice it waited for
 
 
 @dataclass
@@ -378,6 +387,7 @@ class Sim:
         self.settled_ahead = 0  # vramtune: hand-backs made in the background (--plan-ahead)
         self.planning_s = 0.0  # planning the cards waited for (on their clocks)
         self.planning_total_s = 0.0  # every plan choice's CPU-seconds, overlapped or not
+        self.hand_back_waits: list[tuple[float, float]] = []  # (start, s) of on-clock hand-backs
         self.step_errors: list[tuple[int, float]] = []  # (trials told before, relative error)
         self.step_observations: list[dict[str, Any]] = []  # what the server's fit was fed
         self.now = 0.0
@@ -437,7 +447,7 @@ def naive(sim: Sim, runs: RealRuns) -> Callable[[CardSpec], Work]:
         outcome, start = runs.run(config, Plan(), card), sim.now
 
         def finish() -> None:
-            sim.record(_attempt(trial.number, card, start, outcome))
+            sim.record(_attempt(trial, card, start, outcome))
             sim.tell(trial, outcome)
 
         return outcome.cpu_s, finish
@@ -456,7 +466,7 @@ def retry_halving(sim: Sim, runs: RealRuns) -> Callable[[CardSpec], Work]:
         batch = asked
         while True:
             outcome = runs.run({**config, batch_param: batch}, Plan(), card)
-            attempt = _attempt(trial.number, card, start + spent, outcome)
+            attempt = _attempt(trial, card, start + spent, outcome)
             attempt.changed_hyperparameter = batch != asked
             attempts.append(attempt)
             spent += outcome.cpu_s
@@ -485,7 +495,7 @@ class Ahead:
 
 
 def vramtune(
-    sim: Sim, runs: RealRuns, planner: Planner, plan_ahead: bool
+    sim: Sim, runs: RealRuns, planner: Planner, plan_ahead: bool, settle: bool = True
 ) -> Callable[[CardSpec], Work]:
     """Plan on the card that asks; hand back, wait for a larger card, or end infeasible.
 
@@ -494,7 +504,10 @@ def vramtune(
     part of that planning that outlasts the run waits on the card's clock. A trial so planned
     that this card hands back is handed back in the background and the next one planned
     (PlanAhead's `settle`), so the plan after a hand-back is off the clock too while the run
-    lasts. Without --plan-ahead the card plans each trial on its own clock, between runs."""
+    lasts. Without --plan-ahead the card plans each trial on its own clock, between runs.
+    With `plan_ahead` and not `settle` (PlanAhead without settle: the arm that isolates
+    background hand-backs) a trial planned ahead that this card hands back waits for the run
+    to end; the main thread hands it back then and plans the next trial on the card's clock."""
     waiting: list[Job] = []
     ahead: dict[str, Ahead] = {}
     busy_until: dict[str, float] = {}  # a card's background choice that outlasted its run
@@ -529,7 +542,7 @@ def vramtune(
         model = card.info.model
         while True:
             prepared = prepare(card, start)
-            if not isinstance(prepared.decision, HandBack):
+            if not settle or not isinstance(prepared.decision, HandBack):
                 ahead[model] = prepared
                 return
             sim.at(
@@ -551,13 +564,14 @@ def vramtune(
         sim.planning_s += waited
         start = began + waited
         if isinstance(decision, HandBack):
+            sim.hand_back_waits.append((began, waited))
             return waited, lambda: hand_back(job, card, decision)
         outcome = runs.run(config, decision.plan, card)
         if plan_ahead:  # the worker begins the next plan choice as this run starts
             plan_while_training(card, start, start + outcome.cpu_s)
 
         def finish() -> None:
-            attempt = _attempt(job.trial.number, card, began, outcome, waited)
+            attempt = _attempt(job.trial, card, began, outcome, waited)
             attempt.plan = describe(decision.plan)
             sim.record(attempt)
             if outcome.state == "OOM":  # the prediction was wrong: retried once elsewhere
@@ -605,10 +619,22 @@ def vramtune(
 
 
 def _attempt(
-    trial: int, card: CardSpec, start: float, outcome: Outcome, planning_s: float = 0.0
+    trial: optuna.Trial, card: CardSpec, start: float, outcome: Outcome, planning_s: float = 0.0
 ) -> Attempt:
     busy = planning_s + outcome.cpu_s
-    return Attempt(trial, card.info.model, start, start + busy, outcome.state, busy, outcome.value)
+    params = json.dumps(sorted(trial.params.items()))
+    model, state, value = card.info.model, outcome.state, outcome.value
+    return Attempt(
+        trial.number,
+        model,
+        start,
+        start + busy,
+        state,
+        busy,
+        value,
+        params=params,
+        planning_s=planning_s,
+    )
 
 
 # ---------------------------------------------------------------------------- figures
@@ -658,6 +684,22 @@ def figures(arm: str, sim: Sim) -> dict[str, Any]:
         "step_time_observations": sim.step_observations,
         "best": curve[-1][1] if curve else None,
         "curve": curve,
+        # every run: [trial, card, start, end, state, plan, value, planning_s, params]
+        "attempts": [
+            [
+                a.trial,
+                a.card,
+                round(a.start, 4),
+                round(a.end, 4),
+                a.state,
+                a.plan,
+                a.value,
+                round(a.planning_s, 4),
+                a.params,
+            ]
+            for a in sim.attempts
+        ],
+        "hand_back_waits": [[round(t, 4), round(w, 4)] for t, w in sim.hand_back_waits],
     }
 
 
@@ -679,8 +721,11 @@ def run_seed(
             work = retry_halving(sim, runs)
         else:
             planner = Planner(predictor, sim.spec)
-            work = vramtune(sim, runs, planner, plan_ahead=arm == "vramtune")
+            plan_ahead = arm != "vramtune-plan-on-clock"
+            settle = arm != "vramtune-hand-back-on-clock"
+            work = vramtune(sim, runs, planner, plan_ahead=plan_ahead, settle=settle)
         row: dict[str, Any] = {"task": name, "seed": seed, "budget_s": bench.budget_s}
+        row |= {"direction": bench.direction, "fleet": [card.info.model for card in fleet]}
         rows.append(row | figures(arm, sim.run(work)))
     target = rows[0]["best"]
     for row in rows:
@@ -732,7 +777,7 @@ def main(argv: list[str] | None = None) -> int:
         for seed in args.seeds:
             for row in run_seed(name, bench, seed, fleet, runs, predictor):
                 rows.append(row)
-                print(json.dumps({k: v for k, v in row.items() if k != "curve"}), flush=True)
+                print(json.dumps({k: v for k, v in row.items() if k not in BULKY}), flush=True)
         cache[name] = {
             "executed": runs.executed,
             "served_from_cache": runs.served,
@@ -802,6 +847,74 @@ def _loadavg() -> str:
     if not os.path.exists("/proc/loadavg"):
         return "n/a"
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+# ---------------------------------------------------------------------------- decomposition
+
+
+def decompose(row: dict[str, Any], other: dict[str, Any], target: float | None) -> dict[str, Any]:
+    """Where an arm's card-seconds went until it reached naive's final best (`target`).
+
+    Until time T (the budget when never reached) the fleet's cards spend len(fleet) x T
+    card-seconds: on runs that died (OOM), runs as asked, resized runs (micro-batches), plan
+    choices the card waited for, on-clock hand-backs, and idle. T = (card-seconds per trial
+    asked) x (trials asked until the reaching trial) / cards: the first factor is the arm's own
+    cost, the second TPE's draw order. `other` is the arm compared with (its configurations)."""
+    horizon = row["time_to_naive_best_s"]
+    horizon = row["budget_s"] if horizon is None else horizon
+    parts = dict.fromkeys(("oom", "as_asked", "resized", "planning", "hand_back", "new"), 0.0)
+    theirs = {a[8] for a in other["attempts"]}
+    for _, _, start, end, state, plan, _, planning, params in row["attempts"]:
+        if start >= horizon:
+            continue
+        waited = min(start + planning, horizon) - start
+        ran = min(end, horizon) - start - waited
+        parts["planning"] += waited
+        kind = "oom" if state == "OOM" else "as_asked" if plan == "as asked" else "resized"
+        parts[kind] += ran
+        parts["new"] += ran if params not in theirs else 0.0
+    parts["hand_back"] = sum(min(w, horizon - t) for t, w in row["hand_back_waits"] if t < horizon)
+    reach = _reaching_trial(row, target)
+    asked = 1 + max((a[0] for a in row["attempts"] if a[2] < horizon), default=-1)
+    cards = len(row.get("fleet", FLEET))
+    return {
+        "seed": row["seed"],
+        "arm": row["arm"],
+        "horizon_s": horizon,
+        "reached": row["time_to_naive_best_s"] is not None,
+        "card_s": cards * horizon,
+        **{k: round(v, 3) for k, v in parts.items()},
+        "reaching_trial": reach,
+        "trials_asked": asked if reach is None else reach + 1,
+        "distinct_configs": len({a[8] for a in row["attempts"] if a[2] < horizon}),
+    }
+
+
+def _reaching_trial(row: dict[str, Any], target: float | None) -> int | None:
+    """The number (ask order) of the trial whose run first reached `target`."""
+    if target is None or row["time_to_naive_best_s"] is None:
+        return None
+    when = row["time_to_naive_best_s"]
+    done = [a for a in row["attempts"] if a[4] == "COMPLETE" and abs(a[3] - when) < 2e-3]
+    sign = 1.0 if row.get("direction", "maximize") == "maximize" else -1.0
+    hits = [a for a in done if a[6] is not None and sign * a[6] >= sign * target - 1e-9]
+    return min((a[0] for a in hits), default=None)
+
+
+def decomposition(
+    rows: list[dict[str, Any]], task: str, arms: Sequence[str]
+) -> list[dict[str, Any]]:
+    """decompose() for each seed and arm of `arms`; each compared with naive (naive with
+    vramtune)."""
+    out = []
+    mine = [r for r in rows if r["task"] == task]
+    for seed in sorted({r["seed"] for r in mine}):
+        by_arm = {r["arm"]: r for r in mine if r["seed"] == seed}
+        target = by_arm["naive"]["best"]
+        for arm in arms:
+            other = by_arm["vramtune" if arm == "naive" else "naive"]
+            out.append(decompose(by_arm[arm], other, target))
+    return out
 
 
 # ---------------------------------------------------------------------------- report
@@ -936,12 +1049,119 @@ def write_results(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -
                 f"| {seed} | "
                 + " | ".join(_seed_cell(rows, task, seed, arm) for arm in ARMS)
                 + " |"
-                for seed in meta["seeds"]
+                for seed in _seeds(rows, task)
             ),
+            "",
+            *spread_lines(rows, task),
+            "",
+            *decomposition_lines(rows, task),
             "",
         ]
     lines += NOTES
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+def _seeds(rows: list[dict[str, Any]], task: str) -> list[int]:
+    return sorted({r["seed"] for r in rows if r["task"] == task})
+
+
+def ratios(rows: list[dict[str, Any]], task: str, arm: str) -> list[float]:
+    """Per seed, the arm's time to naive's final best over naive's (a miss as the budget)."""
+    out = []
+    for seed in _seeds(rows, task):
+        by_arm = {r["arm"]: r for r in rows if r["task"] == task and r["seed"] == seed}
+        mine, naive_ = by_arm[arm], by_arm["naive"]
+        reached = mine["time_to_naive_best_s"]
+        reached = mine["budget_s"] if reached is None else reached
+        out.append(reached / max(naive_["time_to_naive_best_s"] or naive_["budget_s"], 1e-9))
+    return out
+
+
+def spread_lines(rows: list[dict[str, Any]], task: str) -> list[str]:
+    """Each vramtune arm's per-seed ratios to naive's time, their median, mean and range."""
+    lines = [
+        "Spread of the time ratio (arm's time to naive's final best / naive's, per seed; the "
+        "target is the ratio of the means):",
+        "",
+        "| arm | per seed | median | mean of ratios | min-max | seeds <= 50 % | ratio of means |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    naive_times = [
+        r["time_to_naive_best_s"] for r in rows if r["task"] == task and r["arm"] == "naive"
+    ]
+    for arm in ARMS[1:]:
+        found = ratios(rows, task, arm)
+        mine = [r for r in rows if r["task"] == task and r["arm"] == arm]
+        times = [
+            r["budget_s"] if r["time_to_naive_best_s"] is None else r["time_to_naive_best_s"]
+            for r in mine
+        ]
+        of_means = statistics.mean(times) / statistics.mean(naive_times)
+        lines.append(
+            f"| {arm} | {', '.join(f'{x:.0%}' for x in found)} | {statistics.median(found):.0%} | "
+            f"{statistics.mean(found):.0%} | {min(found):.0%}-{max(found):.0%} | "
+            f"{sum(x <= 0.5 for x in found)} of {len(found)} | {of_means:.0%} |"
+        )
+    return lines
+
+
+def decomposition_lines(rows: list[dict[str, Any]], task: str) -> list[str]:
+    """The per-seed decomposition (decompose()) of naive and vramtune, and the ceiling."""
+    parts = decomposition(rows, task, ("naive", "vramtune"))
+    header = (
+        "| seed | arm | T s | card-s | OOM | as asked | resized | planning | hand-back | idle | "
+        "configs the other arm never ran | reaching trial | card-s per trial asked |"
+    )
+    lines = [
+        "Where the card-seconds went until each arm reached naive's final best (T; 3 cards, so "
+        "3 x T card-seconds; *planning*: plan choices the card waited for; *hand-back*: on-clock "
+        "hand-backs; *configs the other arm never ran*: card-seconds of runs of configurations "
+        "the compared arm (vramtune for naive, naive for vramtune) never ran in its whole "
+        "budget; *reaching trial*: the ask number of the trial that reached it):",
+        "",
+        header,
+        "|---" * 13 + "|",
+    ]
+    for d in parts:
+        idle = d["card_s"] - sum(
+            d[k] for k in ("oom", "as_asked", "resized", "planning", "hand_back")
+        )
+        lines.append(
+            f"| {d['seed']} | {d['arm']} | {d['horizon_s']:.1f}{'' if d['reached'] else ' (never)'}"
+            f" | {d['card_s']:.1f} | {d['oom']:.1f} | {d['as_asked']:.1f} | {d['resized']:.1f} | "
+            f"{d['planning']:.1f} | {d['hand_back']:.1f} | {idle:.1f} | {d['new']:.1f} | "
+            f"{'-' if d['reaching_trial'] is None else d['reaching_trial']} | "
+            f"{d['card_s'] / d['trials_asked']:.2f} |"
+        )
+    return [*lines, "", *ceiling_lines(parts)]
+
+
+def ceiling_lines(parts: list[dict[str, Any]]) -> list[str]:
+    """T = cost per trial x trials asked / cards: how much of vramtune/naive each factor is,
+    and what naive's time would be with its OOM card-seconds removed and nothing else."""
+    naive_ = [d for d in parts if d["arm"] == "naive"]
+    ours = [d for d in parts if d["arm"] == "vramtune"]
+
+    def mean(items: list[dict[str, Any]], key: Callable[[dict[str, Any]], float]) -> float:
+        return statistics.mean(key(d) for d in items)
+
+    t_n, t_v = mean(naive_, lambda d: d["horizon_s"]), mean(ours, lambda d: d["horizon_s"])
+    n_n, n_v = mean(naive_, lambda d: d["trials_asked"]), mean(ours, lambda d: d["trials_asked"])
+    c_n = mean(naive_, lambda d: d["card_s"] / d["trials_asked"])
+    c_v = mean(ours, lambda d: d["card_s"] / d["trials_asked"])
+    oom_share = mean(naive_, lambda d: d["oom"]) / mean(naive_, lambda d: d["card_s"])
+    no_oom = mean(naive_, lambda d: d["horizon_s"] - d["oom"] / len(FLEET)) / t_n
+    per_seed = [v["trials_asked"] / n["trials_asked"] for n, v in zip(naive_, ours, strict=True)]
+    return [
+        f"Means over seeds: trials asked until naive's best is reached: naive {n_n:.1f}, "
+        f"vramtune {n_v:.1f} ({n_v / n_n:.0%}; per seed "
+        f"{', '.join(f'{x:.0%}' for x in per_seed)}); card-seconds per trial asked: naive "
+        f"{c_n:.2f}, vramtune {c_v:.2f} ({c_v / c_n:.0%}); time ratio of the means "
+        f"{t_v / t_n:.0%}. Naive's card-seconds on runs that died, until it reached its best: "
+        f"{oom_share:.0%}; with them removed and nothing else changed (the same draws, the "
+        f"same order) naive would reach its best in {no_oom:.0%} of its time: the ratio a "
+        "policy that only removes OOMs can expect at equal TPE luck.",
+    ]
 
 
 def _step_time_line(errors: dict[str, Any]) -> str:
