@@ -17,7 +17,11 @@ card, as a CUDA OOM would). Every trial is a real torch training (worker.trainin
   (service.routing's headroom and placeholder values). This arm is the worker with
   --plan-ahead (worker/lookahead.py): each card leases and plans its next trial while its
   current one trains, and hands back in the background a trial it would hand back, planning
-  the next (PlanAhead's `settle`). vramtune-plan-on-clock is the same worker without it.
+  the next (PlanAhead's `settle`); once the fleet's step-time model predicts the current
+  run, the card leases its next trial only when the planning just fits before the run's
+  predicted end (worker.lookahead.lease_delay), not at the run's start.
+  vramtune-lease-at-start leases at the run's start (the worker before lease_delay), and
+  vramtune-plan-on-clock is the worker without --plan-ahead.
 
 The clock is simulated, the work is not: a discrete-event scheduler gives each card a clock
 that advances by the CPU-seconds the real run measured (planning included for vramtune), so
@@ -65,7 +69,8 @@ from service.wire import (
     TrainBudget,
 )
 from worker.gpu import parse_size, simulated_card
-from worker.policy import Decision, HandBack, choose_plan, describe
+from worker.lookahead import lease_delay
+from worker.policy import Decision, HandBack, RunAsPlanned, choose_plan, describe
 from worker.runner import CardSpec, Config, OutOfMemory
 from worker.tasks.charlm import CharTransformerTask
 from worker.tasks.digits import DigitsCNNTask
@@ -84,7 +89,7 @@ ARMS = (
     "naive",
     "retry-halving",
     "vramtune",
-    "vramtune-hand-back-on-clock",
+    "vramtune-lease-at-start",
     "vramtune-plan-on-clock",
 )
 STEPS = 20
@@ -495,7 +500,12 @@ class Ahead:
 
 
 def vramtune(
-    sim: Sim, runs: RealRuns, planner: Planner, plan_ahead: bool, settle: bool = True
+    sim: Sim,
+    runs: RealRuns,
+    planner: Planner,
+    plan_ahead: bool,
+    settle: bool = True,
+    lease_late: bool = True,
 ) -> Callable[[CardSpec], Work]:
     """Plan on the card that asks; hand back, wait for a larger card, or end infeasible.
 
@@ -507,10 +517,14 @@ def vramtune(
     lasts. Without --plan-ahead the card plans each trial on its own clock, between runs.
     With `plan_ahead` and not `settle` (PlanAhead without settle: the arm that isolates
     background hand-backs) a trial planned ahead that this card hands back waits for the run
-    to end; the main thread hands it back then and plans the next trial on the card's clock."""
+    to end; the main thread hands it back then and plans the next trial on the card's clock.
+    With `lease_late` the lease ahead waits for lease_delay (the run's predicted seconds, the
+    card's longest plan choice of its last five), cancelled if the run ends first."""
     waiting: list[Job] = []
     ahead: dict[str, Ahead] = {}
     busy_until: dict[str, float] = {}  # a card's background choice that outlasted its run
+    choices: dict[str, list[float]] = {}  # each card's plan choices' CPU-seconds, in order
+    pending: dict[str, object] = {}  # a card's lease ahead still waiting for its delay
     observed: dict[str, list[StepTimeObservation]] = {}
     fits: dict[str, StepTimeFit] = {}
 
@@ -532,6 +546,7 @@ def vramtune(
         tried, fit = job.tried_on(model), fits.get(model)
         decision, planning_s = planner.decide(config, card, tried, fit, larger_card)
         sim.planning_total_s += planning_s
+        choices.setdefault(model, []).append(planning_s)
         return Ahead(job, decision, planning_s, start + planning_s)
 
     def plan_while_training(card: CardSpec, start: float, end: float) -> None:
@@ -554,8 +569,28 @@ def vramtune(
                 busy_until[model] = start  # the card waits for that choice to finish
                 return
 
+    def lease_ahead(card: CardSpec, start: float, end: float, decision: RunAsPlanned) -> None:
+        """PlanAhead.begin with the agent's delay: at once, or at start + lease_delay."""
+        model = card.info.model
+        features = decision.step_time
+        step_s = None if features is None else features.predicted_step_s
+        recent = max(choices.get(model, [])[-5:], default=0.0)
+        delay = lease_delay(None if step_s is None else step_s * STEPS, recent)
+        if not lease_late or delay <= 0:
+            plan_while_training(card, start, end)
+            return
+        token = pending[model] = object()
+
+        def due() -> None:
+            if pending.get(model) is token:  # not cancelled by the run's end (take())
+                del pending[model]
+                plan_while_training(card, start + delay, end)
+
+        sim.at(start + delay, due)
+
     def work(card: CardSpec) -> Work:
         model = card.info.model
+        pending.pop(model, None)  # take(): a lease still waiting for its delay is cancelled
         began = sim.now
         prepared = ahead.pop(model, None) or prepare(card, max(began, busy_until.pop(model, began)))
         job, decision = prepared.job, prepared.decision
@@ -568,7 +603,7 @@ def vramtune(
             return waited, lambda: hand_back(job, card, decision)
         outcome = runs.run(config, decision.plan, card)
         if plan_ahead:  # the worker begins the next plan choice as this run starts
-            plan_while_training(card, start, start + outcome.cpu_s)
+            lease_ahead(card, start, start + outcome.cpu_s, decision)
 
         def finish() -> None:
             attempt = _attempt(job.trial, card, began, outcome, waited)
@@ -722,8 +757,8 @@ def run_seed(
         else:
             planner = Planner(predictor, sim.spec)
             plan_ahead = arm != "vramtune-plan-on-clock"
-            settle = arm != "vramtune-hand-back-on-clock"
-            work = vramtune(sim, runs, planner, plan_ahead=plan_ahead, settle=settle)
+            lease_late = arm != "vramtune-lease-at-start"
+            work = vramtune(sim, runs, planner, plan_ahead=plan_ahead, lease_late=lease_late)
         row: dict[str, Any] = {"task": name, "seed": seed, "budget_s": bench.budget_s}
         row |= {"direction": bench.direction, "fleet": [card.info.model for card in fleet]}
         rows.append(row | figures(arm, sim.run(work)))

@@ -21,6 +21,15 @@ the current trial trains, so the plan after a hand-back is off the card's time t
 leasing once `take()` is called (the current trial ended: the choice in progress is finished and
 handed over, never another one begun) or `keep_going()` says no (the worker stops, or reached
 its trial cap).
+
+Leasing late (`lease_delay`): a trial leased ahead is this card's until the current run ends,
+however long that is, while another card may free up first and would have run it at once. On
+the tuning-efficiency benchmark a trial leased at the start of a 5.7 s resized run (digits,
+seed 7) was the one that reached the best metric, and waited the whole run behind it. So when
+the fleet's step-time model predicts the current run, `begin` waits until the planning is
+predicted to just fit before the run ends (with margins for both predictions' errors) and
+leases then; `take()` during that wait (the run ended early) cancels the lease ahead, and the
+main thread leases itself as without --plan-ahead. Without a prediction it leases at once.
 """
 
 from __future__ import annotations
@@ -33,6 +42,23 @@ from typing import Generic, TypeVar
 from service.wire import Assignment
 
 Chosen = TypeVar("Chosen")
+
+RUN_SHARE = 0.6
+"""Of the current run's predicted seconds, the part counted on before leasing ahead: the
+step-time model's p90 error is 32-42 % (bench/results/tuning_efficiency.md), and it predicts
+the training steps only (evaluation comes on top), so the run rarely ends before this."""
+PLANNING_LEAD = 2.0
+"""Planning is begun this many times the card's longest recent plan choice before that point."""
+
+
+def lease_delay(predicted_run_s: float | None, planning_s: float) -> float:
+    """Seconds after the current run starts to lease and plan the next trial: 0 (at once)
+    without a prediction, else so that a plan choice of `planning_s` (the card's longest
+    recent one) ends, with a margin, before the run's predicted end (see the module docstring).
+    """
+    if predicted_run_s is None or predicted_run_s <= 0:
+        return 0.0
+    return max(0.0, RUN_SHARE * predicted_run_s - PLANNING_LEAD * planning_s)
 
 
 @dataclass(frozen=True)
@@ -62,13 +88,14 @@ class PlanAhead(Generic[Chosen]):
         self._taking = threading.Event()  # the main thread wants the result: lease no more
         self.settled = 0  # trials seen to their end in the background (handed back)
 
-    def begin(self, free_bytes: int) -> None:
-        """Lease and plan the next trial in the background for a card with `free_bytes` free."""
+    def begin(self, free_bytes: int, delay_s: float = 0.0) -> None:
+        """Lease and plan the next trial in the background for a card with `free_bytes` free,
+        `delay_s` from now (lease_delay) unless `take()` comes first."""
         if self._thread is not None:
             return  # one ahead at most: the one prepared is not taken yet
         self._taking.clear()
         self._thread = threading.Thread(
-            target=self._prepare, args=(free_bytes,), name="plan-ahead", daemon=True
+            target=self._prepare, args=(free_bytes, delay_s), name="plan-ahead", daemon=True
         )
         self._thread.start()
 
@@ -87,7 +114,9 @@ class PlanAhead(Generic[Chosen]):
         if prepared is not None:
             give_back(prepared.assignment)
 
-    def _prepare(self, free_bytes: int) -> None:
+    def _prepare(self, free_bytes: int, delay_s: float = 0.0) -> None:
+        if delay_s > 0 and self._taking.wait(delay_s):
+            return  # the run ended before the lease was due: the main thread leases
         while True:
             prepared = self._prepare_one(free_bytes)
             if prepared is None or self._settle is None:

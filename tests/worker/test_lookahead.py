@@ -12,7 +12,7 @@ import threading
 from datetime import UTC, datetime
 
 from service.wire import Assignment, MemoryPolicy, TrainBudget
-from worker.lookahead import PlanAhead, Prepared
+from worker.lookahead import PlanAhead, Prepared, lease_delay
 
 WAIT_S = 30.0
 
@@ -133,3 +133,33 @@ def test_a_settle_that_raises_is_reported_and_planning_ahead_stops() -> None:
     assert ahead.take() is None
     assert server.errors == ["server unreachable"]
     assert len(server.leased) == 1
+
+
+def test_lease_delay_is_zero_without_a_prediction_and_leaves_room_to_plan() -> None:
+    assert lease_delay(None, 0.5) == 0.0
+    assert lease_delay(0.0, 0.5) == 0.0
+    assert lease_delay(1.0, 0.5) == 0.0  # a short run: plan at once, as before
+    # a long run: lease when the planning (with its lead) ends before the run's likely end
+    delay = lease_delay(10.0, 0.5)
+    assert 0.0 < delay < 10.0 - 0.5
+    assert lease_delay(20.0, 0.5) > delay
+
+
+def test_a_delayed_lease_happens_after_the_delay() -> None:
+    server = FakeServer(hand_back=set())
+    ahead = PlanAhead(server.lease, server.choose, server.failed)
+    ahead.begin(free_bytes=1000, delay_s=0.05)
+    assert server.runnable_planned.wait(WAIT_S)
+    prepared = ahead.take()
+    assert prepared is not None
+    assert prepared.assignment.trial_id == 1
+
+
+def test_take_before_a_delayed_lease_cancels_it() -> None:
+    server = FakeServer(hand_back=set())
+    ahead = PlanAhead(server.lease, server.choose, server.failed)
+    ahead.begin(free_bytes=1000, delay_s=WAIT_S)  # the run ends long before the lease is due
+    assert ahead.take() is None
+    assert server.leased == []  # nothing leased: the main thread leases itself
+    ahead.begin(free_bytes=1000)  # and the next run plans ahead again
+    assert ahead.take() is not None
