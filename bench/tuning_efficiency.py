@@ -358,6 +358,7 @@ class Attempt:
     changed_hyperparameter: bool = False
     params: str = ""  # the trial's parameters as Optuna suggested them (JSON)
     planning_s: float = 0.0  # of the card's busy time, the plan choice it waited for
+    asked: float = 0.0  # when the trial was asked (leased): vramtune leases ahead
 
 
 @dataclass
@@ -365,6 +366,7 @@ class Job:
     """A vramtune trial between its ask and its tell (waiting for a larger card, or retried)."""
 
     trial: optuna.Trial
+    asked: float = 0.0  # simulated time of the ask (its first lease)
     min_bytes: int = 0
     handed_back_by: set[str] = field(default_factory=set)
     plans_tried: list[tuple[str, PlanOut]] = field(default_factory=list)
@@ -472,7 +474,7 @@ def retry_halving(sim: Sim, runs: RealRuns) -> Callable[[CardSpec], Work]:
         while True:
             outcome = runs.run({**config, batch_param: batch}, Plan(), card)
             attempt = _attempt(trial, card, start + spent, outcome)
-            attempt.changed_hyperparameter = batch != asked
+            attempt.changed_hyperparameter, attempt.asked = batch != asked, start
             attempts.append(attempt)
             spent += outcome.cpu_s
             if outcome.state != "OOM" or batch == 1:
@@ -528,17 +530,17 @@ def vramtune(
     observed: dict[str, list[StepTimeObservation]] = {}
     fits: dict[str, StepTimeFit] = {}
 
-    def offered(card: CardSpec) -> Job:
+    def offered(card: CardSpec, now: float) -> Job:
         """A waiting trial this card holds (oldest first, not its own hand-back), else new."""
         for job in waiting:
             if job.min_bytes <= card.info.total_bytes and card.info.model not in job.handed_back_by:
                 waiting.remove(job)
                 return job
-        return Job(sim.ask()[0])
+        return Job(sim.ask()[0], asked=now)
 
     def prepare(card: CardSpec, start: float) -> Ahead:
         """Lease a trial for this card and choose its plan, beginning at `start`."""
-        job = offered(card)
+        job = offered(card, start)
         config = {**sim.bench.task_config, **job.trial.params}
         model = card.info.model
         larger = max(c.info.total_bytes for c in sim.fleet if c is not card)
@@ -607,6 +609,7 @@ def vramtune(
 
         def finish() -> None:
             attempt = _attempt(job.trial, card, began, outcome, waited)
+            attempt.asked = job.asked
             attempt.plan = describe(decision.plan)
             sim.record(attempt)
             if outcome.state == "OOM":  # the prediction was wrong: retried once elsewhere
@@ -669,6 +672,7 @@ def _attempt(
         value,
         params=params,
         planning_s=planning_s,
+        asked=start,
     )
 
 
@@ -719,7 +723,7 @@ def figures(arm: str, sim: Sim) -> dict[str, Any]:
         "step_time_observations": sim.step_observations,
         "best": curve[-1][1] if curve else None,
         "curve": curve,
-        # every run: [trial, card, start, end, state, plan, value, planning_s, params]
+        # every run: [trial, card, start, end, state, plan, value, planning_s, params, asked]
         "attempts": [
             [
                 a.trial,
@@ -731,6 +735,7 @@ def figures(arm: str, sim: Sim) -> dict[str, Any]:
                 a.value,
                 round(a.planning_s, 4),
                 a.params,
+                round(a.asked, 4),
             ]
             for a in sim.attempts
         ],
@@ -899,7 +904,7 @@ def decompose(row: dict[str, Any], other: dict[str, Any], target: float | None) 
     horizon = row["budget_s"] if horizon is None else horizon
     parts = dict.fromkeys(("oom", "as_asked", "resized", "planning", "hand_back", "new"), 0.0)
     theirs = {a[8] for a in other["attempts"]}
-    for _, _, start, end, state, plan, _, planning, params in row["attempts"]:
+    for _, _, start, end, state, plan, _, planning, params, *_ in row["attempts"]:
         if start >= horizon:
             continue
         waited = min(start + planning, horizon) - start
@@ -910,6 +915,9 @@ def decompose(row: dict[str, Any], other: dict[str, Any], target: float | None) 
         parts["new"] += ran if params not in theirs else 0.0
     parts["hand_back"] = sum(min(w, horizon - t) for t, w in row["hand_back_waits"] if t < horizon)
     reach = _reaching_trial(row, target)
+    reaching_run = [a for a in row["attempts"] if a[0] == reach and a[4] == "COMPLETE"]
+    # the reaching trial's wait between its ask (lease) and its run's start
+    held = reaching_run[-1][2] - reaching_run[-1][9] if reaching_run else None
     asked = 1 + max((a[0] for a in row["attempts"] if a[2] < horizon), default=-1)
     cards = len(row.get("fleet", FLEET))
     return {
@@ -920,6 +928,7 @@ def decompose(row: dict[str, Any], other: dict[str, Any], target: float | None) 
         "card_s": cards * horizon,
         **{k: round(v, 3) for k, v in parts.items()},
         "reaching_trial": reach,
+        "reaching_trial_held_s": held,
         "trials_asked": asked if reach is None else reach + 1,
         "distinct_configs": len({a[8] for a in row["attempts"] if a[2] < horizon}),
     }
@@ -1142,17 +1151,18 @@ def spread_lines(rows: list[dict[str, Any]], task: str) -> list[str]:
 
 def decomposition_lines(rows: list[dict[str, Any]], task: str) -> list[str]:
     """The per-seed decomposition (decompose()) of naive and vramtune, and the ceiling."""
-    parts = decomposition(rows, task, ("naive", "vramtune"))
+    parts = decomposition(rows, task, ("naive", "vramtune", "vramtune-lease-at-start"))
     header = (
         "| seed | arm | T s | card-s | OOM | as asked | resized | planning | hand-back | idle | "
-        "configs the other arm never ran | reaching trial | card-s per trial asked |"
+        "configs the other arm never ran | reaching trial (held s) | card-s per trial asked |"
     )
     lines = [
         "Where the card-seconds went until each arm reached naive's final best (T; 3 cards, so "
         "3 x T card-seconds; *planning*: plan choices the card waited for; *hand-back*: on-clock "
         "hand-backs; *configs the other arm never ran*: card-seconds of runs of configurations "
         "the compared arm (vramtune for naive, naive for vramtune) never ran in its whole "
-        "budget; *reaching trial*: the ask number of the trial that reached it):",
+        "budget; *reaching trial*: the ask number of the trial that reached it, and in "
+        "brackets the seconds it was held between its ask (lease) and its run's start):",
         "",
         header,
         "|---" * 13 + "|",
@@ -1165,10 +1175,17 @@ def decomposition_lines(rows: list[dict[str, Any]], task: str) -> list[str]:
             f"| {d['seed']} | {d['arm']} | {d['horizon_s']:.1f}{'' if d['reached'] else ' (never)'}"
             f" | {d['card_s']:.1f} | {d['oom']:.1f} | {d['as_asked']:.1f} | {d['resized']:.1f} | "
             f"{d['planning']:.1f} | {d['hand_back']:.1f} | {idle:.1f} | {d['new']:.1f} | "
-            f"{'-' if d['reaching_trial'] is None else d['reaching_trial']} | "
+            f"{_reaching_cell(d)} | "
             f"{d['card_s'] / d['trials_asked']:.2f} |"
         )
     return [*lines, "", *ceiling_lines(parts)]
+
+
+def _reaching_cell(d: dict[str, Any]) -> str:
+    if d["reaching_trial"] is None:
+        return "-"
+    held = d["reaching_trial_held_s"]
+    return f"{d['reaching_trial']} ({'?' if held is None else f'{held:.1f}'})"
 
 
 def ceiling_lines(parts: list[dict[str, Any]]) -> list[str]:

@@ -87,19 +87,20 @@ def test_decompose_splits_the_card_seconds_until_naive_best_by_kind() -> None:
         "naive",
         3.0,
         [
-            [0, "a", 0.0, 1.0, "OOM", "as asked", None, 0.0, "big"],
-            [1, "b", 0.0, 3.0, "COMPLETE", "as asked", 0.9, 0.0, "small"],
-            [2, "a", 1.0, 5.0, "COMPLETE", "as asked", 0.5, 0.0, "other"],
+            [0, "a", 0.0, 1.0, "OOM", "as asked", None, 0.0, "big", 0.0],
+            [1, "b", 0.0, 3.0, "COMPLETE", "as asked", 0.9, 0.0, "small", 0.0],
+            [2, "a", 1.0, 5.0, "COMPLETE", "as asked", 0.5, 0.0, "other", 1.0],
         ],
     )
-    # vramtune: 0.5 s planning then the big one resized (to 4 s), then reaches 0.9 at 5 s
+    # vramtune: 0.5 s planning then the big one resized (to 4 s); the reaching trial, leased at
+    # 0, runs on card b from 1 s to 5 s
     ours = _row(
         "vramtune",
         5.0,
         [
-            [0, "a", 0.0, 4.0, "COMPLETE", "micro-batch 8 x 2 accumulation", 0.8, 0.5, "big"],
-            [1, "b", 0.0, 5.0, "COMPLETE", "as asked", 0.9, 0.0, "small"],
-            [2, "a", 4.0, 6.0, "COMPLETE", "as asked", 0.95, 0.0, "new"],
+            [0, "a", 0.0, 4.0, "COMPLETE", "micro-batch 8 x 2 accumulation", 0.8, 0.5, "big", 0.0],
+            [1, "b", 1.0, 5.0, "COMPLETE", "as asked", 0.9, 0.0, "small", 0.0],
+            [2, "a", 4.0, 6.0, "COMPLETE", "as asked", 0.95, 0.0, "new", 0.0],
         ],
         waits=[[9.0, 1.0]],  # after the horizon: not counted
     )
@@ -109,10 +110,12 @@ def test_decompose_splits_the_card_seconds_until_naive_best_by_kind() -> None:
     assert theirs["as_asked"] == pytest.approx(3.0 + 2.0)  # the third run clipped at 3 s
     assert theirs["new"] == pytest.approx(2.0)  # "other": vramtune never ran it
     assert theirs["reaching_trial"] == 1
+    assert theirs["reaching_trial_held_s"] == 0.0
     mine = bench.decompose(ours, naive, 0.9)
     assert mine["card_s"] == pytest.approx(10.0)
     assert (mine["planning"], mine["resized"]) == (pytest.approx(0.5), pytest.approx(3.5))
-    assert mine["as_asked"] == pytest.approx(5.0 + 1.0)
+    assert mine["as_asked"] == pytest.approx(4.0 + 1.0)  # card b idle until 1 s
     assert mine["hand_back"] == 0.0
     assert mine["new"] == pytest.approx(1.0)
     assert mine["reaching_trial"] == 1
+    assert mine["reaching_trial_held_s"] == pytest.approx(1.0)  # leased at 0, ran from 1 s
