@@ -17,11 +17,10 @@ card, as a CUDA OOM would). Every trial is a real torch training (worker.trainin
   (service.routing's headroom and placeholder values). This arm is the worker with
   --plan-ahead (worker/lookahead.py): each card leases and plans its next trial while its
   current one trains, and hands back in the background a trial it would hand back, planning
-  the next (PlanAhead's `settle`); once the fleet's step-time model predicts the current
-  run, the card leases its next trial only when the planning just fits before the run's
-  predicted end (worker.lookahead.lease_delay), not at the run's start.
-  vramtune-lease-at-start leases at the run's start (the worker before lease_delay), and
-  vramtune-plan-on-clock is the worker without --plan-ahead.
+  the next (PlanAhead's `settle`). vramtune-lease-late is the candidate that leases the next
+  trial, once the fleet's step-time model predicts the current run, only when the planning
+  just fits before the run's predicted end (worker.lookahead.lease_delay; the agent does not
+  call it yet), and vramtune-plan-on-clock is the worker without --plan-ahead.
 
 The clock is simulated, the work is not: a discrete-event scheduler gives each card a clock
 that advances by the CPU-seconds the real run measured (planning included for vramtune), so
@@ -89,7 +88,7 @@ ARMS = (
     "naive",
     "retry-halving",
     "vramtune",
-    "vramtune-lease-at-start",
+    "vramtune-lease-late",
     "vramtune-plan-on-clock",
 )
 STEPS = 20
@@ -507,7 +506,7 @@ def vramtune(
     planner: Planner,
     plan_ahead: bool,
     settle: bool = True,
-    lease_late: bool = True,
+    lease_late: bool = False,
 ) -> Callable[[CardSpec], Work]:
     """Plan on the card that asks; hand back, wait for a larger card, or end infeasible.
 
@@ -762,7 +761,7 @@ def run_seed(
         else:
             planner = Planner(predictor, sim.spec)
             plan_ahead = arm != "vramtune-plan-on-clock"
-            lease_late = arm != "vramtune-lease-at-start"
+            lease_late = arm == "vramtune-lease-late"
             work = vramtune(sim, runs, planner, plan_ahead=plan_ahead, lease_late=lease_late)
         row: dict[str, Any] = {"task": name, "seed": seed, "budget_s": bench.budget_s}
         row |= {"direction": bench.direction, "fleet": [card.info.model for card in fleet]}
@@ -1151,7 +1150,7 @@ def spread_lines(rows: list[dict[str, Any]], task: str) -> list[str]:
 
 def decomposition_lines(rows: list[dict[str, Any]], task: str) -> list[str]:
     """The per-seed decomposition (decompose()) of naive and vramtune, and the ceiling."""
-    parts = decomposition(rows, task, ("naive", "vramtune", "vramtune-lease-at-start"))
+    parts = decomposition(rows, task, ("naive", "vramtune", "vramtune-lease-late"))
     header = (
         "| seed | arm | T s | card-s | OOM | as asked | resized | planning | hand-back | idle | "
         "configs the other arm never ran | reaching trial (held s) | card-s per trial asked |"
@@ -1259,6 +1258,19 @@ NOTES = [
     "- *Step-time error*: the fleet's step-time model (service/step_time.py) as the worker "
     "applied it when it chose the plan, against the run's training CPU-seconds per step, "
     "evaluation excluded, as the worker reports it (worker/training.py).",
+    "- *vramtune-lease-late*: the candidate worker/lookahead.py's lease_delay (not yet called "
+    "by the agent): once the fleet's step-time model predicts the current run, the next trial "
+    "is leased at 0.6 x its predicted seconds less twice the card's longest recent plan "
+    "choice, so that a trial is not held by a card still running a long trial while another "
+    "card frees up; *vramtune* leases at the run's start, as the worker does.",
+    "- *Spread*: per seed, the arm's time to naive's final best over naive's (a seed never "
+    "reached counts as the budget); the target is the ratio of the means over seeds.",
+    "- *Where the card-seconds went*: from the runs' log (attempts in the .json), clipped at T; "
+    "runs still going at the budget's end never report, so a seed never reached shows them "
+    "as idle. *Card-s per trial asked* x *trials asked* (the reaching trial's number + 1) = "
+    "3 x T: the first factor is the arm's own cost per trial, the second TPE's draw order and "
+    "the arm's ask cadence. The ceiling line removes naive's OOM card-seconds and nothing "
+    "else.",
 ]
 
 

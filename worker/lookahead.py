@@ -30,6 +30,8 @@ the fleet's step-time model predicts the current run, `begin` waits until the pl
 predicted to just fit before the run ends (with margins for both predictions' errors) and
 leases then; `take()` during that wait (the run ended early) cancels the lease ahead, and the
 main thread leases itself as without --plan-ahead. Without a prediction it leases at once.
+The agent does not pass a delay yet: on the benchmark (the vramtune-lease-late arm) it moved
+the time to naive's best by a few points either way, inside the seeds' spread.
 """
 
 from __future__ import annotations

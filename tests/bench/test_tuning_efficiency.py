@@ -29,7 +29,7 @@ def test_quick_mode_runs_every_arm_on_real_training(quick: tuple[dict, Path]) ->
         "naive",
         "retry-halving",
         "vramtune",
-        "vramtune-lease-at-start",
+        "vramtune-lease-late",
         "vramtune-plan-on-clock",
     }
     for row in rows.values():
