@@ -574,7 +574,8 @@ class Agent:
         """Whether a complete asks for the next trial (one request a trial less): one trial at
         a time, nothing leased ahead, and another trial wanted."""
         return (
-            self.options.max_trials_per_card == 1
+            self.client.leases_on_complete
+            and self.options.max_trials_per_card == 1
             and not self.options.plan_ahead
             and self.following is None
             and not self.stop.is_set()

@@ -90,6 +90,9 @@ class ServerClient:
             base_url=server.rstrip("/") + API_PREFIX, headers=headers, timeout=timeout_s
         )
         self._backoff = (backoff_base_s, backoff_cap_s)
+        # Whether a complete may ask for the next trial (CompleteRequest.next); False once a
+        # server older than that field has refused it.
+        self.leases_on_complete = True
 
     def close(self) -> None:
         """Close the connection pool."""
@@ -179,9 +182,21 @@ class ServerClient:
     ) -> TrialAck:
         """A trial's final call, retried until answered; ``on_retry(problem)`` before each retry."""
         path = f"/trials/{trial_id}/{call}"
-        response = self._send(
-            "POST", path, body, retry_for_s=retry_for_s, cancel=cancel, on_retry=on_retry
-        )
+        try:
+            response = self._send(
+                "POST", path, body, retry_for_s=retry_for_s, cancel=cancel, on_retry=on_retry
+            )
+        except Rejected as error:
+            if not (isinstance(body, CompleteRequest) and body.next and _refuses(error, "next")):
+                raise
+            # A server older than CompleteRequest.next: the result goes without the ask (it
+            # must not be lost for it), and later completes do not ask.
+            self.leases_on_complete = False
+            log_event(log, "next_with_complete_refused", level=logging.WARNING, trial=trial_id)
+            body = body.model_copy(update={"next": None})
+            response = self._send(
+                "POST", path, body, retry_for_s=retry_for_s, cancel=cancel, on_retry=on_retry
+            )
         reply = CompleteReply if call == "complete" else TrialAck  # may hold the next trial
         return reply.model_validate_json(response.content)
 
@@ -224,7 +239,9 @@ class ServerClient:
         on_retry: OnRetry | None = None,
     ) -> httpx.Response:
         """One call, retried on transport errors and 5xx until `retry_for_s` or `cancel`."""
-        content = None if body is None else body.model_dump_json().encode()
+        # Unset optional fields are left out, not sent as null: a server older than a field
+        # then still takes the call (its models forbid unknown fields), as long as it is unused.
+        content = None if body is None else body.model_dump_json(exclude_none=True).encode()
         headers = {} if body is None else {"Content-Type": "application/json"}
         deadline = None if retry_for_s is None else time.monotonic() + retry_for_s
         for delay in backoff_delays(*self._backoff):
@@ -265,6 +282,18 @@ def _checked(response: httpx.Response) -> httpx.Response:
     if response.status_code == 409:
         raise LeaseLost(str(detail))
     raise Rejected(response.status_code, detail)
+
+
+def _refuses(error: Rejected, field: str) -> bool:
+    """Whether a 422 is FastAPI's answer to a body field the server does not know."""
+    if error.status_code != 422 or not isinstance(error.detail, list):
+        return False
+    return any(
+        isinstance(item, dict)
+        and item.get("type") == "extra_forbidden"
+        and item.get("loc") == ["body", field]
+        for item in error.detail
+    )
 
 
 def _detail(response: httpx.Response) -> Any:

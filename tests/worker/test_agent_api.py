@@ -4,19 +4,29 @@ from __future__ import annotations
 
 import json
 import threading
+import typing
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from pydantic import BaseModel
 
 from service.wire import (
     Assignment,
+    CompleteRequest,
+    FailRequest,
+    HandBackRequest,
+    Heartbeat,
+    Measured,
     MemoryPolicy,
     NextRequest,
+    Plan,
     ReportReply,
     ReportRequest,
+    StartRequest,
     TrainBudget,
+    WorkerRegister,
 )
 from worker.api import (
     LeaseLost,
@@ -28,6 +38,12 @@ from worker.api import (
 
 LEASE = "l" * 32
 REPORT = ReportRequest(lease=LEASE, step=1, value=0.5)
+COMPLETE = CompleteRequest(
+    lease=LEASE, values=[0.5], plan=Plan(), measured=Measured(peak_allocated_bytes=1), duration_s=1
+)
+ACK = {"trial_id": 7, "resolution": "complete"}
+# FastAPI's answer to a body field its model does not know (extra="forbid").
+UNKNOWN_NEXT = [{"type": "extra_forbidden", "loc": ["body", "next"], "msg": "Extra inputs"}]
 
 
 class ScriptedServer(ThreadingHTTPServer):
@@ -87,7 +103,7 @@ def test_5xx_answers_are_retried_until_one_succeeds(
     server.script = [(503, {"detail": "db"}), (500, None), (200, {"prune": True})]
     assert client.report(7, REPORT) == ReportReply(prune=True)
     assert [path for _, path, _, _ in server.seen] == ["/api/v1/trials/7/report"] * 3
-    assert all(json.loads(body) == REPORT.model_dump() for *_, body in server.seen)
+    assert all(json.loads(body) == REPORT.model_dump(exclude_none=True) for *_, body in server.seen)
 
 
 @pytest.mark.parametrize("status", [400, 401, 403, 404, 413, 422])
@@ -163,3 +179,73 @@ def test_backoff_is_jittered_exponential_and_capped() -> None:
     assert all(0.0 <= d <= 2.0 for d in first)
     assert all(d <= 0.1 * 2**n for n, d in enumerate(first[:4]))
     assert len(set(first)) > 30, "jittered, not a fixed schedule"
+
+
+def test_unset_optional_fields_are_left_out_of_the_body(
+    server: ScriptedServer, client: ServerClient
+) -> None:
+    server.script = [(200, ACK)]
+    client.complete(7, COMPLETE)
+    sent = json.loads(server.seen[0][3])
+    assert "next" not in sent and "step_time" not in sent
+    assert CompleteRequest.model_validate(sent) == COMPLETE
+
+
+# Every body the worker sends, and the models inside them.
+WORKER_BODIES = (WorkerRegister, Heartbeat, NextRequest, StartRequest, ReportRequest)
+WORKER_BODIES += (CompleteRequest, FailRequest, HandBackRequest)
+
+
+def test_a_field_left_out_means_what_null_would() -> None:
+    """Leaving None out is safe only while no field the worker sends defaults to another value."""
+    for model in _models_within(WORKER_BODIES):
+        for name, field in model.model_fields.items():
+            if not field.is_required() and field.default is not None:
+                assert not _accepts_none(field.annotation), f"{model.__name__}.{name}"
+
+
+def test_a_complete_asking_next_goes_again_without_it_to_an_older_server(
+    server: ScriptedServer, client: ServerClient
+) -> None:
+    asking = COMPLETE.model_copy(update={"next": NextRequest(free_bytes=10)})
+    server.script = [(422, {"detail": UNKNOWN_NEXT}), (200, ACK)]
+    ack = client.complete(7, asking)
+    assert ack.resolution == "complete"
+    first, second = (json.loads(body) for *_, body in server.seen)
+    assert first["next"] == {"free_bytes": 10} and "next" not in second
+    assert client.leases_on_complete is False
+
+
+def test_another_422_on_a_complete_is_not_retried(
+    server: ScriptedServer, client: ServerClient
+) -> None:
+    asking = COMPLETE.model_copy(update={"next": NextRequest(free_bytes=10)})
+    refusal = [{"type": "missing", "loc": ["body", "values"], "msg": "Field required"}]
+    server.script = [(422, {"detail": refusal}), (200, ACK)]
+    with pytest.raises(Rejected):
+        client.complete(7, asking)
+    assert len(server.seen) == 1 and client.leases_on_complete is True
+
+
+def _accepts_none(annotation: object) -> bool:
+    return annotation is type(None) or type(None) in typing.get_args(annotation)
+
+
+def _models_within(models: tuple[type[BaseModel], ...]) -> set[type[BaseModel]]:
+    """The models and every model their fields hold, at any depth."""
+    found: set[type[BaseModel]] = set()
+    todo = list(models)
+    while todo:
+        model = todo.pop()
+        if model in found:
+            continue
+        found.add(model)
+        for field in model.model_fields.values():
+            todo.extend(_models_in(field.annotation))
+    return found
+
+
+def _models_in(annotation: object) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [inner for arg in typing.get_args(annotation) for inner in _models_in(arg)]
