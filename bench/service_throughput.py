@@ -375,18 +375,12 @@ def vramtune_server(url: str, processes: int = 1) -> Iterator[tuple[int, psutil.
     command = [sys.executable, "-m", "service", "serve", "--port", str(port)]
     if os.environ.get("BENCH_SERVER_SCRIPT"):  # an experiment: a script that takes the port
         command = [sys.executable, os.environ["BENCH_SERVER_SCRIPT"], str(port)]
-    profile = os.environ.get("BENCH_PYSPY")  # a path: record the server with py-spy
-    if profile:
-        py_spy = str(Path(sys.executable).with_name("py-spy"))
-        extra = os.environ.get("BENCH_PYSPY_ARGS", "").split()  # e.g. --gil
-        command = [py_spy, "record", "-r", "50", "-f", "raw", *extra, "-o", profile, "--", *command]
     process = subprocess.Popen(command, env=env, cwd=REPO)
     try:
         wait_until(lambda: http_ok(port, f"{API_PREFIX}/health"), 60, "vramtune server")
         # Warm the server's Optuna cache of the study (a real server has it warm too).
         wait_until(lambda: http_ok(port, f"{API_PREFIX}/studies/{STUDY}"), 120, "study read")
         server = psutil.Process(process.pid)
-        server = server.children()[0] if profile else server
         wait_until_idle(server)
         yield port, server
     finally:
@@ -921,13 +915,18 @@ def measure_cell(cell: Cell, duration_s: float, tag: str) -> CellResult:
             timings: dict[str, tuple[float, float]] = {}
             served = server is not None and cell.system != "grpc"
 
+            profiles: list[subprocess.Popen[bytes]] = []
+
             def window_opens() -> None:
                 backends[:] = database_backends(url)
                 before.update(cpu_seconds([*servers, *backends]))
                 if served:
                     timings.update(server_timings(int(target)))
+                    profiles.extend(profile_window(servers, duration_s, cell.label()))
 
             reports, begin, end = run_clients(cell, client, target, duration_s, window_opens)
+            for profiler in profiles:
+                profiler.wait(60)
             phases = timings_between(timings, server_timings(int(target))) if served else {}
             # Backends the pools opened during the window: all their CPU is the window's.
             opened = [p for p in database_backends(url) if p.pid not in before]
@@ -965,6 +964,42 @@ def measure_cell(cell: Cell, duration_s: float, tag: str) -> CellResult:
         service_core_pct=round(100 * system_cpu / duration_s, 2),
         phases_ms=phases,
     )
+
+
+def profile_window(
+    servers: list[psutil.Process], duration_s: float, label: str
+) -> list[subprocess.Popen[bytes]]:
+    """With ``BENCH_PYSPY`` (a path prefix), py-spy records each server process over the
+    window only (not its start-up or the clients' warm-up), in py-spy's raw (collapsed) format;
+    ``BENCH_PYSPY_ARGS`` adds options, e.g. ``--gil -r 200`` (only threads holding the GIL:
+    where the CPU goes). Summarize with ``bench/profile_summary.py``."""
+    prefix = os.environ.get("BENCH_PYSPY")
+    if not prefix:
+        return []
+    py_spy = str(Path(sys.executable).with_name("py-spy"))
+    extra = os.environ.get("BENCH_PYSPY_ARGS", "-r 100").split()
+    tag = label.replace("/", "_").replace("=", "")
+    return [
+        subprocess.Popen(
+            [
+                py_spy,
+                "record",
+                "--pid",
+                str(process.pid),
+                "-d",
+                str(math.ceil(duration_s)),
+                "-f",
+                "raw",
+                "--nonblocking",
+                *extra,
+                "-o",
+                f"{prefix}{tag}_{process.pid}.txt",
+            ],
+            stdout=subprocess.DEVNULL,
+        )
+        for process in servers
+        if process.name().startswith("python")
+    ]
 
 
 def database_backends(url: str) -> list[psutil.Process]:

@@ -15,14 +15,14 @@ from weakref import WeakKeyDictionary
 
 from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial
-from sqlalchemy import case, func, or_, select
+from sqlalchemy import bindparam, case, func, or_, select
 from sqlalchemy.orm import Session
 
 from service.db.tables import StudyRow, TrialRow, WorkerRow
 from service.fleet import predictions
 from service.fleet.leases import grant
 from service.fleet.routing import largest_card, live_cards, plans_on
-from service.fleet.workers import fleet_transaction, running_worker
+from service.fleet.workers import fleet_transaction, heard_from, running_worker
 from service.metrics import phase
 from service.optuna import rows as optuna_rows
 from service.optuna.drafts import draft_trials
@@ -79,17 +79,15 @@ def next_assignment(
     with fleet_transaction(state, "next") as session, phase("next", "offer"):
         worker = running_worker(session, worker_id, token_id)
         worker.free_bytes = body.free_bytes
+        heard_from(worker, now, state.settings.worker_stale_s)
         studies = _open_studies(session, worker.tasks, allowed)
         offered = _offered(session, worker, studies)
         if offered is not None:
-            return _lease(session, call, offered, worker)
+            study = next(row for row in studies if row.study_id == offered.study_id)
+            return _lease(session, call, study, offered, worker)
         askable = [
-            (
-                row,
-                optuna_rows.count_trials(session, row.study_id),
-                _ask_count(session, call, row, left),
-            )
-            for row, left in _budgets_left(session, studies)
+            (row, number, _ask_count(session, call, row, left))
+            for row, number, left in _budgets_left(session, studies)
         ]
     for row, number, count in askable:
         assignment = _ask(call, row, number, count)
@@ -170,7 +168,7 @@ def _ask_in_flight(
             worker = running_worker(session, call.worker_id)
             offered = _offered(session, worker, [row])
             if offered is not None:
-                return _lease(session, call, offered, worker)
+                return _lease(session, call, row, offered, worker)
     return _draft_and_insert(call, row, number, count)
 
 
@@ -193,20 +191,24 @@ def _draft_and_insert(
         return None
     with fleet_transaction(call.state, "next") as session, phase("next", "insert"):
         worker = running_worker(session, call.worker_id)
-        asked = _record_asked(session, worker, row.study_id, drafts, call.now)
+        asked = _record_asked(session, worker, row, drafts, call.now)
         if asked:
-            return _lease(session, call, asked[0], worker)
+            return _lease(session, call, row, asked[0], worker)
     return None
 
 
-def _lease(session: Session, call: _Call, trial: TrialRow, worker: WorkerRow) -> Assignment:
-    """Grant the worker a lease on the trial; the assignment it is answered with."""
+def _lease(
+    session: Session, call: _Call, row: StudyRow, trial: TrialRow, worker: WorkerRow
+) -> Assignment:
+    """Grant the worker a lease on the trial of the study ``row``; the assignment it gets."""
     with phase("next", "lease"):
-        return _assignment(session, call, trial, worker)
+        return _assignment(session, call, row, trial, worker)
 
 
-def _assignment(session: Session, call: _Call, trial: TrialRow, worker: WorkerRow) -> Assignment:
-    row = session.get_one(StudyRow, trial.study_id)
+def _assignment(
+    session: Session, call: _Call, row: StudyRow, trial: TrialRow, worker: WorkerRow
+) -> Assignment:
+    # A trial asked just now is still unflushed: it is inserted leased, one statement less.
     lease = grant(session, trial, worker, call.now, call.state.settings.lease_ttl_s)
     session.flush()
     spec = spec_of(row)
@@ -241,48 +243,78 @@ def _larger_card(session: Session, call: _Call, worker: WorkerRow, task: str) ->
     return largest if largest > worker.total_bytes else None
 
 
+# The statements of a ``next``, built once with bound parameters: built per call, their
+# construction and cache keys were ~19 % of the server's CPU at 4 workers (py-spy,
+# bench/results/service_profile.md); SQLAlchemy memoizes both on a statement object.
+_OPEN_STUDIES = (
+    select(StudyRow)
+    .where(StudyRow.paused.is_(False), StudyRow.task.in_(bindparam("tasks", expanding=True)))
+    .order_by(StudyRow.created_at, StudyRow.study_id)
+)
+_OPEN_ALLOWED_STUDIES = _OPEN_STUDIES.where(StudyRow.name.in_(bindparam("allowed", expanding=True)))
+_OFFERED = (
+    select(TrialRow)
+    .where(
+        TrialRow.study_id.in_(bindparam("study_ids", expanding=True)),
+        TrialRow.status.in_(("pending", "waiting")),
+        TrialRow.min_bytes <= bindparam("card_bytes"),
+        # a waiting trial is not offered back to the card that handed it back
+        or_(TrialRow.status == "pending", TrialRow.worker_id != bindparam("worker_id")),
+    )
+    .order_by(
+        case((TrialRow.status == "waiting", 0), else_=1), TrialRow.updated_at, TrialRow.trial_id
+    )
+    .limit(1)
+    .with_for_update(skip_locked=True)  # replicas take different trials, never the same
+)
+_COUNTS = select(
+    optuna_rows.count_trials_query(bindparam("study_id")),
+    select(func.count())
+    .select_from(TrialRow)
+    .where(TrialRow.study_id == bindparam("study_id"))
+    .scalar_subquery(),
+)
+_LOCK_UNPAUSED = (
+    optuna_rows.lock_study_query(bindparam("study_id"))
+    .join(StudyRow, StudyRow.study_id == bindparam("study_id"))
+    .where(StudyRow.paused.is_(False))
+)
+
+
 def _open_studies(
     session: Session, tasks: Sequence[str], allowed: frozenset[str] | None
 ) -> list[StudyRow]:
     """Unpaused studies of the tasks a worker runs, oldest first (a queue of studies)."""
-    query = select(StudyRow).where(StudyRow.paused.is_(False), StudyRow.task.in_(tasks))
-    if allowed is not None:
-        query = query.where(StudyRow.name.in_(allowed))
-    return list(session.scalars(query.order_by(StudyRow.created_at, StudyRow.study_id)))
+    if allowed is None:
+        return list(session.scalars(_OPEN_STUDIES, {"tasks": list(tasks)}))
+    params = {"tasks": list(tasks), "allowed": sorted(allowed)}
+    return list(session.scalars(_OPEN_ALLOWED_STUDIES, params))
 
 
 def _offered(session: Session, worker: WorkerRow, studies: Sequence[StudyRow]) -> TrialRow | None:
     """A pending or waiting trial this card can hold; waiting ones (for a larger card) first."""
     if not studies:
         return None
-    query = (
-        select(TrialRow)
-        .where(
-            TrialRow.study_id.in_([row.study_id for row in studies]),
-            TrialRow.status.in_(("pending", "waiting")),
-            TrialRow.min_bytes <= worker.total_bytes,
-            # a waiting trial is not offered back to the card that handed it back
-            or_(TrialRow.status == "pending", TrialRow.worker_id != worker.id),
-        )
-        .order_by(
-            case((TrialRow.status == "waiting", 0), else_=1), TrialRow.updated_at, TrialRow.trial_id
-        )
-        .limit(1)
-        .with_for_update(skip_locked=True)  # replicas take different trials, never the same
-    )
-    return session.scalar(query)
+    params = {
+        "study_ids": [row.study_id for row in studies],
+        "card_bytes": worker.total_bytes,
+        "worker_id": worker.id,
+    }
+    return session.scalar(_OFFERED, params)
 
 
-def _budgets_left(session: Session, studies: Sequence[StudyRow]) -> list[tuple[StudyRow, int]]:
-    """The studies that have trials of their budget left to ask, with how many."""
-    lefts = [(row, _budget_left(session, row)) for row in studies]
-    return [(row, left) for row, left in lefts if left > 0]
+def _budgets_left(session: Session, studies: Sequence[StudyRow]) -> list[tuple[StudyRow, int, int]]:
+    """The studies that have trials of their budget left to ask: (row, the number Optuna
+    gives its next trial, how many are left)."""
+    counted = [(row, *_counts(session, row)) for row in studies]
+    return [(row, number, left) for row, number, left in counted if left > 0]
 
 
-def _budget_left(session: Session, row: StudyRow) -> int:
-    """Trials of the study's budget not asked yet (vramtune asks every trial of its studies)."""
-    used = select(func.count()).select_from(TrialRow).where(TrialRow.study_id == row.study_id)
-    return spec_of(row).n_trials - int(session.scalar(used) or 0)
+def _counts(session: Session, row: StudyRow) -> tuple[int, int]:
+    """The study's trials in Optuna (the number of the next one) and those of its budget not
+    asked yet (vramtune asks every trial of its studies), in one statement."""
+    numbered, asked = session.execute(_COUNTS, {"study_id": row.study_id}).one()
+    return int(numbered or 0), spec_of(row).n_trials - int(asked or 0)
 
 
 def _ask_count(session: Session, call: _Call, row: StudyRow, left: int) -> int:
@@ -293,10 +325,16 @@ def _ask_count(session: Session, call: _Call, row: StudyRow, left: int) -> int:
     return max(1, min(left, ASK_AHEAD_MAX, workers // 2))
 
 
+def _lock_unpaused(session: Session, study_id: int) -> bool:
+    """Optuna's study row locked (optuna_rows.lock_study) if the study is not paused: one
+    statement for both."""
+    return session.execute(_LOCK_UNPAUSED, {"study_id": study_id}).first() is not None
+
+
 def _record_asked(
     session: Session,
     worker: WorkerRow,
-    study_id: int,
+    study: StudyRow,
     drafts: Sequence[FrozenTrial],
     now: datetime,
 ) -> list[TrialRow]:
@@ -311,16 +349,13 @@ def _record_asked(
     the next calls. Dropping them kept the pool of pending trials empty under load, so that
     every ``next`` queued on the lock (service.fleet.dispatch._Flight).
     """
-    row = session.scalar(
-        select(StudyRow).where(StudyRow.study_id == study_id, StudyRow.paused.is_(False))
-    )
+    study_id = study.study_id
     with phase("next", "study_lock"):
-        if row is None or not optuna_rows.lock_study(session, study_id):
+        if not _lock_unpaused(session, study_id):
             return []  # paused or deleted meanwhile
-    inserted_meanwhile = _offered(session, worker, [row])
-    asked = optuna_rows.insert_trials(
-        session, study_id, drafts[: max(_budget_left(session, row), 0)], now
-    )
+    inserted_meanwhile = _offered(session, worker, [study])
+    first, left = _counts(session, study)
+    asked = optuna_rows.insert_trials(session, study_id, drafts[: max(left, 0)], now, first)
     trials = [
         TrialRow(
             trial_id=trial._trial_id,

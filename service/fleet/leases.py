@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
 
 from service.api.errors import Conflict, LeaseLost, NotFound
@@ -84,6 +84,19 @@ class Fenced:
     replay: TrialAck | None = None
 
 
+# One statement for the four rows a call needs. Lease before trial, as the reaper locks them:
+# replicas never wait on each other in a cycle. Built once: a statement built per call costs
+# its construction and cache key (SQLAlchemy memoizes both on the statement object).
+_FENCE = (
+    select(LeaseRow, TrialRow, StudyRow, WorkerRow)
+    .join(TrialRow, TrialRow.trial_id == LeaseRow.trial_id)
+    .join(StudyRow, StudyRow.study_id == TrialRow.study_id)
+    .join(WorkerRow, WorkerRow.id == LeaseRow.worker_id)
+    .where(LeaseRow.token == bindparam("token"), LeaseRow.trial_id == bindparam("trial_id"))
+    .with_for_update(of=[LeaseRow, TrialRow])
+)
+
+
 def fence(
     session: Session,
     trial_id: int,
@@ -93,16 +106,7 @@ def fence(
     kind: str | None = None,
 ) -> Fenced:
     """Admit a call on a trial under its lease, or raise NotFound / LeaseLost / Conflict."""
-    # One statement for the four rows a call needs. Lease before trial, as the reaper locks
-    # them: replicas never wait on each other in a cycle.
-    found = session.execute(
-        select(LeaseRow, TrialRow, StudyRow, WorkerRow)
-        .join(TrialRow, TrialRow.trial_id == LeaseRow.trial_id)
-        .join(StudyRow, StudyRow.study_id == TrialRow.study_id)
-        .join(WorkerRow, WorkerRow.id == LeaseRow.worker_id)
-        .where(LeaseRow.token == token, LeaseRow.trial_id == trial_id)
-        .with_for_update(of=[LeaseRow, TrialRow])
-    ).first()
+    found = session.execute(_FENCE, {"token": token, "trial_id": trial_id}).first()
     if found is None:
         if session.get(TrialRow, trial_id) is None:
             raise NotFound(f"trial {trial_id} not found (or its study was deleted)")

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -54,6 +54,20 @@ def shape_keys(worker: WorkerRow, task: str) -> list[str] | None:
     return None if keys is None else list(keys)
 
 
+# Read by every lease: built once (see service.fleet.leases._FENCE).
+_SHARED = (
+    select(PredictionRow)
+    .where(
+        PredictionRow.task == bindparam("task"),
+        PredictionRow.card_model == bindparam("card_model"),
+        PredictionRow.torch_version == bindparam("torch_version"),
+        PredictionRow.shape_hash == bindparam("shape_hash"),
+    )
+    .order_by(PredictionRow.id)
+    .limit(MAX_SHARED_PREDICTIONS)
+)
+
+
 def shared_for(
     session: Session, worker: WorkerRow, task: str, config: Mapping[str, Any]
 ) -> list[SharedPrediction]:
@@ -61,17 +75,13 @@ def shared_for(
     if worker.shape_params is None:  # registered before migration 0004, or an older worker
         return []
     shape = shape_of(config, shape_keys(worker, task))
-    rows = session.scalars(
-        select(PredictionRow)
-        .where(
-            PredictionRow.task == task,
-            PredictionRow.card_model == worker.card_model,
-            PredictionRow.torch_version == torch_version_of(worker),
-            PredictionRow.shape_hash == shape_hash(shape),
-        )
-        .order_by(PredictionRow.id)
-        .limit(MAX_SHARED_PREDICTIONS)
-    )
+    params = {
+        "task": task,
+        "card_model": worker.card_model,
+        "torch_version": torch_version_of(worker),
+        "shape_hash": shape_hash(shape),
+    }
+    rows = session.scalars(_SHARED, params)
     return [
         SharedPrediction(
             shape=row.shape,

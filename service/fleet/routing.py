@@ -33,7 +33,7 @@ import optuna
 from optuna.storages import BaseStorage
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
 from service.db.tables import StudyRow, TrialRow, WorkerRow
@@ -58,14 +58,17 @@ class OptunaTell:
     now: datetime
 
 
+_LIVE_CARDS = select(WorkerRow.id, WorkerRow.total_bytes, WorkerRow.tasks).where(
+    WorkerRow.stopped.is_(False), WorkerRow.last_heartbeat >= bindparam("cutoff")
+)  # built once (a worker's next reads it): see service.fleet.leases._FENCE
+
+
 def live_cards(session: Session, task: str, now: datetime, stale_s: float) -> dict[int, int]:
     """The live workers that run ``task``: worker id -> card size (total bytes)."""
     cutoff = now - timedelta(seconds=stale_s)
-    query = select(WorkerRow.id, WorkerRow.total_bytes, WorkerRow.tasks).where(
-        WorkerRow.stopped.is_(False), WorkerRow.last_heartbeat >= cutoff
-    )
+    rows = session.execute(_LIVE_CARDS, {"cutoff": cutoff})
     # tasks is a JSON list: filtered here, portably, rather than with a dialect's JSON operator
-    return {wid: total for wid, total, tasks in session.execute(query) if task in tasks}
+    return {wid: total for wid, total, tasks in rows if task in tasks}
 
 
 def largest_card(cards: dict[int, int], exclude: int | None = None) -> int:

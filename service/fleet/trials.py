@@ -37,7 +37,7 @@ from service.fleet.routing import (
     write_attrs,
     write_constraint,
 )
-from service.fleet.workers import check_owner
+from service.fleet.workers import check_owner, heard_from
 from service.optuna import rows as optuna_rows
 from service.optuna.glue import load_optuna_study, spec_of, tell
 from service.settings import Settings
@@ -81,6 +81,7 @@ class TrialCall:
         """
         fenced = fence(self.session, trial_id, lease, self.now, call, kind)
         check_owner(fenced.worker, self.token_id)
+        heard_from(fenced.worker, self.now, self.settings.worker_stale_s)
         return fenced
 
     def telling(self, fenced: Fenced) -> OptunaTell:

@@ -163,6 +163,18 @@ def running_worker(session: Session, worker_id: int, token_id: int | None = None
     return worker
 
 
+def heard_from(worker: WorkerRow, now: datetime, stale_s: float) -> None:
+    """A worker's ``next`` or trial call counts as hearing from it, as a heartbeat does.
+
+    Stamped only once half the stale window has passed since it was last heard from: a worker
+    that heartbeats is never stamped here (so the stop orders of a worker that lists no trials,
+    which count from its previous heartbeat, are unchanged), and one that only calls costs one
+    ``UPDATE`` per half window, merged into the call's own update of the row when it has one.
+    """
+    if (now - worker.last_heartbeat).total_seconds() >= stale_s / 2:
+        worker.last_heartbeat = now
+
+
 def worker_state(worker: WorkerRow, now: datetime, stale_s: float) -> WorkerState:
     """live, stale (no heartbeat for ``stale_s``) or stopped."""
     if worker.stopped:

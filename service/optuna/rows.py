@@ -24,9 +24,11 @@ from typing import Any
 from optuna.distributions import distribution_to_json
 from optuna.storages._rdb import models
 from optuna.trial import FrozenTrial, TrialState
-from sqlalchemy import Table, delete, func, insert, select, update
+from sqlalchemy import Select, Table, bindparam, delete, func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.elements import BindParameter
+from sqlalchemy.sql.selectable import ScalarSelect
 
 from service.api.errors import Conflict
 from service.optuna import tables as optuna_tables
@@ -39,6 +41,20 @@ _USER_ATTRS = optuna_tables.trial_user_attrs
 _SYSTEM_ATTRS = optuna_tables.trial_system_attrs
 _STUDIES = optuna_tables.studies
 
+# Statements of every trial call, built once: see service.fleet.leases._FENCE.
+_INSERT_TRIALS = insert(_TRIALS).returning(_TRIALS.c.trial_id, sort_by_parameter_order=True)
+_INSERT_PARAMS = insert(_PARAMS)
+_FINISH = (
+    update(_TRIALS)
+    .where(_TRIALS.c.trial_id == bindparam("finished_id"), _TRIALS.c.state == TrialState.RUNNING)
+    .values(
+        state=bindparam("finished_state", type_=_TRIALS.c.state.type),
+        datetime_complete=bindparam("finished_at", type_=_TRIALS.c.datetime_complete.type),
+    )
+    .returning(_TRIALS.c.trial_id)
+)
+_UPSERTS: dict[tuple[str, str], Any] = {}  # (dialect, table) -> its upsert statement
+
 
 def lock_study(session: Session, study_id: int) -> bool:
     """Lock Optuna's study row until commit, as RDBStorage does to number a new trial.
@@ -49,30 +65,46 @@ def lock_study(session: Session, study_id: int) -> bool:
     row, any trial call's rows): with ``FOR UPDATE`` an ask waited for every trial call in
     flight, ~110 ms of a ~220 ms ``next`` at 16 workers. A no-op on SQLite.
     """
-    query = (
+    return session.execute(lock_study_query(study_id)).first() is not None
+
+
+def lock_study_query(study_id: int | BindParameter[Any]) -> Select[tuple[int]]:
+    """``lock_study``'s statement, for a caller that joins a condition of its own to it (the
+    lock stays on Optuna's study row only)."""
+    return (
         select(_STUDIES.c.study_id)
         .where(_STUDIES.c.study_id == study_id)
-        .with_for_update(key_share=True)
+        .with_for_update(key_share=True, of=_STUDIES)
     )
-    return session.execute(query).first() is not None
+
+
+def count_trials_query(study_id: int | BindParameter[Any]) -> ScalarSelect[int]:
+    """How many trials the study has in Optuna (the number the next one gets), as a scalar
+    subquery: callers count it in the statement that counts their own rows."""
+    return select(func.count()).where(_TRIALS.c.study_id == study_id).scalar_subquery()
 
 
 def count_trials(session: Session, study_id: int) -> int:
     """How many trials the study has in Optuna (the number the next one gets)."""
-    return int(session.scalar(select(func.count()).where(_TRIALS.c.study_id == study_id)) or 0)
+    return int(session.scalar(select(count_trials_query(study_id))) or 0)
 
 
 def insert_trials(
-    session: Session, study_id: int, drafts: Sequence[FrozenTrial], now: datetime
+    session: Session,
+    study_id: int,
+    drafts: Sequence[FrozenTrial],
+    now: datetime,
+    first: int | None = None,
 ) -> list[FrozenTrial]:
     """Insert RUNNING trials with the drafts' parameters and attributes; returns them numbered.
 
-    The caller holds ``lock_study``: the numbers follow the count of the study's trials, which
-    is what RDBStorage assigns under the same lock. A few statements for all the drafts.
+    The caller holds ``lock_study``: the numbers follow the count of the study's trials
+    (``first``, when the caller counted them under the lock), which is what RDBStorage assigns
+    under the same lock. A few statements for all the drafts.
     """
     if not drafts:
         return []
-    first = count_trials(session, study_id)
+    first = count_trials(session, study_id) if first is None else first
     rows = [
         {
             "study_id": study_id,
@@ -82,8 +114,7 @@ def insert_trials(
         }
         for i in range(len(drafts))
     ]
-    returning = insert(_TRIALS).returning(_TRIALS.c.trial_id, sort_by_parameter_order=True)
-    trial_ids = list(session.scalars(returning, rows))
+    trial_ids = list(session.scalars(_INSERT_TRIALS, rows))
     for i, (draft, trial_id) in enumerate(zip(drafts, trial_ids, strict=True)):
         draft.number, draft._trial_id, draft.datetime_start = first + i, trial_id, now
     params = [
@@ -97,7 +128,7 @@ def insert_trials(
         for name, value in draft.params.items()
     ]
     if params:
-        session.execute(insert(_PARAMS), params)
+        session.execute(_INSERT_PARAMS, params)
     for draft in drafts:  # samplers that set attributes while asking are not batched (fleet)
         set_attrs(session, draft._trial_id, draft.system_attrs, system=True)
         set_attrs(session, draft._trial_id, draft.user_attrs, system=False)
@@ -122,11 +153,15 @@ def _upsert(
     """
     dialect = session.get_bind().dialect.name
     if dialect in ("postgresql", "sqlite"):
-        upsert = (postgresql if dialect == "postgresql" else sqlite).insert(table)
-        excluded = upsert.excluded
-        replace = {col: excluded[col] for col in cols}
-        keys = [table.c.trial_id, table.c[key]]
-        session.execute(upsert.on_conflict_do_update(index_elements=keys, set_=replace), rows)
+        statement = _UPSERTS.get((dialect, table.name))
+        if statement is None:  # built once per table: its cache key is then memoized
+            upsert = (postgresql if dialect == "postgresql" else sqlite).insert(table)
+            excluded = upsert.excluded
+            replace = {col: excluded[col] for col in cols}
+            keys = [table.c.trial_id, table.c[key]]
+            statement = upsert.on_conflict_do_update(index_elements=keys, set_=replace)
+            _UPSERTS[(dialect, table.name)] = statement
+        session.execute(statement, rows)
         return
     trial_id, replaced = rows[0]["trial_id"], [row[key] for row in rows]
     session.execute(delete(table).where(table.c.trial_id == trial_id, table.c[key].in_(replaced)))
@@ -145,12 +180,8 @@ def finish(
     Vramtune's lease and Optuna's state commit together, so a finished trial under an active
     lease means somebody finished it in Optuna directly: the worker's call is refused.
     """
-    ended = session.execute(
-        update(_TRIALS)
-        .where(_TRIALS.c.trial_id == trial_id, _TRIALS.c.state == TrialState.RUNNING)
-        .values(state=state, datetime_complete=now)
-        .returning(_TRIALS.c.trial_id)
-    ).first()
+    params = {"finished_id": trial_id, "finished_state": state, "finished_at": now}
+    ended = session.execute(_FINISH, params).first()
     if ended is None:
         current = session.scalar(select(_TRIALS.c.state).where(_TRIALS.c.trial_id == trial_id))
         if current is None:

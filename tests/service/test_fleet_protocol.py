@@ -1007,3 +1007,34 @@ def test_a_lease_past_its_expiry_is_held_until_the_reaper_ends_it(env: Env) -> N
         lease.expires_at = utcnow() - timedelta(seconds=1)
     assert worker.complete(held, 2.0).status_code == 200
     assert [(t.state, t.value) for t in env.trials()] == [(TrialState.COMPLETE, 2.0)]
+
+
+def _last_heard(env: Env, worker: SimWorker, ago_s: float | None = None) -> datetime:
+    """The worker's last_heartbeat; first set ``ago_s`` seconds in the past, if given."""
+    with env.state.sessions.begin() as session:
+        row = session.get_one(WorkerRow, worker.id)
+        if ago_s is not None:
+            row.last_heartbeat = utcnow() - timedelta(seconds=ago_s)
+        return row.last_heartbeat
+
+
+def test_next_and_complete_count_as_hearing_from_a_worker(env: Env) -> None:
+    """A worker that calls but never heartbeats stays live: its next and its trial calls stamp
+    it once half the stale window (30 s by default) has passed; sooner, nothing is written."""
+    env.create_study(n_trials=3)
+    worker = env.worker("silent")
+    silent_since = _last_heard(env, worker, ago_s=40)  # stale: nothing heard for 40 s
+    assert worker.out()["state"] == "stale"
+    assignment = worker.next()
+    assert assignment is not None
+    heard = _last_heard(env, worker)
+    assert heard > silent_since and worker.out()["state"] == "live"
+    assert worker.call(assignment, "start", plan=PLAN).status_code == 200
+    assert _last_heard(env, worker) == heard  # heard from 0 s ago: no write
+    recently = _last_heard(env, worker, ago_s=5)
+    assert worker.complete(assignment, 1.0).status_code == 200
+    assert _last_heard(env, worker) == recently  # within half the window: unchanged
+    _last_heard(env, worker, ago_s=20)  # past half the window, not stale yet
+    assert worker.complete(assignment, 1.0).status_code == 200  # a replay is a call too
+    assert (utcnow() - _last_heard(env, worker)).total_seconds() < 5
+    assert worker.out()["state"] == "live"
