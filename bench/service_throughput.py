@@ -12,9 +12,19 @@ trial, the clients' completed ids equal the study's new trials).
 - vramtune: one real ``vramtune serve`` (uvicorn) subprocess; N processes, each a simulated worker
   doing register, then next -> start -> complete over HTTP/1.1 keep-alive.
 
+Paced cells (``--think S``, vramtune only): the simulated workers train between calls instead
+of running closed-loop. Each trial trains for a draw from a seeded uniform [0.5 S, 1.5 S]
+(``start``, then training, then ``complete+next``), heartbeating its trial every
+``--paced-heartbeat`` seconds meanwhile (5 s, the server's default ``heartbeat_interval_s``;
+0 = none). Each worker leases and starts its first trial while warming up and the window opens
+part-way through that trial's training, so the window sees a steady fleet, not 256 workers
+starting together. The offered load is N / S trials/s; what the service achieved is what
+completed. A closed loop (``--think 0``, the default) offers as much as the system absorbs.
+
 Usage: ``python bench/service_throughput.py --preset default`` (the cells of the committed
 results), or pick a matrix: ``--systems raw,vramtune --databases postgresql --samplers random
---prefill 0 --workers 1,16 --duration 10``.
+--prefill 0 --workers 1,16 --duration 10``; a paced cell: ``--systems vramtune --workers 256
+--think 10 --duration 40``.
 """
 
 from __future__ import annotations
@@ -101,10 +111,15 @@ class Cell:
     sampler: str
     prefill: int
     workers: int
+    think: float = 0.0  # mean seconds a worker trains between start and complete (0: closed loop)
+    heartbeat: float = 0.0  # seconds between a paced worker's heartbeats (0: none)
 
     def label(self) -> str:
         """A short name for logs."""
-        return f"{self.system}/{self.database}/{self.sampler}/{self.prefill}/N={self.workers}"
+        label = f"{self.system}/{self.database}/{self.sampler}/{self.prefill}/N={self.workers}"
+        if self.think:
+            label += f"/think={self.think:g}" + (f"+hb{self.heartbeat:g}" if self.heartbeat else "")
+        return label
 
 
 @dataclass
@@ -574,14 +589,24 @@ def register(http_client: Http, index: int) -> int:
 
 
 def vramtune_client(cell: Cell, port: int, index: int, start: Start, out: Any) -> None:
-    """Simulated workers (one per thread): next -> start -> complete until the deadline."""
+    """Simulated workers (one per thread): next -> start -> complete until the deadline.
+
+    Paced workers (``cell.think``) lease and start their first trial while warming up: the
+    window opens part-way through its training (a seeded fraction of one draw)."""
 
     def warm_up(report: ClientReport) -> list[Callable[[], None]]:
         bodies = []
-        for k in range(threads_per_client(cell)):
+        per_client = threads_per_client(cell)
+        for k in range(per_client):
             client = Http(port)
             worker_id = register(client, index * 1000 + k)
-            bodies.append(SimulatedWorker(client, worker_id, report))
+            worker = SimulatedWorker(client, worker_id, report)
+            if cell.think:
+                worker.pacer = Pacer(cell.think, cell.heartbeat, seed=index * per_client + k)
+                worker.running = worker.lease_and_start()
+                if worker.running is None:
+                    raise RuntimeError(f"first trial: {report.errors[-1:]}")
+            bodies.append(worker)
         return bodies
 
     run_client(index, start, out, warm_up)
@@ -630,11 +655,16 @@ class Heartbeats:
             self.due = time.time() + self.phase
         time.sleep(max(0.0, self.due - time.time()))
         self.due += HEARTBEAT_PERIOD_S
-        body = {"free_bytes": CARD_BYTES, "trials": [self.trial_id]}
-        path = f"/workers/{self.worker_id}/heartbeat"
-        status, reply = timed_post(self.client, self.report, "heartbeat", path, body)
-        if status != 200 or reply["stop"]:
-            self.report.errors.append(f"heartbeat: {status} {reply}")
+        heartbeat(self.client, self.report, self.worker_id, self.trial_id)
+
+
+def heartbeat(client: Http, report: ClientReport, worker_id: int, trial_id: int) -> None:
+    """One timed heartbeat for a worker running one trial; a stop order or non-200 is an error."""
+    body = {"free_bytes": CARD_BYTES, "trials": [trial_id]}
+    path = f"/workers/{worker_id}/heartbeat"
+    status, reply = timed_post(client, report, "heartbeat", path, body)
+    if status != 200 or reply["stop"]:
+        report.errors.append(f"heartbeat: {status} {reply}")
 
 
 def threads_per_client(cell: Cell) -> int:
@@ -658,47 +688,103 @@ def timed_post(
 
 
 @dataclass
+class Pacer:
+    """A paced worker's training time: each trial trains for a draw from a uniform
+    [0.5 S, 1.5 S] (seeded per worker, so that workers do not move in lockstep), heartbeating
+    every ``heartbeat_s`` (0: never). The first draw is cut to a seeded fraction of itself: the
+    window opens part-way through the first trial, as it would on a fleet already running."""
+
+    think_s: float
+    heartbeat_s: float
+    seed: int
+    rng: random.Random = field(init=False)
+    first: bool = True
+    due: float = 0.0  # when the next heartbeat is due (0: not yet placed)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+
+    def draw(self) -> float:
+        """Seconds the next trial trains."""
+        think = self.rng.uniform(0.5 * self.think_s, 1.5 * self.think_s)
+        if self.first:
+            self.first = False
+            think *= self.rng.random()
+        return think
+
+    def first_beat(self, now: float) -> float:
+        """When the first heartbeat is due: a seeded phase within one period from ``now``."""
+        return now + self.rng.uniform(0.0, self.heartbeat_s)
+
+
+@dataclass
 class SimulatedWorker:
     """One simulated worker: next -> start -> complete, the complete asking for the next trial
-    (``CompleteRequest.next``), so that a trial costs two requests once the first is leased."""
+    (``CompleteRequest.next``), so that a trial costs two requests once the first is leased.
+    With a ``pacer`` it trains between ``start`` and ``complete``, heartbeating meanwhile."""
 
     client: Http
     worker_id: int
     report: ClientReport
-    assignment: dict[str, Any] | None = None
+    assignment: dict[str, Any] | None = None  # leased, not started
+    pacer: Pacer | None = None
+    running: dict[str, Any] | None = None  # started, not completed (a paced worker's first)
 
     def __call__(self) -> None:
         self.one()
 
     def drain(self) -> None:
         """After the window: complete the trial the last complete leased, asking for no more."""
-        if self.assignment is not None:
+        if self.assignment is not None or self.running is not None:
             self.one(ask_next=False)
 
-    def one(self, ask_next: bool = True) -> None:
-        """One trial; a non-2xx answer is an error, recorded."""
+    def lease_and_start(self) -> dict[str, Any] | None:
+        """Lease a trial unless the last complete did, and start it; None (recorded) if not."""
         if self.assignment is None:
             path = f"/workers/{self.worker_id}/next"
             status, reply = timed_post(self.client, self.report, "next", path, NEXT)
             if status == 204:
                 self.report.empty_nexts += 1
-                return
+                return None
             if status != 200:
                 self.report.errors.append(f"next: {status} {reply}")
-                return
+                return None
             self.assignment = reply
         assignment, self.assignment = self.assignment, None
-        trial_id, lease = assignment["trial_id"], assignment["lease"]
         status, reply = timed_post(
             self.client,
             self.report,
             "start",
-            f"/trials/{trial_id}/start",
-            {"lease": lease, "plan": {}},
+            f"/trials/{assignment['trial_id']}/start",
+            {"lease": assignment["lease"], "plan": {}},
         )
         if status != 200:
             self.report.errors.append(f"start: {status} {reply}")
+            return None
+        return assignment
+
+    def train(self, trial_id: int) -> None:
+        """Sleep for the pacer's draw, heartbeating the trial whenever a beat falls due
+        (as the worker agent's heartbeat thread: the next beat one period after the last)."""
+        assert self.pacer is not None
+        pacer = self.pacer
+        end = time.time() + pacer.draw()
+        if pacer.heartbeat_s and not pacer.due:
+            pacer.due = pacer.first_beat(time.time())
+        while pacer.heartbeat_s and pacer.due < end:
+            time.sleep(max(0.0, pacer.due - time.time()))
+            heartbeat(self.client, self.report, self.worker_id, trial_id)
+            pacer.due = time.time() + pacer.heartbeat_s
+        time.sleep(max(0.0, end - time.time()))
+
+    def one(self, ask_next: bool = True) -> None:
+        """One trial; a non-2xx answer is an error, recorded."""
+        assignment, self.running = self.running or self.lease_and_start(), None
+        if assignment is None:
             return
+        trial_id, lease = assignment["trial_id"], assignment["lease"]
+        if self.pacer is not None and ask_next:  # the drain after the window does not train
+            self.train(trial_id)
         value = objective(assignment["params"]["x"], assignment["params"]["y"])
         body = {
             "lease": lease,
@@ -1105,8 +1191,9 @@ def cells_of(args: argparse.Namespace) -> list[Cell]:
                 args.databases.split(","), args.samplers.split(","), args.prefill.split(",")
             )
         ]
+    heartbeat = args.paced_heartbeat if args.think else 0.0
     return [
-        Cell(system, db, sampler, prefill, n)
+        Cell(system, db, sampler, prefill, n, args.think, heartbeat)
         for db, sampler, prefill, ns in groups
         for n in ns
         for system in systems
@@ -1158,7 +1245,7 @@ def markdown(results: list[CellResult], meta: dict[str, Any]) -> str:
     groups: dict[tuple[str, str, int], list[CellResult]] = {}
     for result in results:
         c = result.cell
-        if c.system != "heartbeats":
+        if c.system != "heartbeats" and not c.think:
             groups.setdefault((c.database, c.sampler, c.prefill), []).append(result)
     order = sorted(groups, key=lambda key: (key[0] != "postgresql", key[1] != "random", key[2]))
     for db, sampler, pre in order:
@@ -1175,6 +1262,22 @@ def markdown(results: list[CellResult], meta: dict[str, Any]) -> str:
             "",
         ]
         lines += heartbeat_table(beats)
+    paced = [r for r in results if r.cell.think]
+    if paced:
+        lines += [
+            "## Paced: simulated workers that train between calls",
+            "",
+            "Each trial trains for a seeded uniform draw from [0.5 think, 1.5 think] between "
+            "`start` and `complete+next`; the workers heartbeat their trial every `heartbeat` "
+            "seconds meanwhile (the server's 5 s default; the heartbeat's own batch window "
+            "delays its reply, up to 0.5 s, by design). Each worker leased and started its first "
+            "trial before the window, which opens part-way through it. offered = N / think "
+            "trials/s (what the fleet asks for if the calls took no time); achieved = trials "
+            "completed inside the window per second. service CPU = the server's processes and "
+            "the cell database's backends, in percent of one core over the window.",
+            "",
+        ]
+        lines += paced_table(paced)
     return "\n".join(lines)
 
 
@@ -1275,6 +1378,36 @@ def heartbeat_table(beats: list[CellResult]) -> list[str]:
     return lines
 
 
+def paced_table(paced: list[CellResult]) -> list[str]:
+    """One row per paced cell: offered and achieved trials/s, latencies, the service's CPU."""
+    lines = [
+        "| N | system | sampler, pre-filled | think s | heartbeat s | runs | offered trials/s | "
+        "achieved trials/s | achieved / offered | p50 / p99 ms per call | service CPU, % of one "
+        "core | errors | check | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    cells: dict[Cell, list[CellResult]] = {}
+    for r in sorted(paced, key=lambda r: r.repeat):
+        cells.setdefault(r.cell, []).append(r)
+    order = sorted(
+        cells, key=lambda c: (c.database, c.sampler, c.prefill, c.workers, c.think, c.system)
+    )
+    for c in order:
+        these = cells[c]
+        offered = c.workers / c.think
+        achieved = [r.trials_per_s for r in these]
+        cores = [r.service_core_pct for r in these if r.service_core_pct is not None]
+        lines.append(
+            f"| {c.workers} | {c.system} | {c.database} {c.sampler}, {c.prefill:,} | "
+            f"{c.think:g} | {c.heartbeat:g} | {len(these)} | {offered:.1f} | {spread(achieved)} | "
+            f"{spread([a / offered for a in achieved], 2)} | {calls_summary(these)} | "
+            f"{spread(cores)} | {sum(r.errors for r in these)} | {checks_summary(these)} | "
+            f"{loads_summary(these)} |"
+        )
+    lines.append("")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the chosen cells and write the Markdown and JSON results."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -1285,6 +1418,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill", default="0")
     parser.add_argument("--workers", default="1,4,16,64")
     parser.add_argument("--duration", type=float, default=12.0, help="seconds per cell")
+    parser.add_argument(
+        "--think",
+        type=float,
+        default=0.0,
+        help="paced cells (vramtune only): mean seconds a worker trains between start and "
+        "complete, drawn per trial from [0.5, 1.5] times it; 0 = closed loop",
+    )
+    parser.add_argument(
+        "--paced-heartbeat",
+        type=float,
+        default=HEARTBEAT_PERIOD_S,
+        help="seconds between a paced worker's heartbeats; 0 = none",
+    )
     parser.add_argument(
         "--repeat", type=int, default=3, help="runs of every cell, interleaved: run 1 of each, ..."
     )
@@ -1305,6 +1451,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     READY_TIMEOUT_S[0] = args.ready_timeout
+    if args.think < 0 or args.paced_heartbeat < 0:
+        parser.error("--think and --paced-heartbeat take seconds >= 0")
+    if args.think and not {"vramtune", "vramtune2"}.issuperset(args.systems.split(",")):
+        parser.error("--think paces vramtune's simulated workers: --systems vramtune,vramtune2")
     if args.report_only:
         saved = json.loads(Path(f"{args.out}.json").read_text())
         write_results(previous_results(args.out), saved["meta"], args.out)
