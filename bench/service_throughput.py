@@ -14,12 +14,13 @@ trial, the clients' completed ids equal the study's new trials).
 
 Paced cells (``--think S``, vramtune only): the simulated workers train between calls instead
 of running closed-loop. Each trial trains for a draw from a seeded uniform [0.5 S, 1.5 S]
-(``start``, then training, then ``complete+next``), heartbeating its trial every
-``--paced-heartbeat`` seconds meanwhile (5 s, the server's default ``heartbeat_interval_s``;
-0 = none). Each worker leases and starts its first trial while warming up and the window opens
-part-way through that trial's training, so the window sees a steady fleet, not 256 workers
-starting together. The offered load is N / S trials/s; what the service achieved is what
-completed. A closed loop (``--think 0``, the default) offers as much as the system absorbs.
+(``start``, then training, then ``complete+next``); each worker heartbeats its trial every
+``--paced-heartbeat`` seconds (5 s, the server's default ``heartbeat_interval_s``; 0 = none) on a
+thread and connection of its own, as the worker agent does. Each worker leases and starts its
+first trial while warming up and the window opens part-way through that trial's training, so
+the window sees a steady fleet, not 256 workers starting together. The offered load is
+N / S trials/s; what the service achieved is what completed. A closed loop (``--think 0``, the
+default) offers as much as the system absorbs.
 
 Usage: ``python bench/service_throughput.py --preset default`` (the cells of the committed
 results), or pick a matrix: ``--systems raw,vramtune --databases postgresql --samplers random
@@ -601,11 +602,19 @@ def vramtune_client(cell: Cell, port: int, index: int, start: Start, out: Any) -
             client = Http(port)
             worker_id = register(client, index * 1000 + k)
             worker = SimulatedWorker(client, worker_id, report)
+            number = index * per_client + k
             if cell.think:
-                worker.pacer = Pacer(cell.think, cell.heartbeat, seed=index * per_client + k)
+                worker.pacer = Pacer(cell.think, seed=number)
                 worker.running = worker.lease_and_start()
                 if worker.running is None:
                     raise RuntimeError(f"first trial: {report.errors[-1:]}")
+            if cell.heartbeat:  # a thread of its own, as the worker agent's heartbeat thread
+                phase = cell.heartbeat * number / cell.workers
+                trial_id = worker.running["trial_id"] if worker.running else 0
+                worker.beats = Heartbeats(
+                    Http(port), worker_id, trial_id, phase, report, period=cell.heartbeat
+                )
+                bodies.append(worker.beats.one)
             bodies.append(worker)
         return bodies
 
@@ -640,7 +649,9 @@ def heartbeat_client(cell: Cell, port: int, index: int, start: Start, out: Any) 
 
 @dataclass
 class Heartbeats:
-    """One simulated worker's heartbeats: due every HEARTBEAT_PERIOD_S from its phase."""
+    """One simulated worker's heartbeats, on a connection of their own: due every ``period``
+    from its phase. A paced worker points ``trial_id`` at each trial it starts (a trial it
+    completed while a heartbeat listing it was on its way is not ordered stopped)."""
 
     client: Http
     worker_id: int
@@ -648,23 +659,19 @@ class Heartbeats:
     phase: float
     report: ClientReport
     due: float = 0.0
+    period: float = HEARTBEAT_PERIOD_S
 
     def one(self) -> None:
         """Wait until the next heartbeat is due, send it; a stop order or non-200 is an error."""
         if not self.due:
             self.due = time.time() + self.phase
         time.sleep(max(0.0, self.due - time.time()))
-        self.due += HEARTBEAT_PERIOD_S
-        heartbeat(self.client, self.report, self.worker_id, self.trial_id)
-
-
-def heartbeat(client: Http, report: ClientReport, worker_id: int, trial_id: int) -> None:
-    """One timed heartbeat for a worker running one trial; a stop order or non-200 is an error."""
-    body = {"free_bytes": CARD_BYTES, "trials": [trial_id]}
-    path = f"/workers/{worker_id}/heartbeat"
-    status, reply = timed_post(client, report, "heartbeat", path, body)
-    if status != 200 or reply["stop"]:
-        report.errors.append(f"heartbeat: {status} {reply}")
+        self.due += self.period
+        body = {"free_bytes": CARD_BYTES, "trials": [self.trial_id]}
+        path = f"/workers/{self.worker_id}/heartbeat"
+        status, reply = timed_post(self.client, self.report, "heartbeat", path, body)
+        if status != 200 or reply["stop"]:
+            self.report.errors.append(f"heartbeat: {status} {reply}")
 
 
 def threads_per_client(cell: Cell) -> int:
@@ -690,16 +697,14 @@ def timed_post(
 @dataclass
 class Pacer:
     """A paced worker's training time: each trial trains for a draw from a uniform
-    [0.5 S, 1.5 S] (seeded per worker, so that workers do not move in lockstep), heartbeating
-    every ``heartbeat_s`` (0: never). The first draw is cut to a seeded fraction of itself: the
-    window opens part-way through the first trial, as it would on a fleet already running."""
+    [0.5 S, 1.5 S] (seeded per worker, so that workers do not move in lockstep). The first
+    draw is cut to a seeded fraction of itself: the window opens part-way through the first
+    trial, as it would on a fleet already running."""
 
     think_s: float
-    heartbeat_s: float
     seed: int
     rng: random.Random = field(init=False)
     first: bool = True
-    due: float = 0.0  # when the next heartbeat is due (0: not yet placed)
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
@@ -712,16 +717,13 @@ class Pacer:
             think *= self.rng.random()
         return think
 
-    def first_beat(self, now: float) -> float:
-        """When the first heartbeat is due: a seeded phase within one period from ``now``."""
-        return now + self.rng.uniform(0.0, self.heartbeat_s)
-
 
 @dataclass
 class SimulatedWorker:
     """One simulated worker: next -> start -> complete, the complete asking for the next trial
     (``CompleteRequest.next``), so that a trial costs two requests once the first is leased.
-    With a ``pacer`` it trains between ``start`` and ``complete``, heartbeating meanwhile."""
+    With a ``pacer`` it trains between ``start`` and ``complete``; ``beats`` (heartbeating on
+    their own thread) are told each trial it starts."""
 
     client: Http
     worker_id: int
@@ -729,6 +731,7 @@ class SimulatedWorker:
     assignment: dict[str, Any] | None = None  # leased, not started
     pacer: Pacer | None = None
     running: dict[str, Any] | None = None  # started, not completed (a paced worker's first)
+    beats: Heartbeats | None = None
 
     def __call__(self) -> None:
         self.one()
@@ -761,21 +764,9 @@ class SimulatedWorker:
         if status != 200:
             self.report.errors.append(f"start: {status} {reply}")
             return None
+        if self.beats is not None:
+            self.beats.trial_id = assignment["trial_id"]
         return assignment
-
-    def train(self, trial_id: int) -> None:
-        """Sleep for the pacer's draw, heartbeating the trial whenever a beat falls due
-        (as the worker agent's heartbeat thread: the next beat one period after the last)."""
-        assert self.pacer is not None
-        pacer = self.pacer
-        end = time.time() + pacer.draw()
-        if pacer.heartbeat_s and not pacer.due:
-            pacer.due = pacer.first_beat(time.time())
-        while pacer.heartbeat_s and pacer.due < end:
-            time.sleep(max(0.0, pacer.due - time.time()))
-            heartbeat(self.client, self.report, self.worker_id, trial_id)
-            pacer.due = time.time() + pacer.heartbeat_s
-        time.sleep(max(0.0, end - time.time()))
 
     def one(self, ask_next: bool = True) -> None:
         """One trial; a non-2xx answer is an error, recorded."""
@@ -784,7 +775,7 @@ class SimulatedWorker:
             return
         trial_id, lease = assignment["trial_id"], assignment["lease"]
         if self.pacer is not None and ask_next:  # the drain after the window does not train
-            self.train(trial_id)
+            time.sleep(self.pacer.draw())
         value = objective(assignment["params"]["x"], assignment["params"]["y"])
         body = {
             "lease": lease,
@@ -1268,10 +1259,11 @@ def markdown(results: list[CellResult], meta: dict[str, Any]) -> str:
             "## Paced: simulated workers that train between calls",
             "",
             "Each trial trains for a seeded uniform draw from [0.5 think, 1.5 think] between "
-            "`start` and `complete+next`; the workers heartbeat their trial every `heartbeat` "
-            "seconds meanwhile (the server's 5 s default; the heartbeat's own batch window "
-            "delays its reply, up to 0.5 s, by design). Each worker leased and started its first "
-            "trial before the window, which opens part-way through it. offered = N / think "
+            "`start` and `complete+next`; each worker heartbeats its trial every `heartbeat` "
+            "seconds on a thread and connection of its own, as the worker agent does (5 s, the "
+            "server's default; a heartbeat's reply waits for its batch, up to 0.5 s, by design). "
+            "Each worker leased and started its first trial before the window, which opens "
+            "part-way through it. offered = N / think "
             "trials/s (what the fleet asks for if the calls took no time); achieved = trials "
             "completed inside the window per second. service CPU = the server's processes and "
             "the cell database's backends, in percent of one core over the window.",
