@@ -1219,7 +1219,7 @@ def markdown(results: list[CellResult], meta: dict[str, Any]) -> str:
         "`vramtune2` = vramtune with `--processes 2`. "
         "gRPC needs `grpcio` and `protobuf` (installed for this benchmark only). "
         f"The vramtune server runs with a lease TTL of {BENCH_LEASE_TTL_S} s (its simulated "
-        "workers send no heartbeats).",
+        "workers send no heartbeats, except in the paced cells).",
         "",
     ]
     runs = []
