@@ -129,30 +129,27 @@ def start(call: TrialCall, trial_id: int, body: StartRequest) -> TrialAck:
     """The worker chose its plan and runs it: store the plan and the prediction."""
     fenced = call.fence(trial_id, body.lease, "start")  # never a replay
     predicted = _predicted(body.prediction)
-    write_attrs(
-        call.session,
-        trial_id,
-        {
-            "plan": body.plan.model_dump(mode="json"),
-            "predicted_peak_bytes": predicted,
-            "prediction": None if body.prediction is None else body.prediction.model_dump(),
-            "worker": fenced.worker.name,
-            "card_model": fenced.worker.card_model,
-            "attempt": fenced.trial.attempt,
-        },
-    )
     plan = body.plan.model_dump(mode="json")
+    attrs = {
+        "plan": plan,
+        "predicted_peak_bytes": predicted,
+        "prediction": None if body.prediction is None else body.prediction.model_dump(),
+        "worker": fenced.worker.name,
+        "card_model": fenced.worker.card_model,
+        "attempt": fenced.trial.attempt,
+    }
+    _plan_chosen(call, fenced, body, attrs)
     set_columns(
         call.session, fenced.trial, plan=plan, predicted_peak_bytes=predicted, updated_at=call.now
     )
-    _plan_chosen(call, fenced, body)
     return _ack(fenced, "started", f"running as planned: {body.plan.reason}".strip(": "))
 
 
-def _plan_chosen(call: TrialCall, fenced: Fenced, body: PlanChoice) -> None:
-    """How the plan was chosen, on the trial; the predictions made for it, for the fleet."""
-    attrs = {"planning_s": body.planning_s, "prediction_source": body.prediction_source}
-    write_attrs(call.session, fenced.trial.trial_id, attrs)
+def _plan_chosen(call: TrialCall, fenced: Fenced, body: PlanChoice, attrs: dict[str, Any]) -> None:
+    """How the plan was chosen, on the trial with the call's other ``attrs`` (one statement);
+    the predictions made for it, for the fleet."""
+    chosen = {"planning_s": body.planning_s, "prediction_source": body.prediction_source}
+    write_attrs(call.session, fenced.trial.trial_id, {**attrs, **chosen})
     predictions.keep(
         call.session,
         fenced.worker,
@@ -412,8 +409,7 @@ def hand_back(call: TrialCall, trial_id: int, body: HandBackRequest) -> TrialAck
     capacity = live_capacity(
         call.session, fenced.study.task, call.now, call.settings.worker_stale_s, worker.id
     )
-    write_attrs(call.session, trial_id, {"handback": handback})
-    _plan_chosen(call, fenced, body)
+    _plan_chosen(call, fenced, body, {"handback": handback})
     if body.fits_here and capacity < footprint:  # the larger card left: it runs where it fits
         reoffer(trial, call.now, next_attempt=False)
         ack = _ack(fenced, "retry", "no larger card is live: offered again as it fits")
