@@ -208,9 +208,8 @@ def _lease(
 def _assignment(
     session: Session, call: _Call, row: StudyRow, trial: TrialRow, worker: WorkerRow
 ) -> Assignment:
-    # A trial asked just now is still unflushed: it is inserted leased, one statement less.
     lease = grant(session, trial, worker, call.now, call.state.settings.lease_ttl_s)
-    session.flush()
+    session.flush()  # the trials asked in this transaction, inserted (the first one leased)
     spec = spec_of(row)
     params = asked_trial(call.state.storage, row, trial).params
     config = {**spec.task_config, **params}

@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import bindparam, select, update
+from sqlalchemy import bindparam, inspect, select, update
 from sqlalchemy.orm import Session
 
 from service.api.errors import Conflict, LeaseLost, NotFound
 from service.db.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
+from service.db.writes import insert_row, set_columns
 from service.wire import StopReason, TrialAck
 
 TOKEN_BYTES = 32  # 256 bits: a lease cannot be guessed
@@ -34,24 +35,41 @@ def new_token() -> str:
     return secrets.token_urlsafe(TOKEN_BYTES)
 
 
+@dataclass(frozen=True)
+class Grant:
+    """A lease just granted: what the worker is told."""
+
+    token: str
+    expires_at: datetime
+
+
 def grant(
     session: Session, trial: TrialRow, worker: WorkerRow, now: datetime, ttl_s: float
-) -> LeaseRow:
-    """Lease a trial to a worker: a new lease row, and the trial marked leased."""
-    lease = LeaseRow(
-        token=new_token(),
+) -> Grant:
+    """Lease a trial to a worker: a new lease row, and the trial marked leased.
+
+    A trial asked in this transaction (not flushed yet) is marked on its object: it is
+    inserted leased, one statement less.
+    """
+    granted = Grant(new_token(), now + timedelta(seconds=ttl_s))
+    insert_row(
+        session,
+        LeaseRow,
+        token=granted.token,
         trial_id=trial.trial_id,
         worker_id=worker.id,
         attempt=trial.attempt,
         active=True,
-        expires_at=now + timedelta(seconds=ttl_s),
+        expires_at=granted.expires_at,
         created_at=now,
     )
-    trial.status = "leased"
-    trial.worker_id = worker.id
-    trial.updated_at = now
-    session.add(lease)
-    return lease
+    held = {"status": "leased", "worker_id": worker.id, "updated_at": now}
+    if inspect(trial).persistent:
+        set_columns(session, trial, **held)
+    else:
+        for name, value in held.items():
+            setattr(trial, name, value)
+    return granted
 
 
 def resolution(
@@ -66,11 +84,9 @@ def resolution(
     }
 
 
-def end(lease: LeaseRow, now: datetime, how: dict[str, Any]) -> None:
+def end(session: Session, lease: LeaseRow, now: datetime, how: dict[str, Any]) -> None:
     """End a lease with its resolution; calls under it are refused or replayed from now on."""
-    lease.active = False
-    lease.ended_at = now
-    lease.resolution = how
+    set_columns(session, lease, active=False, ended_at=now, resolution=how)
 
 
 @dataclass

@@ -21,6 +21,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from service.db.tables import PredictionRow, WorkerRow
+from service.db.writes import table_of
 from service.wire import (
     MAX_SHARED_PREDICTIONS,
     Plan,
@@ -121,10 +122,16 @@ def keep(
     }
     if not rows:
         return
-    dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
-    statement = dialect.insert(PredictionRow).values(list(rows.values()))
-    session.execute(
-        statement.on_conflict_do_nothing(
-            index_elements=["task", "card_model", "torch_version", "shape_hash", "plan_key"]
-        )
-    )
+    session.execute(_keep_statement(session.get_bind().dialect.name), list(rows.values()))
+
+
+_KEEP: dict[str, Any] = {}  # dialect -> the insert, built once (service.db.writes)
+
+
+def _keep_statement(dialect: str) -> Any:
+    """``INSERT ... ON CONFLICT DO NOTHING`` on the prediction's key, for an executemany."""
+    if dialect not in _KEEP:
+        insert = (postgresql if dialect == "postgresql" else sqlite).insert(table_of(PredictionRow))
+        keys = ["task", "card_model", "torch_version", "shape_hash", "plan_key"]
+        _KEEP[dialect] = insert.on_conflict_do_nothing(index_elements=keys)
+    return _KEEP[dialect]

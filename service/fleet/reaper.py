@@ -91,7 +91,7 @@ def _reap_one_lease(run: _Pass) -> bool:
             if not _settled_in_optuna(run, trial):
                 _retry_or_fail(session, run, lease, trial)
                 then = "reoffered" if trial.status == "pending" else "failed"
-        end(lease, run.now, resolution("reaper", stop="lease_lost"))
+        end(session, lease, run.now, resolution("reaper", stop="lease_lost"))
         facts: dict[str, Any] = {"trial_id": lease.trial_id, "worker_id": lease.worker_id}
         facts |= {"lease_id": lease.id, "expired_at": lease.expires_at, "then": then}
         facts["attempt"] = None if trial is None else trial.attempt

@@ -22,7 +22,8 @@ from optuna.trial import TrialState
 from sqlalchemy.orm import Session
 
 from service.api.errors import Invalid
-from service.db.tables import MemoryObservationRow, StepTimeObservationRow, WorkerRow
+from service.db.tables import MemoryObservationRow, StepTimeObservationRow
+from service.db.writes import insert_row, set_columns
 from service.fleet import predictions
 from service.fleet.leases import Fenced, end, fence, resolution
 from service.fleet.routing import (
@@ -37,7 +38,7 @@ from service.fleet.routing import (
     write_attrs,
     write_constraint,
 )
-from service.fleet.workers import check_owner, heard_from
+from service.fleet.workers import check_owner, count_done, heard_from
 from service.optuna import rows as optuna_rows
 from service.optuna.glue import load_optuna_study, spec_of, tell
 from service.settings import Settings
@@ -100,16 +101,20 @@ def _finish(
     how: str,
     kind: str | None = None,
     stop: StopReason | None = None,
+    **columns: Any,
 ) -> TrialAck:
-    """End the lease with its answer; the trial row is done unless it was routed elsewhere."""
+    """End the lease with its answer; the trial row is done unless it was routed elsewhere.
+
+    ``columns``: more of the trial row's columns to write in the same statement.
+    """
     trial = fenced.trial
     if ack.resolution in ("complete", "failed", "infeasible", "pruned"):
-        trial.status = "done"
-        trial.outcome = _OUTCOMES.get(ack.resolution, trial.outcome)
+        columns["status"] = "done"
+        columns["outcome"] = _OUTCOMES.get(ack.resolution, columns.get("outcome", trial.outcome))
     if ack.resolution != "complete":  # a complete's detail echoes its values: not news
-        trial.message = ack.detail or trial.message
-    trial.updated_at = call.now
-    end(fenced.lease, call.now, resolution(how, ack, kind, stop))
+        columns["message"] = ack.detail or trial.message
+    set_columns(call.session, trial, **columns, updated_at=call.now)
+    end(call.session, fenced.lease, call.now, resolution(how, ack, kind, stop))
     return ack
 
 
@@ -124,29 +129,27 @@ def start(call: TrialCall, trial_id: int, body: StartRequest) -> TrialAck:
     """The worker chose its plan and runs it: store the plan and the prediction."""
     fenced = call.fence(trial_id, body.lease, "start")  # never a replay
     predicted = _predicted(body.prediction)
-    write_attrs(
-        call.session,
-        trial_id,
-        {
-            "plan": body.plan.model_dump(mode="json"),
-            "predicted_peak_bytes": predicted,
-            "prediction": None if body.prediction is None else body.prediction.model_dump(),
-            "worker": fenced.worker.name,
-            "card_model": fenced.worker.card_model,
-            "attempt": fenced.trial.attempt,
-        },
+    plan = body.plan.model_dump(mode="json")
+    attrs = {
+        "plan": plan,
+        "predicted_peak_bytes": predicted,
+        "prediction": None if body.prediction is None else body.prediction.model_dump(),
+        "worker": fenced.worker.name,
+        "card_model": fenced.worker.card_model,
+        "attempt": fenced.trial.attempt,
+    }
+    _plan_chosen(call, fenced, body, attrs)
+    set_columns(
+        call.session, fenced.trial, plan=plan, predicted_peak_bytes=predicted, updated_at=call.now
     )
-    fenced.trial.plan = body.plan.model_dump(mode="json")
-    fenced.trial.predicted_peak_bytes = predicted
-    fenced.trial.updated_at = call.now
-    _plan_chosen(call, fenced, body)
     return _ack(fenced, "started", f"running as planned: {body.plan.reason}".strip(": "))
 
 
-def _plan_chosen(call: TrialCall, fenced: Fenced, body: PlanChoice) -> None:
-    """How the plan was chosen, on the trial; the predictions made for it, for the fleet."""
-    attrs = {"planning_s": body.planning_s, "prediction_source": body.prediction_source}
-    write_attrs(call.session, fenced.trial.trial_id, attrs)
+def _plan_chosen(call: TrialCall, fenced: Fenced, body: PlanChoice, attrs: dict[str, Any]) -> None:
+    """How the plan was chosen, on the trial with the call's other ``attrs`` (one statement);
+    the predictions made for it, for the fleet."""
+    chosen = {"planning_s": body.planning_s, "prediction_source": body.prediction_source}
+    write_attrs(call.session, fenced.trial.trial_id, {**attrs, **chosen})
     predictions.keep(
         call.session,
         fenced.worker,
@@ -234,16 +237,20 @@ def _complete(call: TrialCall, fenced: Fenced, body: CompleteRequest) -> TrialAc
     write_constraint(call.session, trial_id, min(headroom(peak, worker.total_bytes), 0.0))
     told = TrialState.COMPLETE
     tell(call.session, call.storage, fenced.study, fenced.trial, told, call.now, values)
-    trial = fenced.trial
-    trial.plan = body.plan.model_dump(mode="json")
-    trial.predicted_peak_bytes = _predicted(body.prediction)
-    trial.measured_peak_bytes = peak
-    trial.outcome = outcome
     observe(call, fenced, body.plan, body.prediction, body.measured, "complete")
     observe_step_time(call, fenced, body.step_time)
-    worker.trials_done = WorkerRow.trials_done + 1  # in SQL: concurrent completes all count
+    count_done(call.session, worker)
     ack = _ack(fenced, "complete", f"told Optuna {values}")
-    return _finish(call, fenced, ack, "complete")
+    return _finish(
+        call,
+        fenced,
+        ack,
+        "complete",
+        plan=attrs["plan"],
+        predicted_peak_bytes=attrs["predicted_peak_bytes"],
+        measured_peak_bytes=peak,
+        outcome=outcome,
+    )
 
 
 def _predicted(prediction: Prediction | None) -> int | None:
@@ -271,23 +278,23 @@ def observe(
     plan_json = plan.model_dump(mode="json") if isinstance(plan, Plan) else (plan or {})
     # The fit is fed the raw predictions: calibrating calibrated ones would compound.
     raw_allocated, raw_reserved = (None, None) if prediction is None else raw_peaks(prediction)
-    call.session.add(
-        MemoryObservationRow(
-            trial_id=fenced.trial.trial_id,
-            study_id=fenced.trial.study_id,
-            worker_id=worker.id,
-            card_model=worker.card_model,
-            torch_version=str(worker.card.get("torch_version") or "none"),
-            task=fenced.study.task,
-            plan=plan_json,
-            outcome=outcome,
-            predicted_allocated=raw_allocated,
-            predicted_reserved=raw_reserved,
-            measured_allocated=measured.peak_allocated_bytes,
-            measured_reserved=measured.peak_reserved_bytes,
-            nvml_peak=measured.nvml_peak_bytes,
-            created_at=call.now,
-        )
+    insert_row(
+        call.session,
+        MemoryObservationRow,
+        trial_id=fenced.trial.trial_id,
+        study_id=fenced.trial.study_id,
+        worker_id=worker.id,
+        card_model=worker.card_model,
+        torch_version=str(worker.card.get("torch_version") or "none"),
+        task=fenced.study.task,
+        plan=plan_json,
+        outcome=outcome,
+        predicted_allocated=raw_allocated,
+        predicted_reserved=raw_reserved,
+        measured_allocated=measured.peak_allocated_bytes,
+        measured_reserved=measured.peak_reserved_bytes,
+        nvml_peak=measured.nvml_peak_bytes,
+        created_at=call.now,
     )
 
 
@@ -297,16 +304,16 @@ def observe_step_time(
     """Store a run's measured time per step with its features: the step-time model's material."""
     if step_time is None or not step_time.measured_step_s:
         return
-    call.session.add(
-        StepTimeObservationRow(
-            trial_id=fenced.trial.trial_id,
-            card_model=fenced.worker.card_model,
-            task=fenced.study.task,
-            features=step_time.model_dump(mode="json"),
-            predicted_step_s=step_time.predicted_step_s,
-            measured_step_s=step_time.measured_step_s,
-            created_at=call.now,
-        )
+    insert_row(
+        call.session,
+        StepTimeObservationRow,
+        trial_id=fenced.trial.trial_id,
+        card_model=fenced.worker.card_model,
+        task=fenced.study.task,
+        features=step_time.model_dump(mode="json"),
+        predicted_step_s=step_time.predicted_step_s,
+        measured_step_s=step_time.measured_step_s,
+        created_at=call.now,
     )
 
 
@@ -402,8 +409,7 @@ def hand_back(call: TrialCall, trial_id: int, body: HandBackRequest) -> TrialAck
     capacity = live_capacity(
         call.session, fenced.study.task, call.now, call.settings.worker_stale_s, worker.id
     )
-    write_attrs(call.session, trial_id, {"handback": handback})
-    _plan_chosen(call, fenced, body)
+    _plan_chosen(call, fenced, body, {"handback": handback})
     if body.fits_here and capacity < footprint:  # the larger card left: it runs where it fits
         reoffer(trial, call.now, next_attempt=False)
         ack = _ack(fenced, "retry", "no larger card is live: offered again as it fits")

@@ -20,12 +20,13 @@ from contextlib import contextmanager, nullcontext
 from datetime import datetime, timedelta
 from typing import Literal
 
-from sqlalchemy import func, select
+from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.orm import Session
 
 from service.api.errors import Conflict, Forbidden, NotFound, TooMany
 from service.db.engine import is_sqlite
 from service.db.tables import LeaseRow, StudyRow, TokenRow, TrialRow, WorkerRow
+from service.db.writes import table_of
 from service.fleet.leases import active_leases, end, resolution
 from service.fleet.routing import reoffer
 from service.metrics import phase
@@ -169,10 +170,24 @@ def heard_from(worker: WorkerRow, now: datetime, stale_s: float) -> None:
     Stamped only once half the stale window has passed since it was last heard from: a worker
     that heartbeats is never stamped here (so the stop orders of a worker that lists no trials,
     which count from its previous heartbeat, are unchanged), and one that only calls costs one
-    ``UPDATE`` per half window, merged into the call's own update of the row when it has one.
+    ``UPDATE`` per half window, written with the call's other changes at commit.
     """
     if (now - worker.last_heartbeat).total_seconds() >= stale_s / 2:
         worker.last_heartbeat = now
+
+
+# Built once (see service.db.writes); in SQL, so that concurrent completes of a worker all count.
+_WORKERS = table_of(WorkerRow)
+_COUNT_DONE = (
+    update(_WORKERS)
+    .where(_WORKERS.c.id == bindparam("worker_id"))
+    .values(trials_done=_WORKERS.c.trials_done + 1)
+)
+
+
+def count_done(session: Session, worker: WorkerRow) -> None:
+    """One more trial completed by the worker (its loaded count is left as it was read)."""
+    session.execute(_COUNT_DONE, {"worker_id": worker.id})
 
 
 def worker_state(worker: WorkerRow, now: datetime, stale_s: float) -> WorkerState:
@@ -195,7 +210,7 @@ def stop_worker(
     worker = get_worker(session, worker_id, token_id)
     trials = _trials_by_id(session, [lease.trial_id for lease in leases])
     for lease in leases:
-        end(lease, now, resolution("stop"))
+        end(session, lease, now, resolution("stop"))
         trial = trials.get(lease.trial_id)
         if trial is not None and trial.status == "leased":
             reoffer(trial, now, next_attempt=False)  # the worker left, the trial did not fail
