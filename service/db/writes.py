@@ -45,10 +45,10 @@ def _update_of(table: Table) -> Update:
 
 def set_columns(session: Session, row: Base, **values: Any) -> None:
     """Write ``values`` (column name: value) to the loaded row, and to the object as committed."""
-    state = inspect(row)
+    if not inspect(row).persistent:
+        raise ValueError(f"set_columns writes rows loaded from the database, not {row!r}")
     table = table_of(type(row))
     keys = {_KEY + column.key: getattr(row, column.key) for column in table.primary_key}
-    assert state.persistent, "set_columns writes rows loaded from the database"
     session.execute(_update_of(table), {**keys, **values})
     for name, value in values.items():
         set_committed_value(row, name, value)

@@ -53,7 +53,8 @@ _FINISH = (
     )
     .returning(_TRIALS.c.trial_id)
 )
-_UPSERTS: dict[tuple[str, str], Any] = {}  # (dialect, table) -> its upsert statement
+# (dialect, table, key, replaced columns) -> the upsert statement
+_UPSERTS: dict[tuple[str, str, str, tuple[str, ...]], Any] = {}
 
 
 def lock_study(session: Session, study_id: int) -> bool:
@@ -153,14 +154,15 @@ def _upsert(
     """
     dialect = session.get_bind().dialect.name
     if dialect in ("postgresql", "sqlite"):
-        statement = _UPSERTS.get((dialect, table.name))
-        if statement is None:  # built once per table: its cache key is then memoized
+        built = (dialect, table.name, key, cols)
+        statement = _UPSERTS.get(built)
+        if statement is None:  # built once: its cache key is then memoized
             upsert = (postgresql if dialect == "postgresql" else sqlite).insert(table)
             excluded = upsert.excluded
             replace = {col: excluded[col] for col in cols}
             keys = [table.c.trial_id, table.c[key]]
             statement = upsert.on_conflict_do_update(index_elements=keys, set_=replace)
-            _UPSERTS[(dialect, table.name)] = statement
+            _UPSERTS[built] = statement
         session.execute(statement, rows)
         return
     trial_id, replaced = rows[0]["trial_id"], [row[key] for row in rows]
