@@ -14,6 +14,7 @@ These are Core statements: the session does not autoflush before them.
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any
 
 from sqlalchemy import Insert, Table, Update, and_, bindparam, insert, inspect, update
@@ -22,8 +23,6 @@ from sqlalchemy.orm.attributes import set_committed_value
 
 from service.db.tables import Base
 
-_UPDATES: dict[str, Update] = {}
-_INSERTS: dict[str, Insert] = {}
 _KEY = "where_"  # the primary key's parameters: never a column's name
 
 
@@ -34,13 +33,17 @@ def table_of(model: type[Base]) -> Table:
     return table
 
 
+@cache
 def _update_of(table: Table) -> Update:
     """``UPDATE table SET <the parameters' columns> WHERE <primary key>``, built once."""
-    statement = _UPDATES.get(table.name)
-    if statement is None:
-        keys = [column == bindparam(_KEY + column.key) for column in table.primary_key]
-        statement = _UPDATES[table.name] = update(table).where(and_(*keys))
-    return statement
+    keys = [column == bindparam(_KEY + column.key) for column in table.primary_key]
+    return update(table).where(and_(*keys))
+
+
+@cache
+def _insert_of(table: Table) -> Insert:
+    """``INSERT INTO table``, built once."""
+    return insert(table)
 
 
 def set_columns(session: Session, row: Base, **values: Any) -> None:
@@ -56,8 +59,4 @@ def set_columns(session: Session, row: Base, **values: Any) -> None:
 
 def insert_row(session: Session, model: type[Base], **values: Any) -> None:
     """Insert one row of ``model`` (its columns by name); no object is created."""
-    table = table_of(model)
-    statement = _INSERTS.get(table.name)
-    if statement is None:
-        statement = _INSERTS[table.name] = insert(table)
-    session.execute(statement, values)
+    session.execute(_insert_of(table_of(model)), values)

@@ -14,6 +14,7 @@ import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from functools import cache
 from typing import Any
 
 from sqlalchemy import bindparam, select
@@ -125,13 +126,9 @@ def keep(
     session.execute(_keep_statement(session.get_bind().dialect.name), list(rows.values()))
 
 
-_KEEP: dict[str, Any] = {}  # dialect -> the insert, built once (service.db.writes)
-
-
+@cache  # per dialect: built once (service.db.writes)
 def _keep_statement(dialect: str) -> Any:
     """``INSERT ... ON CONFLICT DO NOTHING`` on the prediction's key, for an executemany."""
-    if dialect not in _KEEP:
-        insert = (postgresql if dialect == "postgresql" else sqlite).insert(table_of(PredictionRow))
-        keys = ["task", "card_model", "torch_version", "shape_hash", "plan_key"]
-        _KEEP[dialect] = insert.on_conflict_do_nothing(index_elements=keys)
-    return _KEEP[dialect]
+    insert = (postgresql if dialect == "postgresql" else sqlite).insert(table_of(PredictionRow))
+    keys = ["task", "card_model", "torch_version", "shape_hash", "plan_key"]
+    return insert.on_conflict_do_nothing(index_elements=keys)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from functools import cache
 from typing import Any
 
 from optuna.distributions import distribution_to_json
@@ -53,8 +54,6 @@ _FINISH = (
     )
     .returning(_TRIALS.c.trial_id)
 )
-# (dialect, table, key, replaced columns) -> the upsert statement
-_UPSERTS: dict[tuple[str, str, str, tuple[str, ...]], Any] = {}
 
 
 def lock_study(session: Session, study_id: int) -> bool:
@@ -154,20 +153,21 @@ def _upsert(
     """
     dialect = session.get_bind().dialect.name
     if dialect in ("postgresql", "sqlite"):
-        built = (dialect, table.name, key, cols)
-        statement = _UPSERTS.get(built)
-        if statement is None:  # built once: its cache key is then memoized
-            upsert = (postgresql if dialect == "postgresql" else sqlite).insert(table)
-            excluded = upsert.excluded
-            replace = {col: excluded[col] for col in cols}
-            keys = [table.c.trial_id, table.c[key]]
-            statement = upsert.on_conflict_do_update(index_elements=keys, set_=replace)
-            _UPSERTS[built] = statement
+        statement = _upsert_statement(dialect, table, key, cols)
         session.execute(statement, rows)
         return
     trial_id, replaced = rows[0]["trial_id"], [row[key] for row in rows]
     session.execute(delete(table).where(table.c.trial_id == trial_id, table.c[key].in_(replaced)))
     session.execute(insert(table), rows)
+
+
+@cache  # built once: its cache key is then memoized
+def _upsert_statement(dialect: str, table: Table, key: str, cols: tuple[str, ...]) -> Any:
+    """``INSERT ... ON CONFLICT (trial_id, key) DO UPDATE SET cols`` on PostgreSQL or SQLite."""
+    upsert = (postgresql if dialect == "postgresql" else sqlite).insert(table)
+    replace = {col: upsert.excluded[col] for col in cols}
+    keys = [table.c.trial_id, table.c[key]]
+    return upsert.on_conflict_do_update(index_elements=keys, set_=replace)
 
 
 def finish(
