@@ -43,13 +43,13 @@ load_before=$(cut -d' ' -f1 /proc/loadavg)
 # 1. The gpu-marked tests (they skip themselves without a device; here one is present).
 set +e
 tests_out=$(timeout "$TESTS_TIMEOUT_S" "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider \
-  tests/worker 2>&1)
+  tests/worker tests/e2e/test_ray_fleet.py 2>&1)
 tests_rc=$?
 set -e
 {
   echo "# GPU tests"
   echo
-  echo "$started · $device · load average $load_before · \`pytest -m gpu tests/worker\` (exit $tests_rc)"
+  echo "$started · $device · load average $load_before · \`pytest -m gpu tests/worker tests/e2e/test_ray_fleet.py\` (exit $tests_rc)"
   echo
   echo '```'
   echo "$tests_out" | tail -40

@@ -43,15 +43,15 @@ sys.path.insert(0, str(REPO))
 from bench.zoo import ZOO, ZooTask  # noqa: E402
 from service.calibration import fit_calibration  # noqa: E402
 from service.wire import CardInfo, Plan, Prediction, calibrated_bytes  # noqa: E402
-from worker.memory import MemoryTracker  # noqa: E402
+from worker.device.memory import MemoryTracker  # noqa: E402
 from worker.predictor import (  # noqa: E402
     EMULATED_CUDA_TARGET,
     clear_cache,
     measure_card_constants,
     predict,
 )
-from worker.runner import CardSpec, plan_for_micro_batch  # noqa: E402
-from worker.steps import batch_feeder, build_for_plan, train_step  # noqa: E402
+from worker.trial.runner import CardSpec, plan_for_micro_batch  # noqa: E402
+from worker.trial.steps import batch_feeder, build_for_plan, train_step  # noqa: E402
 
 MiB = 2**20
 EMULATE = [True]
@@ -131,7 +131,7 @@ class _Named:
 
 def family_cases() -> tuple[list[Case], dict[str, str]]:
     """The family cases whose library imports here, and why the others were left out."""
-    from worker.registry import discover
+    from worker.tasks.registry import discover
 
     found = discover()
     selected, missing = [], {}
@@ -317,7 +317,7 @@ def gpu_card(device: torch.device) -> CardSpec:
 
 def _nvml_used(device: torch.device) -> int | None:
     try:
-        from worker.gpu import process_used_bytes
+        from worker.device.gpu import process_used_bytes
     except ImportError:
         return None
     return process_used_bytes(device.index or 0)
@@ -469,7 +469,8 @@ def cpu_markdown(
         f"{env['load_average_1m']} at the end · `python bench/predictor_accuracy.py`",
         "",
         "Fake-cpu prediction vs the real CPU run's tracked peak (live tensor bytes, 512-byte "
-        "rounding, two training steps through `worker.steps.train_step`), and the emulated-CUDA "
+        "rounding, two training steps through `worker.trial.steps.train_step`), and the "
+        "emulated-CUDA "
         "prediction (fake cpu with CUDA kernel choices, foreach AdamW, the CUDA autocast "
         "policy and the caching-allocator model; card constants zero).",
         "",

@@ -45,19 +45,20 @@ from bench.zoo import (  # noqa: E402
 from service.cli.demo import CARDS, DEFAULT_STUDY  # noqa: E402
 from service.optuna.glue import make_sampler, search_space  # noqa: E402
 from service.wire import CardInfo, MemoryPolicy, Plan, StudyCreate  # noqa: E402
-from worker.gpu import parse_size  # noqa: E402
-from worker.policy import HandBack, choose_plan  # noqa: E402
+from worker.device.gpu import parse_size  # noqa: E402
+from worker.plan.policy import HandBack, choose_plan  # noqa: E402
 from worker.predictor import (  # noqa: E402
     clear_cache,
     core as predictor_core,
     predict,
     warm_up,
 )
-from worker.runner import CardSpec  # noqa: E402
-from worker.steps import batch_feeder, build_for_plan, train_step  # noqa: E402
-from worker.task import Task  # noqa: E402
+from worker.run.training import TorchTaskRunner  # noqa: E402
 from worker.tasks.charlm import CharTransformerTask  # noqa: E402
-from worker.training import TorchTaskRunner  # noqa: E402
+from worker.tasks.warm import warm_up_workloads  # noqa: E402
+from worker.trial.runner import CardSpec  # noqa: E402
+from worker.trial.steps import batch_feeder, build_for_plan, train_step  # noqa: E402
+from worker.trial.task import Task  # noqa: E402
 
 CPU = torch.device("cpu")
 MiB = 2**20
@@ -285,7 +286,7 @@ def main() -> None:
     result: dict[str, Any] = {"when": datetime.now(UTC).isoformat(timespec="seconds")}
     result["load_before"] = load()
     began = time.perf_counter()
-    warm_up()
+    warm_up(warm_up_workloads())
     result["warm_up_s"] = time.perf_counter() - began
     result["zoo"] = zoo_rows()
     result["big"] = big_rows()

@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from service.wire import MemoryPolicy
-from worker.gpu import parse_size, simulated_card
-from worker.policy import RunAsPlanned, choose_plan
+from worker.device.gpu import parse_size, simulated_card
+from worker.plan.policy import RunAsPlanned, choose_plan
+from worker.plan.shared_predictions import shared
 from worker.predictor import clear_cache
-from worker.runner import CardSpec
-from worker.shared_predictions import shared
+from worker.run.training import TorchTaskRunner
 from worker.tasks.charlm import CharTransformerTask
-from worker.training import TorchTaskRunner
+from worker.trial.runner import CardSpec
 
 RESULTS = Path(__file__).parent / "results"
 CARD = CardSpec(info=simulated_card(parse_size("384MiB")))

@@ -2,24 +2,24 @@
 
 Every arm tunes the same task with the same search space and the same TPE seed (the product's
 own sampler, service.optuna_glue.make_sampler) for the same wall budget on the same simulated
-fleet: CPU "cards" with simulated memory limits (worker.memory's tracker stops a run past its
-card, as a CUDA OOM would). Every trial is a real torch training (worker.training), measured.
+fleet: CPU "cards" with simulated memory limits (worker.device.memory's tracker stops a run past its
+card, as a CUDA OOM would). Every trial is a real torch training (worker.run.training), measured.
 
 - naive: plain Optuna; a trial runs as asked on the card that is free; one that does not fit
   dies out of memory and is told FAIL.
 - retry-halving: on OOM the batch is halved and the trial re-run on the same card until it
   fits (accelerate's ``find_executable_batch_size``): the hyperparameter changes, and Optuna is
   told the metric of a configuration it did not suggest.
-- vramtune: the worker's real policy (worker.policy.choose_plan, with the real predictor)
+- vramtune: the worker's real policy (worker.plan.policy.choose_plan, with the real predictor)
   plans each trial on the card that asks: as asked, or resized keeping the effective batch, or
   handed back; a handed-back trial waits for a larger card (service/fleet.py's offer order),
   and one no card holds is told COMPLETE with a violated memory constraint
   (service.routing's headroom and placeholder values). This arm is the worker with
-  --plan-ahead (worker/lookahead.py): each card leases and plans its next trial while its
+  --plan-ahead (worker/loop/lookahead.py): each card leases and plans its next trial while its
   current one trains, and hands back in the background a trial it would hand back, planning
   the next (PlanAhead's `settle`). vramtune-lease-late is the candidate that leases the next
   trial, once the fleet's step-time model predicts the current run, only when the planning
-  just fits before the run's predicted end (worker.lookahead.lease_delay; the agent does not
+  just fits before the run's predicted end (worker.loop.lookahead.lease_delay; the agent does not
   call it yet), and vramtune-plan-on-clock is the worker without --plan-ahead.
 
 The clock is simulated, the work is not: a discrete-event scheduler gives each card a clock
@@ -67,19 +67,19 @@ from service.wire import (
     StudyCreate,
     TrainBudget,
 )
-from worker.gpu import parse_size, simulated_card
-from worker.lookahead import lease_delay
-from worker.policy import Decision, HandBack, RunAsPlanned, choose_plan, describe
-from worker.runner import CardSpec, Config, OutOfMemory
+from worker.device.gpu import parse_size, simulated_card
+from worker.loop.lookahead import lease_delay
+from worker.plan.policy import Decision, HandBack, RunAsPlanned, choose_plan, describe
 from worker.tasks.charlm import CharTransformerTask
 from worker.tasks.digits import DigitsCNNTask
+from worker.trial.runner import CardSpec, Config, OutOfMemory
 
 try:  # the [hf] extra (in [dev]); without it the benchmark runs the two other tasks
     from worker.tasks.hf import HFCausalLMTask
 except ImportError:
     HFCausalLMTask = None  # type: ignore[assignment,misc]
-from worker.time_routing import HandBackForTime, prefer_larger_card
-from worker.training import TorchTaskRunner, TrainingDiverged
+from worker.plan.time_routing import HandBackForTime, prefer_larger_card
+from worker.run.training import TorchTaskRunner, TrainingDiverged
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "tuning_efficiency"
@@ -246,7 +246,7 @@ class RealRuns:
         except TrainingDiverged:
             return Outcome("FAIL", time.process_time() - began, 0)
         peak, cpu_s = result.measured.peak_allocated_bytes, time.process_time() - began
-        # The worker reports training seconds per step, evaluation excluded (worker.training):
+        # The worker reports training seconds per step, evaluation excluded (worker.run.training):
         # the share of the run's wall time its steps took, applied to its CPU time.
         batch = self.runner.batch_size(config)
         train_s = result.steps * batch / result.samples_per_s if result.samples_per_s else 0.0
@@ -311,7 +311,7 @@ class TimedPredictor:
 
 
 class Planner:
-    """The worker's own plan choice (worker.policy.choose_plan), with the fleet's step-time
+    """The worker's own plan choice (worker.plan.policy.choose_plan), with the fleet's step-time
     model of the card, and the planning CPU-seconds it is charged (see TimedPredictor)."""
 
     def __init__(self, predictor: TimedPredictor, spec: StudyCreate) -> None:
@@ -510,7 +510,7 @@ def vramtune(
 ) -> Callable[[CardSpec], Work]:
     """Plan on the card that asks; hand back, wait for a larger card, or end infeasible.
 
-    With `plan_ahead` (the worker's --plan-ahead, worker/lookahead.py) a card that starts a run
+    With `plan_ahead` (the worker's --plan-ahead, worker/loop/lookahead.py) a card that starts a run
     leases and plans its next trial at once, on the host's CPU while the card trains: only the
     part of that planning that outlasts the run waits on the card's clock. A trial so planned
     that this card hands back is handed back in the background and the next one planned
@@ -551,7 +551,7 @@ def vramtune(
         return Ahead(job, decision, planning_s, start + planning_s)
 
     def plan_while_training(card: CardSpec, start: float, end: float) -> None:
-        """worker/lookahead.py with `settle`: from `start`, while the run ends at `end`, lease
+        """worker/loop/lookahead.py with `settle`: from `start`, while the run ends at `end`, lease
         and plan; a hand-back is handed back there (at the time its choice ends) and the next
         trial planned, until a trial runs here or the run has ended (take(): the main thread
         leases itself once the choice in progress is done)."""
@@ -801,7 +801,7 @@ def main(argv: list[str] | None = None) -> int:
         # OOM in the first run whatever the machine's load (the smoke test asserts it).
         args.seeds, args.tasks, args.budget = [QUICK_SEED], ["digits-cnn"], args.budget or 5.0
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    logging.getLogger("worker.training").setLevel(logging.ERROR)  # every naive OOM warns
+    logging.getLogger("worker.run.training").setLevel(logging.ERROR)  # every naive OOM warns
     torch.set_num_threads(1)  # deterministic runs, and CPU time that is one card's time
     fleet = [CardSpec(info=simulated_card(parse_size(size))) for size in FLEET]
     load_before, began = _loadavg(), time.monotonic()
@@ -1247,7 +1247,7 @@ NOTES = [
     "no card holds even resized, told COMPLETE with a violated memory constraint.",
     "- *Routed by time*: vramtune hand-backs of trials that fit the card only resized, "
     "predicted at least 2x slower a step than as asked, to a larger card that holds them as "
-    "asked (worker/time_routing.py).",
+    "asked (worker/plan/time_routing.py).",
     "- *Changed hyperparameter*: retry-halving trials whose metric came from a smaller batch "
     "than the one Optuna suggested (and was told it had). *Resized*: vramtune trials run with "
     "micro-batches (the effective batch kept).",
@@ -1257,8 +1257,8 @@ NOTES = [
     "(one torch thread) plus, for vramtune, the planning time the card waited for.",
     "- *Step-time error*: the fleet's step-time model (service/step_time.py) as the worker "
     "applied it when it chose the plan, against the run's training CPU-seconds per step, "
-    "evaluation excluded, as the worker reports it (worker/training.py).",
-    "- *vramtune-lease-late*: the candidate worker/lookahead.py's lease_delay (not yet called "
+    "evaluation excluded, as the worker reports it (worker/run/training.py).",
+    "- *vramtune-lease-late*: the candidate worker/loop/lookahead.py's lease_delay (not yet called "
     "by the agent): once the fleet's step-time model predicts the current run, the next trial "
     "is leased at 0.6 x its predicted seconds less twice the card's longest recent plan "
     "choice, so that a trial is not held by a card still running a long trial while another "

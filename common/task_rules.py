@@ -24,6 +24,10 @@ BYTE_VOCAB = 128
 MIN_RESOLUTION = 16
 """Below this no ImageNet classifier of timm or torchvision runs (most need 32 or more)."""
 
+LORA_OVERRIDES = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
+"""hf-causal-lm's top-level names that override `finetune`'s LoRA settings (so a study can
+sample them)."""
+
 MODEL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 MAX_COMBINATIONS = 4096
 
@@ -61,6 +65,20 @@ def hf_problems(values: Mapping[str, Any]) -> Iterator[Problem]:
     vocab = values.get("vocab_size", BYTE_VOCAB)
     if isinstance(vocab, int) and vocab < BYTE_VOCAB:
         yield "vocab_size", f"must be at least {BYTE_VOCAB} (the corpus is ASCII), got {vocab}"
+    yield from _finetune_problems(values)
+
+
+def _finetune_problems(values: Mapping[str, Any]) -> Iterator[Problem]:
+    finetune = values.get("finetune")
+    if finetune is None:
+        for name in LORA_OVERRIDES:
+            if values.get(name) is not None:
+                yield name, "needs finetune: {method: lora} in task_config"
+                return
+        return
+    method = finetune.get("method", "lora") if isinstance(finetune, Mapping) else finetune
+    if method != "lora":
+        yield "finetune", f"unknown method {method!r}: only lora (finetune: lora, or a mapping)"
 
 
 def image_problems(values: Mapping[str, Any]) -> Iterator[Problem]:

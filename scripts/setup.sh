@@ -2,7 +2,8 @@
 # Sets up everything vramtune's demo and tests need on a fresh Debian machine; idempotent.
 # Creates .venv, installs the CPU build of torch first (a plain `torch` requirement would pull a
 # multi-GB CUDA build), then the project with its dev extras; installs Chromium for the browser
-# tests and makes sure the local PostgreSQL is up when one is installed.
+# tests and Debian's Slurm (slurm-wlm, munge) for the Slurm launcher's test, and makes sure the
+# local PostgreSQL is up when one is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,6 +18,10 @@ fi
 if [ "${VRAMTUNE_SKIP_SYSTEM:-0}" != 1 ]; then
   if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
     apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null
+  fi
+  # tests/deploy/test_slurm.py submits deploy/slurm's script to a one-node Slurm of its own.
+  if ! command -v slurmctld >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq && apt-get install -y -qq slurm-wlm munge >/dev/null
   fi
   if command -v pg_ctlcluster >/dev/null 2>&1; then
     cluster="$(ls /etc/postgresql)"

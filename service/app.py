@@ -12,7 +12,7 @@ from fastapi import FastAPI
 
 from service import dashboard
 from service.api.errors import install_error_handlers
-from service.api.routes import health, studies, trials, workers
+from service.api.routes import auth, health, studies, trials, workers
 from service.auth.guard import install_auth
 from service.db.engine import make_engine, make_sessions
 from service.db.migrate import require_migrated
@@ -73,7 +73,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_metrics(app)  # innermost middleware: times what the routes answer
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
     install_auth(app, settings)  # after BodySizeLimit: the guard is outermost
-    for module in (health, studies, workers, trials):
+    for module in (health, auth, studies, workers, trials):
         app.include_router(module.router, prefix=API_PREFIX)
     app.include_router(dashboard.router)
     return app

@@ -17,7 +17,8 @@ import math
 import statistics
 from collections.abc import Iterable, Sequence
 
-from service.wire import Calibration, calibrated_bytes
+from common.memory import calibrated_bytes
+from service.wire import Calibration
 
 UNDER_PREDICTION_RATE = 0.01
 """The share of runs allowed to exceed the calibrated prediction."""

@@ -27,6 +27,13 @@ class Settings(BaseSettings):
         "pages; 'off' (every caller is an admin) is for a loopback-only demo: `vramtune serve` "
         "refuses it on another address unless given --insecure.",
     )
+    allowed_hosts: str = Field(
+        "localhost,127.0.0.1,::1",
+        description="With auth off: the Host names the server answers (comma-separated; the "
+        "address it listens on is added), so that a web page whose name is rebound to "
+        "127.0.0.1 (DNS rebinding) cannot drive it. Other Host headers get a 400. Not "
+        "checked with auth on, where every call needs a token.",
+    )
     lease_ttl_s: float = Field(
         30.0, gt=0, description="Seconds a lease lives without a heartbeat renewing it."
     )
@@ -81,6 +88,15 @@ class Settings(BaseSettings):
         ge=1,
         description="Live workers (not stopped, heard from within worker_stale_s) one token "
         "may have registered; a registration past it gets a 429.",
+    )
+    max_card_bytes: int = Field(
+        512 * 1024**3,
+        ge=1,
+        le=10**18,
+        description="Largest card routing believes on a worker's word: a trial handed back waits "
+        "for a larger card only if that card is within this size or its worker has measured a "
+        "completed run that large; a card that claims more counts only as large as its largest "
+        "measured run (512 GiB: above any GPU sold today).",
     )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="Log level of the server and uvicorn."

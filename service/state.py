@@ -5,21 +5,31 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from optuna.storages import BaseStorage
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.settings import Settings
-
-if TYPE_CHECKING:
-    from service.fleet.heartbeats import HeartbeatBatcher
+from service.wire import Heartbeat, HeartbeatReply
 
 
 def utcnow() -> datetime:
     """Now in UTC without tz, as Optuna and vramtune store every datetime: the default clock."""
     return datetime.now(UTC).replace(tzinfo=None)
+
+
+class HeartbeatSink(Protocol):
+    """Where the heartbeat route hands a worker's heartbeat (service.fleet.heartbeats).
+
+    `beat` answers once the heartbeat is written: the leases it names renewed, stop orders back.
+    The state holds it through this protocol so that nothing the fleet imports imports the fleet.
+    """
+
+    async def beat(
+        self, worker_id: int, body: Heartbeat, token_id: int | None
+    ) -> HeartbeatReply: ...
 
 
 @dataclass
@@ -34,5 +44,5 @@ class AppState:
     engine: Engine
     sessions: sessionmaker[Session]
     storage: BaseStorage
-    heartbeats: HeartbeatBatcher | None = None  # set by service.app.build_state
+    heartbeats: HeartbeatSink | None = None  # set by service.app.build_state
     clock: Callable[[], datetime] = field(default=utcnow)

@@ -26,14 +26,13 @@ import math
 import statistics
 from collections.abc import Iterable, Sequence
 
-from service.wire import (
-    StepTimeFit,
-    StepTimeObservation,
+from common.step_time import (
     default_step_time_fit,
     predicted_step_s,
     step_time_features,
     step_time_prior,
 )
+from service.wire import StepTimeFit, StepTimeObservation
 
 OVERHEAD_GRID = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)
 PRIOR_WEIGHT = 0.5

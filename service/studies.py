@@ -16,11 +16,12 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from common.task_rules import study_problem
-from service.api.errors import Conflict, Invalid, NotFound
 from service.auth.audit import AuditEvent
 from service.auth.tokens import Principal, audited
 from service.db.tables import StudyRow, TrialRow, WorkerRow
+from service.errors import Conflict, Invalid, NotFound
 from service.fleet.leases import end_study_leases
+from service.fleet.offers import check_batch_param
 from service.optuna.glue import (
     SEARCH_SPACE_ATTR,
     TASK_ATTR,
@@ -72,6 +73,7 @@ def create_study(
     check_space_size(spec, max_points)
     space = search_space(spec)
     check_task(spec)
+    check_batch_param(session, spec.task, spec.search_space, spec.task_config)
     make_sampler(spec)  # built now only to reject bad names and arguments with a 422
     make_pruner(spec.pruner)
     if session.scalar(select(StudyRow.study_id).where(StudyRow.name == spec.name)) is not None:

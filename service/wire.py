@@ -8,8 +8,7 @@ the JSON names. Byte counts are plain integers; every float is finite.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -52,6 +51,7 @@ UtcDatetime = Annotated[datetime, AfterValidator(_as_utc)]
 MAX_PARAMS = 64
 MAX_CHOICES = 256
 MAX_SHARED_PREDICTIONS = 256  # per plan choice, and per assignment
+MAX_SLOTS = 64  # trials one worker runs at once on its card (a packing worker's slots)
 MAX_FLOAT_STEPS = 10**15  # grid points of a stepped float (Optuna's Decimal checks fail beyond)
 Key = Annotated[str, Field(min_length=1, max_length=128)]
 # A fixed setting or a sampler/pruner argument: a JSON scalar, finite, bounded in length.
@@ -180,6 +180,40 @@ class PrunerSpec(Wire):
     # a dict only for patient's wrapped_pruner ({name, args}), which the server validates
     args: dict[Key, ConfigValue | dict[str, Any]] = Field(default_factory=dict, max_length=32)
 
+    @field_validator("args")
+    @classmethod
+    def _only_patient_wraps(cls, args: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        for key, value in args.items():
+            if isinstance(value, dict) and key != "wrapped_pruner":
+                raise ValueError(f"{key}: only wrapped_pruner takes an object")
+        if info.context == STORED_SPEC:
+            return args  # accepted before these rules existed: read as it was stored
+        if "wrapped_pruner" in args and info.data.get("name") != "patient":
+            raise ValueError("wrapped_pruner: only the patient pruner wraps another")
+        if _wrapping_depth(args) > MAX_PRUNER_NESTING:
+            raise ValueError(
+                f"wrapped_pruner: at most {MAX_PRUNER_NESTING} pruners wrapped in each other"
+            )
+        return args
+
+
+MAX_PRUNER_NESTING = 3
+# Validation context of a study's stored spec: rules added after a study was accepted (such as
+# MAX_PRUNER_NESTING) do not un-accept it, or every read of it would fail.
+STORED_SPEC = {"stored": True}
+
+
+def _wrapping_depth(args: dict[str, Any]) -> int:
+    """How many wrapped_pruner objects nest inside each other, counted without recursion (a
+    chain of 150 made the spec too deep to serialize), stopping past MAX_PRUNER_NESTING."""
+    depth = 0
+    wrapped = args.get("wrapped_pruner")
+    while isinstance(wrapped, dict) and depth <= MAX_PRUNER_NESTING:
+        depth += 1
+        inner_args = wrapped.get("args")
+        wrapped = inner_args.get("wrapped_pruner") if isinstance(inner_args, dict) else None
+    return depth
+
 
 class TrainBudget(Wire):
     """How long one trial trains: steps, seconds, or both (whichever ends first)."""
@@ -260,6 +294,10 @@ class StudySummary(Wire):
     best_value: float | None = None
     created_at: UtcDatetime
     spec: StudyCreate
+    warnings: list[str] = Field(
+        default_factory=list,
+        description="What may keep the study from running, e.g. no live worker offers its task.",
+    )
 
 
 class StudyList(Wire):
@@ -359,6 +397,19 @@ class WorkerRegister(Wire):
         "and the batch size): predictions are shared across the fleet by their values. A task "
         "not listed is keyed by its whole configuration.",
     )
+    slots: int = Field(
+        1,
+        ge=1,
+        le=MAX_SLOTS,
+        description="Trials the worker runs at once on its card: it may hold this many leases, "
+        "and one more leased ahead (--plan-ahead).",
+    )
+    batch_params: dict[Name, Key] = Field(
+        default_factory=dict,
+        max_length=256,
+        description="Per task, the configuration key holding its batch size: a study of the "
+        "task whose search space and task_config both lack it is refused at creation.",
+    )
 
     @field_validator("shape_params")
     @classmethod
@@ -452,30 +503,6 @@ class Plan(Wire):
     reason: ShortText = ""
 
 
-def held_peak(allocated: int, reserved: int | None) -> int:
-    """The one rule from two peaks to the bytes a card had to hold, for measured and predicted
-    peaks alike: what the caching allocator reserved when known, else what was allocated (the
-    larger, should a counter lag the other)."""
-    return max(reserved or 0, allocated)
-
-
-PlanKey = tuple[int | None, int, bool, bool]
-
-
-def plan_key(plan: Plan | PlanOut) -> PlanKey:
-    """What makes two plans the same run: micro-batch, accumulation, checkpointing, bf16 (the
-    reason is only words)."""
-    return (plan.micro_batch, plan.accumulation, plan.checkpointing, plan.bf16)
-
-
-def ran_as(plan: Plan | PlanOut, routed: bool) -> str:
-    """A run's memory outcome: routed (a larger card after a hand-back), resized, or as_asked."""
-    if routed:
-        return "routed"
-    resized = plan.accumulation > 1 or plan.checkpointing or plan.bf16
-    return "resized" if resized else "as_asked"
-
-
 class Prediction(Wire):
     """A predicted peak and how it was reached."""
 
@@ -486,11 +513,6 @@ class Prediction(Wire):
     method: Literal["trace", "probe", "none"] = "trace"
     reason: ShortText = Field("", description="Why tracing was not possible, when it was not.")
     seconds: Finite = Field(0.0, ge=0)
-
-    @property
-    def peak_bytes(self) -> int:
-        """The bytes the card must hold for this prediction (`held_peak`)."""
-        return held_peak(self.peak_allocated_bytes, self.peak_reserved_bytes)
 
 
 class SharedPrediction(Wire):
@@ -506,14 +528,6 @@ class SharedPrediction(Wire):
 
 
 PredictionSource = Literal["fleet", "worker", "mixed"]
-
-
-def shape_of(config: Mapping[str, Any], keys: Sequence[str] | None) -> dict[str, ParamValue]:
-    """What a shared prediction is keyed by: the values of the task's shape keys in a trial's
-    configuration (task_config overlaid with params); the whole configuration when the task
-    declares none. Worker and server both key by this."""
-    names = sorted(config) if keys is None else sorted(set(keys))
-    return {name: config.get(name) for name in names}
 
 
 class PlanChoice(Wire):
@@ -538,11 +552,6 @@ class Measured(Wire):
     peak_allocated_bytes: Bytes
     peak_reserved_bytes: Bytes | None = None
     nvml_peak_bytes: Bytes | None = None
-
-    @property
-    def peak_bytes(self) -> int:
-        """The bytes the card had to hold (`held_peak`): the trial's measured peak."""
-        return held_peak(self.peak_allocated_bytes, self.peak_reserved_bytes)
 
 
 class LeaseCall(Wire):
@@ -692,41 +701,6 @@ class Calibration(Wire):
     n_observations: int = 0
 
 
-# How a worker applies the Calibration it is served; the raw peaks ride in Prediction.constants
-# under these keys, so that the server fits on what the predictor said before any correction.
-RAW_ALLOCATED = "uncalibrated_allocated_bytes"
-RAW_RESERVED = "uncalibrated_reserved_bytes"
-
-
-def calibrated_bytes(predicted: int, calibration: Calibration) -> int:
-    """`predicted` after the correction and the margin (never negative)."""
-    line = calibration.scale * predicted + calibration.offset_bytes
-    return max(math.ceil(line * (1 + calibration.margin_fraction)), 0)
-
-
-def raw_peaks(prediction: Prediction) -> tuple[int, int]:
-    """(allocated, reserved) as predicted before any calibration: what a fit must be fed."""
-    return (
-        prediction.constants.get(RAW_ALLOCATED, prediction.peak_allocated_bytes),
-        prediction.constants.get(RAW_RESERVED, prediction.peak_reserved_bytes),
-    )
-
-
-def apply_calibration(prediction: Prediction, calibration: Calibration) -> Prediction:
-    """The prediction corrected by `calibration`; the raw peaks stay in `constants`.
-
-    Applying it again starts from the raw peaks, so calibration never compounds.
-    """
-    allocated, reserved = raw_peaks(prediction)
-    return prediction.model_copy(
-        update={
-            "peak_allocated_bytes": calibrated_bytes(allocated, calibration),
-            "peak_reserved_bytes": calibrated_bytes(reserved, calibration),
-            "constants": {**prediction.constants, RAW_ALLOCATED: allocated, RAW_RESERVED: reserved},
-        }
-    )
-
-
 class ErrorOut(BaseModel):
     """Every error body: {"detail": ...}."""
 
@@ -739,14 +713,8 @@ class ErrorOut(BaseModel):
 TokenScope = Literal["admin", "submit", "worker", "read"]
 
 
-DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 # A lifetime such as 30d, 12h, 90m or 3600s: at most 999999 of a unit (about 2,700 years).
 Duration = Annotated[str, Field(pattern=r"^[1-9][0-9]{0,5}[smhd]$", examples=["30d", "12h"])]
-
-
-def duration_of(text: str) -> timedelta:
-    """A Duration (``30d``) as a timedelta."""
-    return timedelta(seconds=int(text[:-1]) * DURATION_UNITS[text[-1]])
 
 
 class TokenCreate(Wire):
@@ -811,68 +779,3 @@ class WhoAmI(Wire):
     name: str
     scopes: list[TokenScope]
     studies: list[str] | None = Field(description="The only studies it may touch; null: all.")
-
-
-# ------------------------------------------------- the step-time model, as a worker applies it
-# (service/step_time.py fits it). log step_s = b . features: see that module's docstring.
-
-DEFAULT_OVERHEAD_SAMPLES = 8.0
-"""The fixed model: a micro-batch costs as much as 8 more samples (launches, a cold device)."""
-DEFAULT_CHECKPOINT_SLOWDOWN = 4 / 3
-"""The fixed model: checkpointing recomputes the forward pass, about a third more compute."""
-STEP_TIME_MIN_RUNS = 3
-"""Runs needed before an absolute step time is predicted (the intercept needs data)."""
-
-
-def step_time_prior() -> list[float]:
-    """The fixed model's coefficients (intercept, samples, checkpointing, bf16, sizes)."""
-    return [0.0, 1.0, math.log(DEFAULT_CHECKPOINT_SLOWDOWN), 0.0, 0.0, 0.0]
-
-
-def default_step_time_fit(card_model: str = "", task: str = "") -> StepTimeFit:
-    """The fixed model: what plans are compared by before anything was measured."""
-    return StepTimeFit(
-        card_model=card_model,
-        task=task,
-        overhead_samples=DEFAULT_OVERHEAD_SAMPLES,
-        coefficients=step_time_prior(),
-        n_observations=0,
-    )
-
-
-def step_time_features(x: StepTimeObservation, overhead: float) -> list[float]:
-    """The model's inputs for one run (logs of sizes floored at 1)."""
-    return [
-        1.0,
-        math.log(x.micro_batches * (x.micro_batch + overhead)),
-        float(x.checkpointing),
-        float(x.bf16),
-        math.log(max(x.parameter_bytes, 1)),
-        math.log(max(x.as_asked_peak_bytes, 1)),
-    ]
-
-
-def predicted_step_s(fit: StepTimeFit, x: StepTimeObservation) -> float | None:
-    """Seconds per optimizer step for these features; None before STEP_TIME_MIN_RUNS runs."""
-    if fit.n_observations < STEP_TIME_MIN_RUNS:
-        return None
-    return math.exp(_dot(step_time_features(x, fit.overhead_samples), fit.coefficients))
-
-
-def step_time_slowdown(fit: StepTimeFit, x: StepTimeObservation) -> float:
-    """Time per step of `x`'s plan relative to the same configuration as asked."""
-    asked = x.model_copy(
-        update={
-            "micro_batches": 1,
-            "micro_batch": x.batch_size,
-            "checkpointing": False,
-            "bf16": False,
-        }
-    )
-    ours = step_time_features(x, fit.overhead_samples)
-    theirs = step_time_features(asked, fit.overhead_samples)
-    return math.exp(_dot([a - b for a, b in zip(ours, theirs, strict=True)], fit.coefficients))
-
-
-def _dot(a: list[float], b: list[float]) -> float:
-    return sum(p * q for p, q in zip(a, b, strict=True))

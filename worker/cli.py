@@ -22,11 +22,12 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from common.logs import LogFormat, add_log_format_option, configure_logging
-from worker import gpu
+from common.stopping import positive_int, stop_on_signals
+from worker.device import gpu
 
 if TYPE_CHECKING:
     from service.wire import CardInfo
-    from worker.runner import TrialRunner
+    from worker.trial.runner import TrialRunner
 
 log = logging.getLogger("vramtune.worker")
 
@@ -65,7 +66,7 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     )
     worker.add_argument(
         "--max-trials-per-card",
-        type=_positive,
+        type=positive_int,
         default=1,
         metavar="N",
         help="run up to N trials at once on the card, each in its own process limited to its "
@@ -100,6 +101,21 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     tasks = subparsers.add_parser("tasks", help="list the tasks a worker here would advertise")
     _add_tasks_option(tasks)
     tasks.set_defaults(func=tasks_command)
+    check = tasks.add_subparsers(dest="tasks_command").add_parser(
+        "check",
+        help="check a task file against the Task contract before any trial runs",
+        description="Load FILE as a worker would, name any member a task class lacks and the "
+        "rule it keeps, then (with --study or --config) build, train, evaluate and trace each "
+        "task on one small configuration. Exits 1 when a rule is broken.",
+    )
+    check.add_argument("file", metavar="FILE", help="a .py file or a dotted module of tasks")
+    given = check.add_mutually_exclusive_group()
+    given.add_argument(
+        "--study", metavar="STUDY", help="a study file: its smallest configuration is checked"
+    )
+    given.add_argument("--config", metavar="JSON", help="a configuration, e.g. '{\"width\": 8}'")
+    check.add_argument("--device", default="cpu", help="where real steps run (default: cpu)")
+    check.set_defaults(func=tasks_check_command)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -124,17 +140,27 @@ def worker_command(args: argparse.Namespace) -> int:
 
 def tasks_command(args: argparse.Namespace) -> int:
     """Print the task names a worker would advertise, and the modules that failed to load."""
-    from worker.registry import discover, format_listing
+    from worker.tasks.registry import discover, format_listing
 
     found = discover(args.tasks, entry_points=not args.no_entry_points)
     print(format_listing(found))
     return 0 if found.runners else 1
 
 
+def tasks_check_command(args: argparse.Namespace) -> int:
+    """Report what FILE's classes lack, then each task's contract checks on one configuration."""
+    from worker.tasks.check_file import check_file
+
+    report, code = check_file(args.file, study=args.study, config=args.config, device=args.device)
+    print(report)
+    return code
+
+
 def _run_one(args: argparse.Namespace) -> int:
     # First: a SIGTERM while the tasks import (torch takes seconds) must still end cleanly.
-    stop = _stop_on_signals()
-    from worker.registry import discover
+    # The agent finishes its step and hands its trial back.
+    stop = stop_on_signals(log, "stopping after the current step")
+    from worker.tasks.registry import discover
 
     try:
         info = gpu.card_for_device(args.device, args.memory_limit)
@@ -150,11 +176,12 @@ def _run_one(args: argparse.Namespace) -> int:
         print("vramtune worker: no task to advertise", file=sys.stderr)
         return 2
     warming = None
-    if "worker.training" in sys.modules:  # a torch task turned up (the registry imported it)
+    if "worker.run.training" in sys.modules:  # a torch task turned up (the registry imported it)
         from worker.predictor import warm_up_in_background
+        from worker.tasks.warm import warm_up_workloads
 
         # The first trace in a process costs ~2 s more: pay it now, not in a trial's plan choice.
-        warming = warm_up_in_background()
+        warming = warm_up_in_background(warm_up_workloads())
     try:
         return _run_agent(args, found.runners, info, stop)
     finally:
@@ -170,10 +197,11 @@ def _run_agent(
     info: CardInfo,
     stop: threading.Event,
 ) -> int:
-    from worker.agent import Agent, AgentOptions
-    from worker.api import Rejected, ServerClient, ServerUnavailable
-    from worker.runner import CardSpec
-    from worker.slot_process import Discovered
+    from worker.loop.agent import Agent
+    from worker.loop.api import Rejected, ServerClient, ServerUnavailable
+    from worker.loop.cycle import AgentOptions
+    from worker.tasks.registry import Discovered
+    from worker.trial.runner import CardSpec
 
     card = CardSpec(info=info, constants=_card_constants(args.device), device=args.device)
     options = AgentOptions(
@@ -253,19 +281,6 @@ def _card_constants(device: str) -> dict[str, int]:
     return dict(measure_card_constants(device).model_dump())
 
 
-def _stop_on_signals() -> threading.Event:
-    """An Event that SIGTERM and SIGINT set: the agent finishes its step and hands back."""
-    stop = threading.Event()
-
-    def handle(signum: int, frame: FrameType | None) -> None:
-        log.info("signal %s: stopping after the current step", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, handle)
-    signal.signal(signal.SIGINT, handle)
-    return stop
-
-
 def default_name(device: str) -> str:
     """host-device, reduced to the characters a worker name may hold."""
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", f"{socket.gethostname()}-{device}").strip("-._")
@@ -285,16 +300,6 @@ def _add_tasks_option(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="only the --tasks modules, not the installed vramtune.tasks entry points",
     )
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from error
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def _size(text: str) -> int:

@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Match, Mount
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from service.auth.hosts import TrustedHosts, allowed_names
 from service.auth.tokens import (
     LOCAL_ADMIN,
     Principal,
@@ -37,7 +38,6 @@ from service.auth.tokens import (
 from service.db.tables import StudyRow, TrialRow
 from service.settings import Settings
 from service.state import AppState
-from service.wire import API_PREFIX
 
 log = logging.getLogger("vramtune.auth")
 
@@ -249,9 +249,8 @@ def warn_if_exposed(host: str, auth: str) -> bool:
 
 
 def install_auth(app: FastAPI, settings: Settings) -> None:
-    """Guard every route of the app (outermost middleware) and add the auth routes."""
-    from service.api.routes import auth as auth_routes
-
+    """Guard every route of the app (outermost middleware); the auth routes are service.app's."""
     app.add_middleware(AuthGuard, enabled=settings.auth == "on")
-    app.include_router(auth_routes.router, prefix=API_PREFIX)
+    if settings.auth == "off":  # outermost: a rebound page's request is answered by nothing else
+        app.add_middleware(TrustedHosts, names=allowed_names(settings.allowed_hosts, settings.host))
     warn_if_exposed(settings.host, settings.auth)

@@ -23,7 +23,8 @@ from sqlalchemy.orm import Session
 
 from service.auth import audit
 from service.db.tables import TokenRow
-from service.wire import API_PREFIX
+from service.fleet.workers import stop_token_workers
+from service.wire import API_PREFIX, TokenOut
 
 Scope = Literal["admin", "submit", "worker", "read"]
 SCOPES: tuple[Scope, ...] = ("admin", "submit", "worker", "read")
@@ -326,8 +327,6 @@ def revoke_token(
     trials are offered to other workers at once rather than when their leases expire, and
     the workers' next calls get a 401 that makes them exit.
     """
-    from service.fleet.workers import stop_token_workers
-
     row = session.get(TokenRow, token_id)
     if row is not None and row.revoked_at is None:
         row.revoked_at = now
@@ -376,3 +375,8 @@ def first_admin_token(session: Session, preset: str | None, now: datetime) -> st
 
 def _stamp(moment: datetime | None) -> str | None:
     return None if moment is None else f"{moment.isoformat(timespec='seconds')}Z"
+
+
+def token_out(row: TokenRow) -> TokenOut:
+    """The listed form of a token row (without any secret)."""
+    return TokenOut.model_validate(row, from_attributes=True)

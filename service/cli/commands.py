@@ -145,7 +145,7 @@ def app_with_json_logs() -> Any:
 
 def cmd_db_upgrade(args: argparse.Namespace) -> int:
     """Create or upgrade Optuna's and vramtune's tables."""
-    from service.auth.cli import print_first_admin_token
+    from service.cli.tokens import print_first_admin_token
     from service.db.engine import make_engine
     from service.db.migrate import current_revision, upgrade
 
@@ -182,6 +182,8 @@ def cmd_study_create(args: argparse.Namespace) -> int:
     with _client(args) as client:
         summary = client.create_study(_load_spec(Path(args.file)))
     emit_json(summary) if args.json else print(f"created study {summary.name} (id {summary.id})")
+    for warning in summary.warnings:  # on stderr, so --json output stays one document
+        print(f"vramtune: warning: {warning}", file=sys.stderr)
     return 0
 
 

@@ -78,6 +78,7 @@ def show_study(summary: StudySummary) -> str:
         "space",
     ]
     lines += [f"  {name}: {p.model_dump_json()}" for name, p in spec.search_space.items()]
+    lines += [f"warning    {warning}" for warning in summary.warnings]
     return "\n".join(lines)
 
 

@@ -90,20 +90,35 @@ def render_page(page: str) -> bytes:
 
 
 @cache
+def shipped_names() -> frozenset[str]:
+    """Every name the static route serves: the pages, and the assets shipped beside them."""
+    assets = {
+        entry.name
+        for entry in ASSET_DIR.iterdir()
+        if entry.is_file() and Path(entry.name).suffix in MEDIA_TYPES
+        if not entry.name.endswith(".html")
+    }
+    return frozenset(assets | {f"{page}.html" for page in PAGES})
+
+
 def asset(name: str) -> Asset | None:
-    """The named asset (read once), None for any name that is not a shipped file."""
-    suffix = Path(name).suffix
-    if name.endswith(".html") and name.removesuffix(".html") in PAGES:
+    """The named asset (read once), None for any name that is not a shipped file.
+
+    Names are checked against the shipped set before anything touches the file system or the
+    cache: a 300-character name made ``is_file`` raise "File name too long" (a 500), and
+    caching every name asked for let anyone grow the cache without a bound.
+    """
+    return _load(name) if name in shipped_names() else None
+
+
+@cache  # keyed by shipped names only (see asset), so bounded by them
+def _load(name: str) -> Asset:
+    if name.endswith(".html"):
         body = render_page(name.removesuffix(".html"))
     else:
-        resource = ASSET_DIR / name
-        if "/" in name or suffix not in MEDIA_TYPES or name.endswith(".html"):
-            return None
-        if not resource.is_file():
-            return None
-        body = resource.read_bytes()
+        body = (ASSET_DIR / name).read_bytes()
     etag = '"' + hashlib.sha256(body).hexdigest()[:32] + '"'
-    return Asset(body, gzip.compress(body, 6, mtime=0), etag, MEDIA_TYPES[suffix])
+    return Asset(body, gzip.compress(body, 6, mtime=0), etag, MEDIA_TYPES[Path(name).suffix])
 
 
 def serve(request: Request, name: str) -> Response:

@@ -12,6 +12,7 @@ from optuna.trial import TrialState
 from sqlalchemy import Select, and_, select
 from sqlalchemy.orm import Session
 
+from common.plans import ran_as
 from service.calibration import UNDER_PREDICTION_RATE
 from service.dashboard import cache, schema, series
 from service.dashboard.errors import invalid_query
@@ -25,7 +26,7 @@ from service.dashboard.models import (
     Regions,
 )
 from service.dashboard.studies_view import StudyFacts, infeasible, study_facts, study_space
-from service.wire import ParamValue, PlanOut, ran_as
+from service.wire import ParamValue, PlanOut
 
 T, V = schema.trials, schema.values
 

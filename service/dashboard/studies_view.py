@@ -14,7 +14,6 @@ from optuna.trial import TrialState
 from sqlalchemy import ColumnElement, and_, case, func, or_, select
 from sqlalchemy.orm import Session
 
-from service.api.errors import NotFound
 from service.dashboard import cache, schema
 from service.dashboard.models import (
     BestTrial,
@@ -26,6 +25,7 @@ from service.dashboard.models import (
     StudyOverview,
 )
 from service.db.tables import MemoryObservationRow, StudyRow
+from service.errors import NotFound
 from service.optuna.glue import search_space, spec_of
 from service.studies import study_state
 

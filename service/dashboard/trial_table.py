@@ -14,12 +14,12 @@ from optuna.trial import TrialState
 from sqlalchemy import ColumnElement, Select, and_, func, select
 from sqlalchemy.orm import Session
 
-from service.api.errors import NotFound
 from service.dashboard import cache, schema, series
 from service.dashboard.errors import invalid_query
 from service.dashboard.models import Observation, TrialDetail, TrialRowOut, TrialTable
 from service.dashboard.studies_view import StudyFacts, infeasible, study_facts, trial_params
 from service.db.tables import MemoryObservationRow, TrialRow, WorkerRow
+from service.errors import NotFound
 from service.wire import PlanOut
 
 T, V, P = schema.trials, schema.values, schema.params

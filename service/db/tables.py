@@ -62,8 +62,12 @@ class WorkerRow(Base):
     trials_done: Mapped[int] = mapped_column(Integer, default=0)
     # Per task, the configuration keys predictions are shared by (NULL before migration 0004).
     shape_params: Mapped[dict[str, list[str]] | None] = mapped_column(JSON, nullable=True)
+    # Per task, the key holding its batch size (NULL before migration 0008).
+    batch_params: Mapped[dict[str, str] | None] = mapped_column(JSON, nullable=True)
     # The token that registered the worker: only it may act as the worker (NULL: auth off).
     token_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # Trials it runs at once: it holds at most this many leases, and one leased ahead.
+    slots: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
 
     __table_args__ = (Index("ix_vramtune_workers_token", "token_id", "stopped"),)
 
@@ -138,6 +142,8 @@ class MemoryObservationRow(Base):
     measured_reserved: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     nvml_peak: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime)
+    # Where it counts (service.fleet.trust): "fleet", or "study:<id>" for a study-limited token.
+    scope: Mapped[str] = mapped_column(String(32), default="fleet", server_default="fleet")
 
     __table_args__ = (Index("ix_vramtune_obs_key", "card_model", "torch_version", "task"),)
 
@@ -165,10 +171,13 @@ class PredictionRow(Base):
     worker_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     trial_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime)
+    # Where it counts (service.fleet.trust): "fleet", or "study:<id>" for a study-limited token.
+    scope: Mapped[str] = mapped_column(String(32), default="fleet", server_default="fleet")
 
     __table_args__ = (
         Index(
             "ux_vramtune_predictions_key",
+            "scope",
             "task",
             "card_model",
             "torch_version",
@@ -192,6 +201,8 @@ class StepTimeObservationRow(Base):
     predicted_step_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     measured_step_s: Mapped[float] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(DateTime)
+    # Where it counts (service.fleet.trust): "fleet", or "study:<id>" for a study-limited token.
+    scope: Mapped[str] = mapped_column(String(32), default="fleet", server_default="fleet")
 
     __table_args__ = (Index("ix_vramtune_step_times_key", "card_model", "task"),)
 

@@ -3,19 +3,29 @@ peaks, and the step-time model fitted from stored times per step (service.step_t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from common.memory import held_peak
 from service.calibration import Pair, fit_calibration
 from service.db.tables import MemoryObservationRow, StepTimeObservationRow
+from service.fleet.trust import FLEET
 from service.step_time import MAX_OBSERVATIONS as MAX_STEP_TIMES, fit_step_time
-from service.wire import Calibration, StepTimeFit, StepTimeObservation, held_peak
+from service.wire import Calibration, StepTimeFit, StepTimeObservation
 
 MAX_OBSERVATIONS = 5000  # the newest ones: a fit follows the current torch and driver
 
 
-def observed_pairs(session: Session, card_model: str, torch_version: str, task: str) -> list[Pair]:
-    """(raw predicted, measured) peak bytes of finished runs, newest first."""
+def observed_pairs(
+    session: Session,
+    card_model: str,
+    torch_version: str,
+    task: str,
+    scopes: Sequence[str] = (FLEET,),
+) -> list[Pair]:
+    """(raw predicted, measured) peak bytes of finished runs in ``scopes``, newest first."""
     o = MemoryObservationRow
     query = (
         select(
@@ -25,6 +35,7 @@ def observed_pairs(session: Session, card_model: str, torch_version: str, task: 
             o.card_model == card_model,
             o.torch_version == torch_version,
             o.task == task,
+            o.scope.in_(scopes),
             o.predicted_reserved.is_not(None),
         )
         .order_by(o.id.desc())
@@ -37,19 +48,27 @@ def observed_pairs(session: Session, card_model: str, torch_version: str, task: 
 
 
 def calibration_for(
-    session: Session, card_model: str, torch_version: str, task: str
+    session: Session,
+    card_model: str,
+    torch_version: str,
+    task: str,
+    scopes: Sequence[str] = (FLEET,),
 ) -> Calibration:
-    """The correction fitted to this card model's, torch version's and task's history."""
-    pairs = observed_pairs(session, card_model, torch_version, task)
+    """The correction fitted to this card model's, torch version's and task's history, as
+    taught in ``scopes`` (service.fleet.trust)."""
+    pairs = observed_pairs(session, card_model, torch_version, task, scopes)
     return fit_calibration(card_model, torch_version, task, pairs)
 
 
-def step_time_for(session: Session, card_model: str, task: str) -> StepTimeFit:
-    """The step-time model fitted to this card model's and task's newest measured runs."""
+def step_time_for(
+    session: Session, card_model: str, task: str, scopes: Sequence[str] = (FLEET,)
+) -> StepTimeFit:
+    """The step-time model fitted to this card model's and task's newest measured runs in
+    ``scopes``."""
     row = StepTimeObservationRow
     query = (
         select(row.features)
-        .where(row.card_model == card_model, row.task == task)
+        .where(row.card_model == card_model, row.task == task, row.scope.in_(scopes))
         .order_by(row.id.desc())
         .limit(MAX_STEP_TIMES)
     )

@@ -18,10 +18,11 @@ from optuna.trial import FrozenTrial
 from sqlalchemy import bindparam, case, func, or_, select
 from sqlalchemy.orm import Session
 
-from service.db.tables import StudyRow, TrialRow, WorkerRow
+from service.db.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
+from service.errors import Invalid
 from service.fleet import predictions
 from service.fleet.leases import grant
-from service.fleet.routing import largest_card, live_cards, plans_on
+from service.fleet.routing import believed, largest_card, live_cards, plans_on
 from service.fleet.workers import fleet_transaction, heard_from, running_worker
 from service.metrics import phase
 from service.optuna import rows as optuna_rows
@@ -56,8 +57,10 @@ class _Call:
     def live_cards(self, session: Session, task: str) -> dict[int, int]:
         """The live workers of ``task`` and their card sizes (routing.live_cards), cached."""
         if task not in self.cards:
-            stale_s = self.state.settings.worker_stale_s
-            self.cards[task] = live_cards(session, task, self.now, stale_s)
+            settings = self.state.settings
+            self.cards[task] = live_cards(
+                session, task, self.now, settings.worker_stale_s, settings.max_card_bytes
+            )
         return self.cards[task]
 
 
@@ -78,10 +81,13 @@ def next_assignment(
     call = _Call(state, worker_id, now)
     with fleet_transaction(state, "next") as session, phase("next", "offer"):
         worker = running_worker(session, worker_id, token_id)
+        check_free_bytes(worker, body.free_bytes)
         worker.free_bytes = body.free_bytes
         heard_from(worker, now, state.settings.worker_stale_s)
+        if holds_its_share(session, worker):
+            return None
         studies = _open_studies(session, worker.tasks, allowed)
-        offered = _offered(session, worker, studies)
+        offered = _offered(session, worker, studies, state.settings.max_card_bytes)
         if offered is not None:
             study = next(row for row in studies if row.study_id == offered.study_id)
             return _lease(session, call, study, offered, worker)
@@ -166,7 +172,9 @@ def _ask_in_flight(
                     flight.changed.notify_all()
         with fleet_transaction(call.state, "next") as session, phase("next", "offer"):
             worker = running_worker(session, call.worker_id)
-            offered = _offered(session, worker, [row])
+            if holds_its_share(session, worker):
+                return None
+            offered = _offered(session, worker, [row], call.state.settings.max_card_bytes)
             if offered is not None:
                 return _lease(session, call, row, offered, worker)
     return _draft_and_insert(call, row, number, count)
@@ -191,10 +199,40 @@ def _draft_and_insert(
         return None
     with fleet_transaction(call.state, "next") as session, phase("next", "insert"):
         worker = running_worker(session, call.worker_id)
-        asked = _record_asked(session, worker, row, drafts, call.now)
+        if holds_its_share(session, worker):
+            return None  # a concurrent next of this worker leased meanwhile: drafts dropped
+        bound = call.state.settings.max_card_bytes
+        asked = _record_asked(session, worker, row, drafts, call.now, bound)
         if asked:
             return _lease(session, call, row, asked[0], worker)
     return None
+
+
+LEASES_AHEAD = 1
+"""Leases a worker may hold beyond its slots: the trial it plans ahead (--plan-ahead)."""
+
+
+def holds_its_share(session: Session, worker: WorkerRow) -> bool:
+    """Whether the worker holds as many leases as it may (its slots and one ahead): it gets no
+    more, so that one worker cannot lease a study's every trial and keep them by heartbeats.
+
+    The worker's row is locked first (PostgreSQL): two ``next`` calls of one worker count and
+    lease in turn, never both under the cap at once.
+    """
+    session.execute(_LOCK_WORKER, {"worker_id": worker.id})
+    held = session.scalar(_ACTIVE_LEASES, {"worker_id": worker.id}) or 0
+    return held >= worker.slots + LEASES_AHEAD
+
+
+def check_free_bytes(worker: WorkerRow, free_bytes: int) -> None:
+    """422 for free bytes beyond the worker's registered card: they would lease it trials
+    that no card of its size can hold."""
+    if free_bytes > worker.total_bytes:
+        raise Invalid(
+            "free_bytes",
+            f"{free_bytes} is more than the {worker.total_bytes} bytes of the card "
+            "this worker registered",
+        )
 
 
 def _lease(
@@ -230,14 +268,14 @@ def _assignment(
         plans_tried=[
             PlanOut.model_validate(plan) for plan in plans_on(trial.plans_tried, worker.card_model)
         ],
-        predictions=predictions.shared_for(session, worker, row.task, config),
+        predictions=predictions.shared_for(session, worker, row.task, config, row.study_id),
         larger_card_bytes=_larger_card(session, call, worker, row.task),
     )
 
 
 def _larger_card(session: Session, call: _Call, worker: WorkerRow, task: str) -> int | None:
     """The largest live card of another worker for `task`, when larger than this worker's
-    (worker/time_routing.py hands a slow resize back to it)."""
+    (worker/plan/time_routing.py hands a slow resize back to it)."""
     largest = largest_card(call.live_cards(session, task), exclude=worker.id)
     return largest if largest > worker.total_bytes else None
 
@@ -266,6 +304,10 @@ _OFFERED = (
     .limit(1)
     .with_for_update(skip_locked=True)  # replicas take different trials, never the same
 )
+_LOCK_WORKER = select(WorkerRow.id).where(WorkerRow.id == bindparam("worker_id")).with_for_update()
+_ACTIVE_LEASES = select(func.count()).where(
+    LeaseRow.worker_id == bindparam("worker_id"), LeaseRow.active.is_(True)
+)
 _COUNTS = select(
     optuna_rows.count_trials_query(bindparam("study_id")),
     select(func.count())
@@ -290,13 +332,17 @@ def _open_studies(
     return list(session.scalars(_OPEN_ALLOWED_STUDIES, params))
 
 
-def _offered(session: Session, worker: WorkerRow, studies: Sequence[StudyRow]) -> TrialRow | None:
-    """A pending or waiting trial this card can hold; waiting ones (for a larger card) first."""
+def _offered(
+    session: Session, worker: WorkerRow, studies: Sequence[StudyRow], believe_up_to: int
+) -> TrialRow | None:
+    """A pending or waiting trial this card can hold, as routing believes its size
+    (routing.believed); waiting ones (for a larger card) first."""
     if not studies:
         return None
+    card_bytes = believed(session, {worker.id: worker.total_bytes}, believe_up_to)[worker.id]
     params = {
         "study_ids": [row.study_id for row in studies],
-        "card_bytes": worker.total_bytes,
+        "card_bytes": card_bytes,
         "worker_id": worker.id,
     }
     return session.scalar(_OFFERED, params)
@@ -336,6 +382,7 @@ def _record_asked(
     study: StudyRow,
     drafts: Sequence[FrozenTrial],
     now: datetime,
+    believe_up_to: int,
 ) -> list[TrialRow]:
     """Insert drafted trials, Optuna's rows and vramtune's, as far as the budget still allows.
 
@@ -352,7 +399,7 @@ def _record_asked(
     with phase("next", "study_lock"):
         if not _lock_unpaused(session, study_id):
             return []  # paused or deleted meanwhile
-    inserted_meanwhile = _offered(session, worker, [study])
+    inserted_meanwhile = _offered(session, worker, [study], believe_up_to)
     first, left = _counts(session, study)
     asked = optuna_rows.insert_trials(session, study_id, drafts[: max(left, 0)], now, first)
     trials = [

@@ -27,8 +27,8 @@ from sqlalchemy.exc import OperationalError, TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import ColumnElement
 
-from service.api.errors import DomainError
 from service.db.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
+from service.errors import DomainError
 from service.fleet.workers import (
     fleet_transaction,
     foreign_error,

@@ -22,9 +22,9 @@ from typing import Any
 from sqlalchemy import bindparam, inspect, select, update
 from sqlalchemy.orm import Session
 
-from service.api.errors import Conflict, LeaseLost, NotFound
 from service.db.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
 from service.db.writes import insert_row, set_columns
+from service.errors import Conflict, LeaseLost, NotFound
 from service.wire import StopReason, TrialAck
 
 TOKEN_BYTES = 32  # 256 bits: a lease cannot be guessed

@@ -6,6 +6,11 @@ that made it. A worker's start or hand-back carries the predictions it made; its
 assignment of the same shape on the same kind of card carries them back, so no two workers
 trace the same shape under the same plan. Kept raw (before calibration), beside the memory
 observations; the first prediction of a key wins (a prediction is deterministic).
+
+Trust (service.fleet.trust): the server keys a prediction by the shape of the trial it was
+made for, from the trial's own parameters; a body's prediction for any other shape is
+dropped. It counts in the maker's scope (the fleet, or its study for a study-limited token),
+and a run measured far beyond a shared prediction withdraws it (``withdraw_contradicted``).
 """
 
 from __future__ import annotations
@@ -13,24 +18,37 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
 from typing import Any
 
-from sqlalchemy import bindparam, select
+from sqlalchemy import bindparam, delete, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from common.memory import held_peak, peak_of, raw_peaks
+from common.plans import plan_key, shape_of
 from service.db.tables import PredictionRow, WorkerRow
 from service.db.writes import table_of
-from service.wire import (
-    MAX_SHARED_PREDICTIONS,
-    Plan,
-    Prediction,
-    SharedPrediction,
-    plan_key,
-    shape_of,
-)
+from service.fleet.trust import visible_to_trial
+from service.wire import MAX_SHARED_PREDICTIONS, Plan, Prediction, SharedPrediction
+
+CONTRADICTED_FACTOR = 2.0
+"""A run measured above this many times a shared prediction's raw peak withdraws it: honest
+predictions land within tens of percent (calibration corrects the rest), so twice is a trace
+gone wrong or a lie, and keeping it would send the next worker of that shape out of memory."""
+
+
+@dataclass(frozen=True)
+class MadeFor:
+    """The trial a worker's predictions or measurement came from, as the server knows it."""
+
+    trial_id: int
+    study_id: int
+    task: str
+    config: Mapping[str, Any]  # the study's task_config overlaid with the trial's parameters
+    scope: str  # where the worker's knowledge counts (service.fleet.trust.scope_of)
 
 
 def shape_hash(shape: Mapping[str, Any]) -> str:
@@ -64,6 +82,7 @@ _SHARED = (
         PredictionRow.card_model == bindparam("card_model"),
         PredictionRow.torch_version == bindparam("torch_version"),
         PredictionRow.shape_hash == bindparam("shape_hash"),
+        PredictionRow.scope.in_(bindparam("scopes", expanding=True)),
     )
     .order_by(PredictionRow.id)
     .limit(MAX_SHARED_PREDICTIONS)
@@ -71,9 +90,10 @@ _SHARED = (
 
 
 def shared_for(
-    session: Session, worker: WorkerRow, task: str, config: Mapping[str, Any]
+    session: Session, worker: WorkerRow, task: str, config: Mapping[str, Any], study_id: int
 ) -> list[SharedPrediction]:
-    """The fleet's predictions for a trial of `task` with `config` on this worker's card."""
+    """The predictions a trial of `task` with `config` in study `study_id` may use on this
+    worker's card: the fleet's and its own study's."""
     if worker.shape_params is None:  # registered before migration 0004, or an older worker
         return []
     shape = shape_of(config, shape_keys(worker, task))
@@ -82,6 +102,7 @@ def shared_for(
         "card_model": worker.card_model,
         "torch_version": torch_version_of(worker),
         "shape_hash": shape_hash(shape),
+        "scopes": visible_to_trial(study_id),
     }
     rows = session.scalars(_SHARED, params)
     return [
@@ -97,15 +118,18 @@ def shared_for(
 def keep(
     session: Session,
     worker: WorkerRow,
-    task: str,
-    trial_id: int,
+    made_for: MadeFor,
     shared: Sequence[SharedPrediction],
     now: datetime,
 ) -> None:
-    """Store the predictions a worker made; a key already known keeps its first prediction."""
+    """Store the predictions a worker made for the trial's own shape, in ``made_for.scope``;
+    a key already known keeps its first prediction. One for another shape is dropped: the
+    body names shapes, but only the trial's parameters say which one the worker was given."""
+    own = shape_of(made_for.config, shape_keys(worker, made_for.task))
     rows = {
         (shape_hash(one.shape), plan_column(one.plan)): {
-            "task": task,
+            "scope": made_for.scope,
+            "task": made_for.task,
             "card_model": worker.card_model,
             "torch_version": torch_version_of(worker),
             "shape_hash": shape_hash(one.shape),
@@ -113,22 +137,55 @@ def keep(
             "shape": dict(one.shape),
             "plan": one.plan.model_dump(mode="json", exclude={"reason"}),
             "prediction": one.prediction.model_dump(mode="json"),
-            "peak_bytes": one.prediction.peak_bytes,
+            "peak_bytes": peak_of(one.prediction),
             "worker_id": worker.id,
-            "trial_id": trial_id,
+            "trial_id": made_for.trial_id,
             "created_at": now,
         }
         for one in shared
         if one.prediction.method != "none"  # nothing was predicted: nothing to share
+        and shape_hash(one.shape) == shape_hash(own)
     }
     if not rows:
         return
     session.execute(_keep_statement(session.get_bind().dialect.name), list(rows.values()))
 
 
+def withdraw_contradicted(
+    session: Session, worker: WorkerRow, made_for: MadeFor, plan: Plan, measured_bytes: int
+) -> int:
+    """Delete the shared predictions this trial could use for the plan it ran whose raw peak
+    the run measured far beyond (CONTRADICTED_FACTOR); how many went."""
+    row = PredictionRow
+    shape = shape_of(made_for.config, shape_keys(worker, made_for.task))
+    candidates = session.scalars(
+        select(row).where(
+            row.task == made_for.task,
+            row.card_model == worker.card_model,
+            row.torch_version == torch_version_of(worker),
+            row.shape_hash == shape_hash(shape),
+            row.plan_key == plan_column(plan),
+            row.scope.in_(visible_to_trial(made_for.study_id)),
+        )
+    )
+    contradicted = [
+        one.id
+        for one in candidates
+        if measured_bytes > CONTRADICTED_FACTOR * _raw_peak(one.prediction)
+    ]
+    if contradicted:
+        session.execute(delete(row).where(row.id.in_(contradicted)))
+    return len(contradicted)
+
+
+def _raw_peak(stored: Mapping[str, Any]) -> int:
+    """A stored prediction's peak before calibration (what the worker traced)."""
+    return held_peak(*raw_peaks(Prediction.model_validate(stored)))
+
+
 @cache  # per dialect: built once (service.db.writes)
 def _keep_statement(dialect: str) -> Any:
     """``INSERT ... ON CONFLICT DO NOTHING`` on the prediction's key, for an executemany."""
     insert = (postgresql if dialect == "postgresql" else sqlite).insert(table_of(PredictionRow))
-    keys = ["task", "card_model", "torch_version", "shape_hash", "plan_key"]
+    keys = ["scope", "task", "card_model", "torch_version", "shape_hash", "plan_key"]
     return insert.on_conflict_do_nothing(index_elements=keys)

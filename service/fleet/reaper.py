@@ -151,8 +151,10 @@ def _route_waiting(run: _Pass, trial_id: int) -> None:
         if trial is None:
             return
         study_row = session.get_one(StudyRow, trial.study_id)
-        stale_s = run.state.settings.worker_stale_s
-        capacity = live_capacity(session, study_row.task, run.now, stale_s)
+        settings = run.state.settings
+        capacity = live_capacity(
+            session, study_row.task, run.now, settings.worker_stale_s, settings.max_card_bytes
+        )
         if capacity >= trial.min_bytes or _settled_in_optuna(run, trial):
             return
         reason = f"needs {trial.min_bytes} bytes; no live card holds it (largest: {capacity})"

@@ -33,10 +33,10 @@ import optuna
 from optuna.storages import BaseStorage
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
-from sqlalchemy import bindparam, select
+from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
-from service.db.tables import StudyRow, TrialRow, WorkerRow
+from service.db.tables import MemoryObservationRow, StudyRow, TrialRow, WorkerRow
 from service.optuna import rows as optuna_rows
 from service.optuna.glue import load_optuna_study, spec_of, tell
 from service.wire import StudyCreate
@@ -63,12 +63,45 @@ _LIVE_CARDS = select(WorkerRow.id, WorkerRow.total_bytes, WorkerRow.tasks).where
 )  # built once (a worker's next reads it): see service.fleet.leases._FENCE
 
 
-def live_cards(session: Session, task: str, now: datetime, stale_s: float) -> dict[int, int]:
-    """The live workers that run ``task``: worker id -> card size (total bytes)."""
+def live_cards(
+    session: Session, task: str, now: datetime, stale_s: float, believe_up_to: int
+) -> dict[int, int]:
+    """The live workers that run ``task``: worker id -> card size as believed (``believed``)."""
     cutoff = now - timedelta(seconds=stale_s)
     rows = session.execute(_LIVE_CARDS, {"cutoff": cutoff})
     # tasks is a JSON list: filtered here, portably, rather than with a dialect's JSON operator
-    return {wid: total for wid, total, tasks in rows if task in tasks}
+    cards = {wid: total for wid, total, tasks in rows if task in tasks}
+    return believed(session, cards, believe_up_to)
+
+
+def believed(session: Session, cards: dict[int, int], bound: int) -> dict[int, int]:
+    """Card sizes as routing counts them: a size within ``bound`` (settings.max_card_bytes) as
+    registered; a larger one only as far as its worker has measured a completed run on it. A
+    worker that claims a huge card so makes no trial wait for it, and is offered no trial
+    handed back as too large for the real cards (a new trial, which needs no size, still)."""
+    over = [wid for wid, total in cards.items() if total > bound]
+    if not over:
+        return cards
+    shown = _largest_runs(session, over)
+    return {
+        wid: min(total, shown.get(wid, 0)) if total > bound else total
+        for wid, total in cards.items()
+    }
+
+
+def _largest_runs(session: Session, worker_ids: list[int]) -> dict[int, int]:
+    """Per worker, the largest peak it measured in a completed run."""
+    o = MemoryObservationRow
+    query = (
+        select(o.worker_id, func.max(o.measured_allocated), func.max(o.measured_reserved))
+        .where(o.worker_id.in_(worker_ids), o.outcome == "complete")
+        .group_by(o.worker_id)
+    )
+    return {
+        wid: max(allocated or 0, reserved or 0)
+        for wid, allocated, reserved in session.execute(query)
+        if wid is not None
+    }
 
 
 def largest_card(cards: dict[int, int], exclude: int | None = None) -> int:
@@ -77,10 +110,15 @@ def largest_card(cards: dict[int, int], exclude: int | None = None) -> int:
 
 
 def live_capacity(
-    session: Session, task: str, now: datetime, stale_s: float, exclude: int | None = None
+    session: Session,
+    task: str,
+    now: datetime,
+    stale_s: float,
+    believe_up_to: int,
+    exclude: int | None = None,
 ) -> int:
-    """The largest card (total bytes) of a live worker that runs ``task``; 0 when none."""
-    return largest_card(live_cards(session, task, now, stale_s), exclude)
+    """The largest card (as believed) of a live worker that runs ``task``; 0 when none."""
+    return largest_card(live_cards(session, task, now, stale_s, believe_up_to), exclude)
 
 
 def headroom(footprint: int, card_bytes: int) -> float:

@@ -21,10 +21,12 @@ from optuna.storages import BaseStorage
 from optuna.trial import TrialState
 from sqlalchemy.orm import Session
 
-from service.api.errors import Invalid
+from common.memory import held_peak, peak_of, raw_peaks
+from common.plans import ran_as
 from service.db.tables import MemoryObservationRow, StepTimeObservationRow
 from service.db.writes import insert_row, set_columns
-from service.fleet import predictions
+from service.errors import Invalid
+from service.fleet import predictions, trust
 from service.fleet.leases import Fenced, end, fence, resolution
 from service.fleet.routing import (
     MAX_OOM_RETRIES,
@@ -58,9 +60,6 @@ from service.wire import (
     StudyCreate,
     TrialAck,
     TrialResolution,
-    held_peak,
-    ran_as,
-    raw_peaks,
 )
 
 
@@ -84,6 +83,17 @@ class TrialCall:
         check_owner(fenced.worker, self.token_id)
         heard_from(fenced.worker, self.now, self.settings.worker_stale_s)
         return fenced
+
+    def made_for(self, fenced: Fenced) -> predictions.MadeFor:
+        """The fenced trial as the server knows it, and the scope its worker teaches in."""
+        trial, study = fenced.trial, fenced.study
+        return predictions.MadeFor(
+            trial_id=trial.trial_id,
+            study_id=trial.study_id,
+            task=study.task,
+            config={**spec_of(study).task_config, **(trial.params or {})},
+            scope=trust.scope_of(self.session, fenced.worker, trial.study_id),
+        )
 
     def telling(self, fenced: Fenced) -> OptunaTell:
         """Where to tell Optuna about the fenced trial."""
@@ -150,14 +160,7 @@ def _plan_chosen(call: TrialCall, fenced: Fenced, body: PlanChoice, attrs: dict[
     the predictions made for it, for the fleet."""
     chosen = {"planning_s": body.planning_s, "prediction_source": body.prediction_source}
     write_attrs(call.session, fenced.trial.trial_id, {**attrs, **chosen})
-    predictions.keep(
-        call.session,
-        fenced.worker,
-        fenced.study.task,
-        fenced.trial.trial_id,
-        body.predictions,
-        call.now,
-    )
+    predictions.keep(call.session, fenced.worker, call.made_for(fenced), body.predictions, call.now)
 
 
 def report(call: TrialCall, trial_id: int, body: ReportRequest) -> ReportReply:
@@ -194,7 +197,7 @@ def objective_values(spec: StudyCreate, body: CompleteRequest) -> list[float]:
     wanted = len(spec.objective_directions)
     values = list(body.values)
     if spec.minimize_peak_memory and len(values) == wanted - 1:
-        values.append(float(body.measured.peak_bytes))
+        values.append(float(peak_of(body.measured)))
     if len(values) != wanted:
         names = [*spec.directions, *(["peak memory"] if spec.minimize_peak_memory else [])]
         raise Invalid("values", f"expected {wanted} values ({', '.join(names)}), got {len(values)}")
@@ -218,7 +221,7 @@ def _complete(call: TrialCall, fenced: Fenced, body: CompleteRequest) -> TrialAc
     trial_id = fenced.trial.trial_id
     spec = spec_of(fenced.study)
     values = objective_values(spec, body)  # 422 before anything is written
-    worker, peak = fenced.worker, body.measured.peak_bytes
+    worker, peak = fenced.worker, peak_of(body.measured)
     outcome = _outcome_of(body.plan, routed=fenced.trial.min_bytes > 0)
     attrs = {
         "plan": body.plan.model_dump(mode="json"),
@@ -274,10 +277,14 @@ def observe(
     """Store predicted against measured peak: the calibration's raw material."""
     if measured is None:
         return
-    worker = fenced.worker
+    worker, made_for = fenced.worker, call.made_for(fenced)
     plan_json = plan.model_dump(mode="json") if isinstance(plan, Plan) else (plan or {})
     # The fit is fed the raw predictions: calibrating calibrated ones would compound.
     raw_allocated, raw_reserved = (None, None) if prediction is None else raw_peaks(prediction)
+    fields = {k: v for k, v in plan_json.items() if k in Plan.model_fields}
+    ran = Plan.model_validate(fields) if fields else None
+    if ran is not None:
+        predictions.withdraw_contradicted(call.session, worker, made_for, ran, peak_of(measured))
     insert_row(
         call.session,
         MemoryObservationRow,
@@ -295,6 +302,7 @@ def observe(
         measured_reserved=measured.peak_reserved_bytes,
         nvml_peak=measured.nvml_peak_bytes,
         created_at=call.now,
+        scope=made_for.scope,
     )
 
 
@@ -314,6 +322,7 @@ def observe_step_time(
         predicted_step_s=step_time.predicted_step_s,
         measured_step_s=step_time.measured_step_s,
         created_at=call.now,
+        scope=trust.scope_of(call.session, fenced.worker, fenced.trial.study_id),
     )
 
 
@@ -355,7 +364,7 @@ def _keep_measured(call: TrialCall, fenced: Fenced, body: FailRequest) -> None:
     lease = fenced.lease
     if body.measured is None or (lease.resolution or {}).get("measured"):
         return
-    peak = body.measured.peak_bytes
+    peak = peak_of(body.measured)
     write_attrs(
         call.session,
         fenced.trial.trial_id,
@@ -406,8 +415,14 @@ def hand_back(call: TrialCall, trial_id: int, body: HandBackRequest) -> TrialAck
         "plan": None if body.plan is None else body.plan.model_dump(mode="json"),
         "reason": body.reason,
     }
+    settings = call.settings
     capacity = live_capacity(
-        call.session, fenced.study.task, call.now, call.settings.worker_stale_s, worker.id
+        call.session,
+        fenced.study.task,
+        call.now,
+        settings.worker_stale_s,
+        settings.max_card_bytes,
+        exclude=worker.id,
     )
     _plan_chosen(call, fenced, body, {"handback": handback})
     if body.fits_here and capacity < footprint:  # the larger card left: it runs where it fits

@@ -23,22 +23,16 @@ from typing import Literal
 from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.orm import Session
 
-from service.api.errors import Conflict, Forbidden, NotFound, TooMany
 from service.db.engine import is_sqlite
 from service.db.tables import LeaseRow, StudyRow, TokenRow, TrialRow, WorkerRow
 from service.db.writes import table_of
+from service.errors import Conflict, Forbidden, NotFound, TooMany
 from service.fleet.leases import active_leases, end, resolution
 from service.fleet.routing import reoffer
 from service.metrics import phase
 from service.settings import Settings
 from service.state import AppState
-from service.wire import (
-    CardInfo,
-    WorkerList,
-    WorkerOut,
-    WorkerRegister,
-    WorkerRegistered,
-)
+from service.wire import CardInfo, WorkerList, WorkerOut, WorkerRegister, WorkerRegistered
 
 log = logging.getLogger("vramtune.fleet")
 
@@ -99,7 +93,9 @@ def register(
         stopped=False,
         trials_done=0,
         shape_params={task: sorted(set(keys)) for task, keys in body.shape_params.items()},
+        batch_params=dict(body.batch_params),
         token_id=token_id,
+        slots=body.slots,
     )
     session.add(worker)
     session.flush()
@@ -226,6 +222,23 @@ def stop_token_workers(session: Session, token_id: int, now: datetime) -> int:
     return len(worker_ids)
 
 
+def _done_in(session: Session, studies: frozenset[str], worker_ids: list[int]) -> dict[int, int]:
+    """Per worker, the trials of ``studies`` it completed (the last worker of each):
+    what a study-limited token is told instead of the worker's count over every study."""
+    query = (
+        select(TrialRow.worker_id, func.count())
+        .join(StudyRow, StudyRow.study_id == TrialRow.study_id)
+        .where(
+            StudyRow.name.in_(sorted(studies)),
+            TrialRow.worker_id.in_(worker_ids),
+            TrialRow.status == "done",
+            TrialRow.outcome.in_(("as_asked", "resized", "routed")),  # completed (common.plans)
+        )
+        .group_by(TrialRow.worker_id)
+    )
+    return {int(wid): int(count) for wid, count in session.execute(query) if wid is not None}
+
+
 def list_workers(
     session: Session, settings: Settings, now: datetime, allowed: frozenset[str] | None = None
 ) -> WorkerList:
@@ -245,8 +258,10 @@ def list_workers(
     for worker_id, trial_id in session.execute(holding.order_by(LeaseRow.id)):
         current.setdefault(worker_id, []).append(trial_id)
     query = select(WorkerRow).order_by(WorkerRow.id)
+    done: dict[int, int] | None = None
     if allowed is not None:
         query = query.where(WorkerRow.id.in_(current))
+        done = _done_in(session, allowed, list(current))
     workers = session.scalars(query)
     return WorkerList(
         workers=[
@@ -259,7 +274,7 @@ def list_workers(
                 state=worker_state(w, now, settings.worker_stale_s),
                 last_heartbeat=w.last_heartbeat,
                 current_trials=current.get(w.id, []),
-                trials_done=w.trials_done,
+                trials_done=w.trials_done if done is None else done.get(w.id, 0),
             )
             for w in workers
         ]

@@ -10,6 +10,7 @@ import importlib.util
 import inspect
 import math
 import threading
+import typing
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -32,12 +33,14 @@ from optuna.trial import FrozenTrial, TrialState
 from pydantic import TypeAdapter, ValidationError
 from sqlalchemy.orm import Session
 
-from service.api.errors import Invalid, NotFound
 from service.db.engine import engine_kwargs
 from service.db.tables import StudyRow, TrialRow
+from service.errors import Invalid, NotFound
 from service.optuna import rows as optuna_rows
+from service.optuna.arguments import PRUNER_BOUNDS, SAMPLER_BOUNDS, Bound
 from service.optuna.tpe import SharedFitTPESampler
 from service.wire import (
+    STORED_SPEC,
     CategoricalParam,
     FloatParam,
     IntParam,
@@ -112,23 +115,53 @@ def _json_arg_type(annotation: Any) -> Any | None:
 
 
 def _check_args(
-    factory: Callable[..., Any], args: Mapping[str, Any], field: str, special: set[str]
+    factory: Callable[..., Any],
+    args: Mapping[str, Any],
+    field: str,
+    bounds: Mapping[str, Bound],
+    special: set[str],
+    stored: bool = False,
 ) -> dict[str, Any]:
-    """Check JSON arguments against the factory's signature, naming the bad one."""
-    parameters = inspect.signature(factory).parameters
+    """Check JSON arguments against the factory's signature and their bounds, naming the bad one.
+
+    ``stored``: the spec of a study accepted before a bound existed; its numbers are clamped
+    into bounds (a study keeps running, at a bounded cost) instead of refused.
+    """
+    settable = _settable(factory, bounds)
     checked: dict[str, Any] = {}
     for key, value in args.items():
         if key in special:
             continue
-        arg_type = _json_arg_type(parameters[key].annotation) if key in parameters else None
-        if arg_type is None:
-            known = sorted(k for k, p in parameters.items() if _json_arg_type(p.annotation))
-            raise Invalid(f"{field}.{key}", f"not an argument settable over REST; known: {known}")
+        if key not in settable:
+            raise Invalid(
+                f"{field}.{key}", f"not an argument settable over REST; known: {sorted(settable)}"
+            )
         try:
-            checked[key] = TypeAdapter(arg_type).validate_python(value, strict=True)
+            checked[key] = TypeAdapter(settable[key]).validate_python(value, strict=True)
         except ValidationError as exc:
             raise Invalid(f"{field}.{key}", exc.errors()[0]["msg"]) from exc
+        if key not in bounds:
+            continue
+        if stored:
+            checked[key] = bounds[key].clamp(checked[key])
+        elif (problem := bounds[key].problem(value)) is not None:
+            raise Invalid(f"{field}.{key}", problem)
     return checked
+
+
+def _settable(factory: Callable[..., Any], bounds: Mapping[str, Bound]) -> dict[str, Any]:
+    """Arguments a JSON value may set, with their types: booleans, and bounded numbers or
+    strings (service.optuna.arguments); an unbounded one would let a client set any cost."""
+    settable = {}
+    for key, parameter in inspect.signature(factory).parameters.items():
+        arg_type = _json_arg_type(parameter.annotation)
+        if arg_type is not None and (key in bounds or _only_bool(arg_type)):
+            settable[key] = arg_type
+    return settable
+
+
+def _only_bool(arg_type: Any) -> bool:
+    return set(typing.get_args(arg_type) or (arg_type,)) <= {bool, type(None)}
 
 
 def _construct(factory: Callable[..., Any], field: str, **kwargs: Any) -> Any:
@@ -198,8 +231,10 @@ def check_space_size(spec: StudyCreate, limit: int) -> None:
         )
 
 
-def make_sampler(spec: StudyCreate) -> BaseSampler:
-    """The study's sampler; Invalid names ``sampler.name`` or ``sampler.args`` on error."""
+def make_sampler(spec: StudyCreate, stored: bool = False) -> BaseSampler:
+    """The study's sampler; Invalid names ``sampler.name`` or ``sampler.args`` on error.
+
+    ``stored``: built for a study already accepted (see ``_check_args``)."""
     sampler: SamplerSpec = spec.sampler
     needed = _SAMPLER_NEEDS.get(sampler.name)
     if needed and importlib.util.find_spec(needed) is None:
@@ -207,7 +242,9 @@ def make_sampler(spec: StudyCreate) -> BaseSampler:
     if sampler.name in _SINGLE_OBJECTIVE_SAMPLERS and len(spec.objective_directions) > 1:
         raise Invalid("sampler.name", f"{sampler.name} supports a single objective only")
     factory = _SAMPLERS[sampler.name]
-    kwargs = _check_args(factory, sampler.args, "sampler.args", special={"search_space"})
+    bounds = SAMPLER_BOUNDS[sampler.name]
+    special = {"search_space"}
+    kwargs = _check_args(factory, sampler.args, "sampler.args", bounds, special, stored)
     if sampler.name == "grid":
         kwargs["search_space"] = {n: _grid_values(n, p) for n, p in spec.search_space.items()}
     return _construct(factory, "sampler.args", **kwargs)  # type: ignore[no-any-return]
@@ -224,18 +261,23 @@ _PRUNERS: dict[str, Callable[..., BasePruner]] = {
 }
 
 
-def make_pruner(spec: PrunerSpec, field: str = "pruner") -> BasePruner:
-    """The study's pruner; ``patient`` takes ``wrapped_pruner`` as a nested {name, args}."""
+def make_pruner(spec: PrunerSpec, field: str = "pruner", stored: bool = False) -> BasePruner:
+    """The study's pruner; ``patient`` takes ``wrapped_pruner`` as a nested {name, args}.
+
+    ``stored``: built for a study already accepted (see ``_check_args``)."""
     factory = _PRUNERS[spec.name]
-    kwargs = _check_args(factory, spec.args, f"{field}.args", special={"wrapped_pruner"})
+    bounds = PRUNER_BOUNDS[spec.name]
+    special = {"wrapped_pruner"}
+    kwargs = _check_args(factory, spec.args, f"{field}.args", bounds, special, stored)
     if spec.name == "patient":
         wrapped = spec.args.get("wrapped_pruner")
         try:
-            inner = None if wrapped is None else PrunerSpec.model_validate(wrapped)
+            context = STORED_SPEC if stored else None
+            inner = None if wrapped is None else PrunerSpec.model_validate(wrapped, context=context)
         except ValidationError as exc:
             raise Invalid(f"{field}.args.wrapped_pruner", str(exc)) from exc
         nested = f"{field}.args.wrapped_pruner"
-        kwargs["wrapped_pruner"] = None if inner is None else make_pruner(inner, nested)
+        kwargs["wrapped_pruner"] = None if inner is None else make_pruner(inner, nested, stored)
     return _construct(factory, f"{field}.args", **kwargs)  # type: ignore[no-any-return]
 
 
@@ -273,7 +315,7 @@ def spec_of(row: StudyRow) -> StudyCreate:
     key = _key(row)
     spec = _specs.get(key)
     if spec is None:
-        spec = StudyCreate.model_validate(row.spec)
+        spec = StudyCreate.model_validate(row.spec, context=STORED_SPEC)
         with _cache_lock:
             _specs[key] = spec
     return spec
@@ -287,7 +329,8 @@ def strategy(storage: BaseStorage, row: StudyRow) -> Strategy:
         found = per_storage.get(key)
     if found is None:
         spec = spec_of(row)
-        found = Strategy(search_space(spec), make_sampler(spec), make_pruner(spec.pruner))
+        sampler = make_sampler(spec, stored=True)
+        found = Strategy(search_space(spec), sampler, make_pruner(spec.pruner, stored=True))
         with _cache_lock:
             found = per_storage.setdefault(key, found)
     return found

@@ -31,7 +31,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import BindParameter
 from sqlalchemy.sql.selectable import ScalarSelect
 
-from service.api.errors import Conflict
+from service.errors import Conflict
 from service.optuna import tables as optuna_tables
 
 _TRIALS = optuna_tables.trials

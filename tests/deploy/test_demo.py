@@ -92,3 +92,16 @@ def test_a_demo_of_another_study_file_runs_it_and_keeps_it(tmp_path: Path) -> No
     finished = [t for t in study.trials if t.state.is_finished()]
     assert len(finished) >= 3
     assert study.best_value > 0.1  # accuracy above chance
+
+
+def test_the_readmes_own_code_demo_runs_the_users_task_file(tmp_path: Path) -> None:
+    """README, "Your own code, in one command": a user's task file and its study, as written."""
+    study_file, task_file = (
+        str(ROOT / "examples" / n) for n in ("plain_task.yaml", "plain_task.py")
+    )
+    study = _demo(
+        tmp_path, "plain-digits", "--study", study_file, "--tasks", task_file, "--trials", "3"
+    )
+    finished = [t for t in study.trials if t.state == TrialState.COMPLETE]
+    assert len(finished) >= 3, [t.state for t in study.trials]
+    assert study.best_value < 2.5  # a held-out loss: ten classes' chance is ln 10 = 2.3

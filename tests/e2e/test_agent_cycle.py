@@ -11,11 +11,12 @@ from service.client import Client
 from service.testing import ServerProcess
 from service.wire import StepTimeFit, TrialOut
 from tests.e2e.conftest import Studies, dashboard_trial, finished
-from worker.agent import Agent, AgentOptions
-from worker.api import ServerClient
-from worker.gpu import parse_size, simulated_card
-from worker.runner import CardSpec
+from worker.device.gpu import parse_size, simulated_card
+from worker.loop.agent import Agent
+from worker.loop.api import ServerClient
+from worker.loop.cycle import AgentOptions
 from worker.tasks.quadratic import QuadraticTask
+from worker.trial.runner import CardSpec
 
 X = {"x": {"type": "float", "low": -2.0, "high": 2.0}}
 
@@ -187,7 +188,7 @@ def test_a_trial_planned_ahead_is_given_back_when_the_worker_stops(
 
 
 # 272 MiB as asked (16 fixed + 32 samples x 8 MiB): a 60 MiB card holds it only in micro-batches
-# of 4-5, predicted over 2x slower a step than as asked (worker/time_routing.py) by the fixed
+# of 4-5, predicted over 2x slower a step than as asked (worker/plan/time_routing.py) by the fixed
 # model: no other test runs a 60 MiB card, so the fleet has no fit of its own for it.
 SLOW_HERE = {"width": 1, "activation_bytes": 8 * 1024 * 1024, "batch_size": 32}
 

@@ -1,5 +1,5 @@
 """Model-family trials a worker cannot build fail with a message naming the field; the worker
-keeps working (a real server; an in-process agent on a simulated card)."""
+keeps working; a LoRA study runs traced (a real server; an in-process agent on a simulated card)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ import pytest
 
 from service.testing import ServerProcess
 from tests.e2e.conftest import Studies
-from worker.agent import Agent, AgentOptions
-from worker.api import ServerClient
-from worker.gpu import parse_size, simulated_card
-from worker.runner import CardSpec, TrialRunner
-from worker.training import TorchTaskRunner
+from worker.device.gpu import parse_size, simulated_card
+from worker.loop.agent import Agent
+from worker.loop.api import ServerClient
+from worker.loop.cycle import AgentOptions
+from worker.run.training import TorchTaskRunner
+from worker.trial.runner import CardSpec, TrialRunner
 
 
 def _runners() -> dict[str, TrialRunner]:
@@ -92,3 +93,37 @@ def test_a_resolution_too_small_for_the_model_fails_the_trial_naming_the_field(
     reason = _fails_naming(agent, studies, "torchvision-image", space)
     assert "resolution: torchvision model cannot run" in reason
     assert agent.run_once() is False  # still polling: the worker did not crash
+
+
+def test_a_lora_study_tunes_rank_and_learning_rate_traced_not_probed(
+    agent: Agent, studies: Studies
+) -> None:
+    """LoRA through the wire's flat form: `finetune: lora` fixed, `lora_r` and `lr` sampled."""
+    if "hf-causal-lm" not in agent.runners or importlib.util.find_spec("peft") is None:
+        pytest.skip("needs vramtune[peft]")
+    space = {
+        "lora_r": {"type": "categorical", "choices": [4, 16]},
+        "lr": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True},
+    }
+    config = {"finetune": "lora", "batch_size": 4, "seq_len": 16, "corpus_chars": 20_000}
+    name = studies.create(
+        space,
+        task="hf-causal-lm",
+        task_config={**config, "eval_windows": 4},
+        n_trials=2,
+        budget={"max_steps": 2, "eval_every": 2},
+    )
+    assert agent.run_once() is True
+    assert agent.run_once() is True
+    trials = studies.trials(name)
+    assert [t.state for t in trials] == ["COMPLETE", "COMPLETE"], [t.user_attrs for t in trials]
+    assert {t.params["lora_r"] for t in trials} <= {4, 16}
+    for trial in trials:
+        assert trial.plan is not None and "probed" not in trial.plan.reason
+        assert trial.predicted_peak_bytes is not None and trial.measured_peak_bytes is not None
+        assert trial.measured_peak_bytes == trial.predicted_peak_bytes  # the simulated card
+
+
+def test_lora_settings_without_finetune_are_refused_naming_the_field(studies: Studies) -> None:
+    with pytest.raises(Exception, match=r"'search_space', 'lora_r'\], 'msg': 'needs finetune"):
+        studies.create({"lora_r": {"type": "categorical", "choices": [4, 16]}}, task="hf-causal-lm")

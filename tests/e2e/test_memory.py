@@ -18,8 +18,8 @@ import sqlalchemy as sa
 from service.testing import ServerProcess
 from service.wire import CardInfo, Heartbeat, WorkerRegister
 from tests.e2e.conftest import LARGE, SMALL, Studies, WorkerFactory, finished
-from worker.api import ServerClient
-from worker.gpu import parse_size
+from worker.device.gpu import parse_size
+from worker.loop.api import ServerClient
 
 
 def fixed(**params: Any) -> dict[str, Any]:

@@ -1,22 +1,23 @@
 """--plan-ahead hands back in the background a trial planned ahead that this card would hand
-back, and plans the next one while the current trial trains (worker/lookahead.py's `settle`).
+back, and plans the next one while the current trial trains (worker/loop/lookahead.py's `settle`).
 
-Real server, real agents in-process (worker/agent.py's `Agent._hand_back_ahead` is the settle).
+Real server, real agents in-process (worker/loop/agent.py's `Agent._hand_back_ahead` is the settle).
 """
 
 from __future__ import annotations
 
 from service.testing import ServerProcess
 from tests.e2e.conftest import Studies, finished
-from worker.agent import Agent, AgentOptions
-from worker.api import ServerClient
-from worker.gpu import parse_size, simulated_card
-from worker.runner import CardSpec
+from worker.device.gpu import parse_size, simulated_card
+from worker.loop.agent import Agent
+from worker.loop.api import ServerClient
+from worker.loop.cycle import AgentOptions
 from worker.tasks.quadratic import QuadraticTask
+from worker.trial.runner import CardSpec
 
 # 272 MiB as asked at batch 32 (16 fixed + 32 samples x 8 MiB): a 59 MiB card holds it only in
-# micro-batches, predicted over 2x slower a step (worker/time_routing.py) by the fixed model (no
-# other test runs a 59 MiB card, so the fleet has no fit of its own for it); batch 1 fits as
+# micro-batches, predicted over 2x slower a step (worker/plan/time_routing.py) by the fixed model
+# (no other test runs a 59 MiB card, so the fleet has no fit of its own for it); batch 1 fits as
 # asked. Random sampler seed 10 suggests batches 1, 32, 1.
 MEMORY = {"width": 1, "activation_bytes": 8 * 1024 * 1024, "step_seconds": 0.05}
 SPACE = {"batch_size": {"type": "categorical", "choices": [1, 32]}}

@@ -1,4 +1,4 @@
-"""common.logs and worker.spool on their own (no server): what a line and a kept call hold."""
+"""common.logs and worker.loop.spool on their own (no server): what a line and a kept call hold."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from common.logs import configure_logging, log_event
 from service.wire import FailRequest
-from worker.spool import Spool
+from worker.loop.spool import Spool
 
 
 @pytest.fixture

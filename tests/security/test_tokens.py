@@ -14,8 +14,8 @@ from sqlalchemy import create_engine, text
 
 from service.app import create_app
 from service.auth import tokens as auth
-from service.auth.cli import ADMIN_TOKEN_ENV, print_first_admin_token
 from service.cli.parser import main
+from service.cli.tokens import ADMIN_TOKEN_ENV, print_first_admin_token
 from service.db.engine import make_engine
 from service.settings import Settings
 from service.state import utcnow

@@ -8,15 +8,9 @@ import sys
 
 import pytest
 
+from common.memory import RAW_RESERVED, apply_calibration, calibrated_bytes, raw_peaks
 from service.calibration import DEFAULT_MARGIN, fit_calibration, under_prediction_rate
-from service.wire import (
-    RAW_RESERVED,
-    Calibration,
-    Prediction,
-    apply_calibration,
-    calibrated_bytes,
-    raw_peaks,
-)
+from service.wire import Calibration, Prediction
 
 MiB = 2**20
 

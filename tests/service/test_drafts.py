@@ -11,8 +11,8 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 from optuna.trial import TrialState
 from sqlalchemy.orm import Session
 
-from service.api.errors import Conflict
 from service.db.engine import make_engine, make_sessions
+from service.errors import Conflict
 from service.optuna import rows as optuna_rows
 from service.optuna.drafts import DRAFT_ID, draft_trials
 from service.optuna.glue import dispose_storage, make_storage

@@ -748,11 +748,12 @@ def test_a_prediction_one_worker_made_comes_with_the_next_assignment_of_its_shap
     with env.state.sessions() as session:
         shape = {"width": 64, **second["params"]}
         row = session.get_one(WorkerRow, twin.id)
-        assert predictions.shared_for(session, row, env.task, shape) == []
-        [again] = predictions.shared_for(session, row, env.task, config)
+        study_id = session.get_one(TrialRow, first["trial_id"]).study_id
+        assert predictions.shared_for(session, row, env.task, shape, study_id) == []
+        [again] = predictions.shared_for(session, row, env.task, config, study_id)
         assert again.prediction.peak_allocated_bytes == GIB and again.plan.micro_batch is None
         other = session.get_one(WorkerRow, other_card.id)
-        assert predictions.shared_for(session, other, env.task, config) == [], "another card"
+        assert predictions.shared_for(session, other, env.task, config, study_id) == [], "card"
 
 
 def test_an_assignment_carries_the_fleets_predictions_for_its_shape(env: Env) -> None:

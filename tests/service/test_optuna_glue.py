@@ -12,8 +12,8 @@ import optuna
 import pytest
 from optuna.storages import BaseStorage
 
-from service.api.errors import Invalid
 from service.db.tables import StudyRow
+from service.errors import Invalid
 from service.optuna.glue import (
     forget_study,
     load_optuna_study,
@@ -66,7 +66,7 @@ def test_patient_pruner_wraps_a_named_pruner() -> None:
         ({"name": "cmaes"}, "sampler.name"),  # the cmaes package is not a server dependency
         ({"name": "tpe", "args": {"seed": 1.5}}, "sampler.args.seed"),  # strict: no float as int
         ({"name": "tpe", "args": {"multivariate": 1}}, "sampler.args.multivariate"),
-        ({"name": "qmc", "args": {"qmc_type": "nope"}}, "sampler.args"),
+        ({"name": "qmc", "args": {"qmc_type": "nope"}}, "sampler.args.qmc_type"),
     ],
 )
 def test_sampler_errors_name_the_field(sampler: dict[str, Any], field: str) -> None:
@@ -117,3 +117,16 @@ def test_a_deleted_study_is_not_found(storage: BaseStorage) -> None:
     forget_study(storage, row.study_id)
     with pytest.raises(Exception, match="not in the Optuna storage"):
         load_optuna_study(storage, row)
+
+
+def test_a_study_stored_before_the_bounds_runs_clamped_into_them(storage: BaseStorage) -> None:
+    """A spec accepted before issue 30's bounds still loads, at a bounded cost."""
+    row = row_of(storage, study_spec())
+    row.spec["sampler"] = {"name": "tpe", "args": {"n_ei_candidates": 4_000_000}}
+    deep = {"name": "patient", "args": {"patience": 1, "wrapped_pruner": {"name": "median"}}}
+    for _ in range(4):  # deeper than MAX_PRUNER_NESTING allows a new study
+        deep = {"name": "patient", "args": {"patience": 1, "wrapped_pruner": deep}}
+    row.spec["pruner"] = deep
+    study = load_optuna_study(storage, row)
+    assert study.sampler._n_ei_candidates == 1024  # type: ignore[attr-defined]
+    assert isinstance(study.pruner, optuna.pruners.PatientPruner)

@@ -7,14 +7,14 @@ import random
 
 import pytest
 
-from service.step_time import fit_step_time, relative_error
-from service.wire import (
+from common.step_time import (
     STEP_TIME_MIN_RUNS,
-    StepTimeObservation,
     default_step_time_fit,
     predicted_step_s,
     step_time_slowdown as slowdown,
 )
+from service.step_time import fit_step_time, relative_error
+from service.wire import StepTimeObservation
 
 
 def run(

@@ -32,3 +32,19 @@ def test_a_model_name_that_is_no_name_is_refused() -> None:
         "task_config.model_name",
         "not a model name: '../etc'",
     )
+
+
+def test_lora_settings_without_lora_or_another_method_are_refused() -> None:
+    assert study_problem("hf-causal-lm", {}, {"lora_r": [8, 64]}) == (
+        "search_space.lora_r",
+        "needs finetune: {method: lora} in task_config",
+    )
+    problem = study_problem("hf-causal-lm", {"finetune": {"method": "qlora"}}, {})
+    assert problem is not None and problem[0] == "task_config.finetune"
+    lora = {"finetune": {"method": "lora", "r": 8}}
+    assert study_problem("hf-causal-lm", lora, {"lora_r": [8, 64]}) is None
+    assert study_problem("hf-causal-lm", {"finetune": "lora"}, {"lora_r": [8, 64]}) is None
+    assert study_problem("hf-causal-lm", {"finetune": "dora"}, {}) == (
+        "task_config.finetune",
+        "unknown method 'dora': only lora (finetune: lora, or a mapping)",
+    )

@@ -28,7 +28,7 @@ from service.wire import (
     TrainBudget,
     WorkerRegister,
 )
-from worker.api import (
+from worker.loop.api import (
     LeaseLost,
     Rejected,
     ServerClient,

@@ -64,7 +64,7 @@ def test_no_gpu_here_is_said_plainly() -> None:
 
 
 def test_the_worker_commands_do_not_import_torch() -> None:
-    code = "import sys, worker.cli, worker.agent; sys.exit('torch' in sys.modules)"
+    code = "import sys, worker.cli, worker.loop.agent; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO, check=False).returncode == 0
 
 

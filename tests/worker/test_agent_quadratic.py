@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 import pytest
 
 from service.wire import CardInfo, Plan, TrainBudget
-from worker.runner import CardSpec, OutOfMemory, Stopped, TrialRunner
 from worker.tasks.quadratic import (
     MIB,
     QuadraticConfig,
@@ -16,6 +15,7 @@ from worker.tasks.quadratic import (
     footprint_bytes,
     quadratic_value,
 )
+from worker.trial.runner import CardSpec, OutOfMemory, Stopped, TrialRunner
 
 BUDGET = TrainBudget(max_steps=6, eval_every=2)
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from worker import gpu
+from worker.device import gpu
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""worker.lookahead: hand-backs settled in the background while the current trial trains.
+"""worker.loop.lookahead: hand-backs settled in the background while the current trial trains.
 
 Real threads, fake server calls: a trial whose choice is a hand-back is handed back by the
 background thread itself, which leases and plans the next one, so the main thread (the card)
@@ -12,7 +12,7 @@ import threading
 from datetime import UTC, datetime
 
 from service.wire import Assignment, MemoryPolicy, TrainBudget
-from worker.lookahead import PlanAhead, Prepared, lease_delay
+from worker.loop.lookahead import PlanAhead, Prepared, lease_delay
 
 WAIT_S = 30.0
 

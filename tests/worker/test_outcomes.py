@@ -6,6 +6,7 @@ from datetime import UTC, datetime
 
 import pytest
 
+from common.memory import peak_of
 from service.wire import (
     Assignment,
     CompleteRequest,
@@ -16,8 +17,8 @@ from service.wire import (
     Prediction,
     TrainBudget,
 )
-from worker import outcomes
-from worker.runner import RunResult, Stopped
+from worker.loop import outcomes
+from worker.trial.runner import RunResult, Stopped
 
 PEAK = Measured(peak_allocated_bytes=3_000, peak_reserved_bytes=4_096)
 PREDICTION = Prediction(peak_allocated_bytes=3_000, peak_reserved_bytes=4_000)
@@ -42,9 +43,9 @@ def assignment(**changes: object) -> Assignment:
 
 
 def test_the_one_peak_rule_takes_reserved_bytes_when_measured() -> None:
-    assert PEAK.peak_bytes == 4_096
-    assert Measured(peak_allocated_bytes=3_000).peak_bytes == 3_000
-    assert PREDICTION.peak_bytes == 4_000
+    assert peak_of(PEAK) == 4_096
+    assert peak_of(Measured(peak_allocated_bytes=3_000)) == 3_000
+    assert peak_of(PREDICTION) == 4_000
 
 
 def test_a_study_minimizing_memory_gets_the_measured_peak_as_its_last_value() -> None:

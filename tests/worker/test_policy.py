@@ -6,23 +6,16 @@ from typing import Any
 
 import pytest
 
-from service.wire import (
-    Calibration,
-    CardInfo,
-    MemoryPolicy,
-    Plan,
-    PlanOut,
-    Prediction,
-    StepTimeFit,
-)
-from worker.policy import (
+from common.memory import peak_of
+from service.wire import Calibration, CardInfo, MemoryPolicy, Plan, PlanOut, Prediction, StepTimeFit
+from worker.plan.policy import (
     HandBack,
     RunAsPlanned,
     choose_plan,
     expected_slowdown,
 )
-from worker.runner import CardSpec, Config, TrialRunner
 from worker.tasks.quadratic import MIB, QuadraticConfig, QuadraticTask, footprint_bytes
+from worker.trial.runner import CardSpec, Config, TrialRunner
 
 KIB = 1024
 # fixed 16 MiB + weights 4 MiB, then 256 KiB of activations per sample (128 with checkpointing,
@@ -66,7 +59,7 @@ def test_the_margin_is_held_back() -> None:
     decision = choose(need(Plan()), MemoryPolicy(margin=0.1))
     assert isinstance(decision, RunAsPlanned)
     assert decision.plan.micro_batch is not None
-    assert decision.prediction.peak_bytes <= need(Plan()) * 0.9
+    assert peak_of(decision.prediction) <= need(Plan()) * 0.9
 
 
 def test_too_big_runs_as_balanced_micro_batches_with_the_same_effective_batch() -> None:
@@ -149,7 +142,7 @@ def test_a_plan_that_ran_out_of_memory_is_never_chosen_again() -> None:
         assert decision.plan.model_dump(exclude={"reason"}) not in [
             t.model_dump(exclude={"reason"}) for t in tried
         ]
-        footprints.append(decision.prediction.peak_bytes)
+        footprints.append(peak_of(decision.prediction))
         tried.append(PlanOut(**decision.plan.model_dump()))
     else:
         pytest.fail("the ladder never ended")
@@ -162,7 +155,7 @@ def test_after_an_oom_as_asked_the_next_plan_is_smaller() -> None:
     decision = choose(2**30, NO_MARGIN, [PlanOut()])
     assert isinstance(decision, RunAsPlanned)
     assert decision.plan.micro_batch is not None
-    assert decision.prediction.peak_bytes < need(Plan())
+    assert peak_of(decision.prediction) < need(Plan())
     assert effective_batch(decision.plan) == CONFIG["batch_size"]
 
 
@@ -240,8 +233,8 @@ def test_the_services_calibration_is_applied_before_comparing_with_the_budget() 
     decision = choose_plan(QuadraticTask(), CONFIG, NO_MARGIN, CARD, exact, [], doubled)
     assert isinstance(decision, RunAsPlanned)
     assert decision.plan.micro_batch is not None, "twice the prediction no longer fits as asked"
-    assert decision.prediction.peak_bytes <= exact
-    assert decision.prediction.peak_bytes == 2 * need(decision.plan)
+    assert peak_of(decision.prediction) <= exact
+    assert peak_of(decision.prediction) == 2 * need(decision.plan)
 
 
 def test_the_solver_gets_the_budget_in_uncalibrated_bytes() -> None:
@@ -253,7 +246,7 @@ def test_the_solver_gets_the_budget_in_uncalibrated_bytes() -> None:
     bisecting = choose_plan(QuadraticTask(), CONFIG, NO_MARGIN, CARD, free, [], calibration)
     assert isinstance(solving, RunAsPlanned) and isinstance(bisecting, RunAsPlanned)
     assert solving.plan == bisecting.plan
-    assert solving.prediction.peak_bytes <= free
+    assert peak_of(solving.prediction) <= free
 
 
 def _fit(overhead: float, checkpoint_slowdown: float) -> StepTimeFit:
@@ -316,7 +309,7 @@ def test_a_decision_says_how_long_choosing_it_took(monkeypatch: pytest.MonkeyPat
             predictions.append(plan)
             return super().predict(config, plan, card)
 
-    monkeypatch.setattr("worker.policy.time.perf_counter", clock)
+    monkeypatch.setattr("worker.plan.policy.time.perf_counter", clock)
     resized = choose(free=need(Plan(micro_batch=4, accumulation=4)), runner=Slow())
     assert resized.seconds == len(predictions) > 1
     predictions.clear()

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from service.wire import Calibration, CardConstants, CardInfo, Plan
-from worker.memory import MemoryTracker
+from service.wire import Calibration, CardConstants, CardInfo, MemoryPolicy, Plan
+from worker.device.memory import MemoryTracker
+from worker.plan.policy import HandBack, choose_plan
 from worker.predictor import (
     CPU_TARGET,
     EMULATED_CUDA_TARGET,
@@ -25,9 +26,10 @@ from worker.predictor import (
     target_for,
     trace_training,
 )
-from worker.runner import CardSpec, plan_for_micro_batch
-from worker.steps import batch_feeder, build_for_plan, train_step
-from worker.task import Batch, Config, Metric, Task
+from worker.run.training import TorchTaskRunner
+from worker.trial.runner import CardSpec, plan_for_micro_batch
+from worker.trial.steps import batch_feeder, build_for_plan, train_step
+from worker.trial.task import Batch, Config, Metric, Task
 
 MiB = 2**20
 
@@ -273,6 +275,72 @@ def test_fake_cpu_prediction_equals_the_real_cpu_peak_to_the_byte(
     assert sum(prediction.breakdown.values()) == prediction.peak_allocated_bytes
 
 
+class RegressionTask(_SmallTask):
+    """An MLP regressing 10 targets with a given loss: CPU kernels of some losses return a 0-d
+    view of their whole elementwise buffer, kept alive while the loop keeps the loss."""
+
+    def __init__(self, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        self.name, self.loss_fn = f"test-{loss.__name__}", loss
+
+    def build_model(self, config: Config) -> nn.Module:
+        width = int(config["width"])
+        return nn.Sequential(nn.Linear(32, width), nn.ReLU(), nn.Linear(width, 10), nn.Sigmoid())
+
+    def example_batch(self, config: Config, micro_batch: int, device: torch.device) -> Batch:
+        return torch.randn(micro_batch, 32, device=device), torch.rand(
+            micro_batch, 10, device=device
+        )
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        # Kept for logging, as users' loops do: its storage stays alive through the backward.
+        self.logged = self.loss_fn(model(batch[0]), batch[1])
+        return self.logged
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [F.mse_loss, F.smooth_l1_loss, F.soft_margin_loss, F.binary_cross_entropy, F.l1_loss],
+    ids=lambda f: f.__name__,
+)
+def test_a_loss_that_keeps_its_elementwise_buffer_is_counted_as_the_real_run_does(
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> None:
+    task, config = RegressionTask(loss), {"width": 16, "batch_size": 4096}
+    prediction = predict(task, config, Plan())
+    assert prediction.method == "trace"
+    assert prediction.peak_allocated_bytes == measured_cpu_peak(task, config, Plan())
+
+
+class BatchNormTask(_SmallTask):
+    """BatchNorm over features: training refuses a batch of one example."""
+
+    name = "test-batchnorm"
+
+    def build_model(self, config: Config) -> nn.Module:
+        return nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.Linear(64, 10))
+
+    def example_batch(self, config: Config, micro_batch: int, device: torch.device) -> Batch:
+        return (
+            torch.randn(micro_batch, 32, device=device),
+            torch.randint(0, 10, (micro_batch,), device=device),
+        )
+
+
+def test_a_micro_batch_that_cannot_run_is_never_planned_and_the_hand_back_says_why() -> None:
+    runner, config = TorchTaskRunner(BatchNormTask()), {"width": 64, "batch_size": 2}
+    card = CardSpec(info=CardInfo(model="simulated", total_bytes=2**30, free_bytes=2**30))
+    whole = runner.predict(config, Plan(), card)
+    assert whole.method == "trace"
+    budget = whole.peak_allocated_bytes - 1
+    assert runner.largest_micro_batch(config, Plan(), budget, card) is None
+    micro_batches_only = MemoryPolicy(margin=0.0, resizes=["micro_batch"])
+    decision = choose_plan(runner, config, micro_batches_only, card, budget, [])
+    assert isinstance(decision, HandBack)  # was: micro-batches of 1, "predicted" at 0 bytes
+    assert decision.min_footprint_bytes == whole.peak_allocated_bytes
+    assert "smaller micro-batches cannot run" in decision.reason
+    assert "Expected more than 1 value per channel" in decision.reason
+
+
 @pytest.mark.parametrize("task", [EncoderTask(), LSTMTask()], ids=lambda t: t.name)
 def test_deep_copied_layers_and_onednn_workspaces_are_counted_as_the_real_run_does(
     task: _SmallTask,
@@ -398,8 +466,8 @@ def test_an_untraceable_model_says_why_and_falls_back_to_a_measured_probe() -> N
 
 def test_a_probed_plan_says_why_in_its_reason() -> None:
     from service.wire import MemoryPolicy
-    from worker.policy import RunAsPlanned, choose_plan
-    from worker.training import TorchTaskRunner
+    from worker.plan.policy import RunAsPlanned, choose_plan
+    from worker.run.training import TorchTaskRunner
 
     card = CardSpec(
         info=CardInfo(model="cpu", total_bytes=2**30, free_bytes=2**30), constants={}, device="cpu"

@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from worker.memory import MemoryTracker
+from worker.device.memory import MemoryTracker
 from worker.predictor.emulation import (
     CUDA_AUTOCAST_POLICY,
     _registered,

@@ -12,7 +12,7 @@ from test_predictor import CNNTask, EncoderTask, GPTTask, LSTMTask, measured_cpu
 from torch import nn
 
 from service.wire import Plan, TrainBudget
-from worker.memory import MemoryTracker
+from worker.device.memory import MemoryTracker
 from worker.predictor import (
     CPU_TARGET,
     EMULATED_CUDA_TARGET,
@@ -23,12 +23,12 @@ from worker.predictor import (
     trace as trace_module,
     trace_training,
 )
-from worker.runner import plan_for_micro_batch
-from worker.steps import micro_batch_sizes, traced_micro_batch_sizes
-from worker.task import Config
 from worker.tasks.charlm import CharTransformerTask
 from worker.tasks.digits import DigitsCNNTask, DigitsMLPTask
 from worker.tasks.quadratic import QuadraticTask
+from worker.trial.runner import plan_for_micro_batch
+from worker.trial.steps import micro_batch_sizes, traced_micro_batch_sizes
+from worker.trial.task import Config
 
 
 @pytest.fixture(autouse=True)
@@ -179,13 +179,14 @@ def test_the_quadratic_tasks_run_peaks_at_its_prediction() -> None:
 
 def test_the_warm_up_runs_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
     from worker.predictor import warm_up, warm_up_in_background, warmup as warmup_module
+    from worker.tasks.warm import warm_up_workloads
 
     monkeypatch.setattr(warmup_module, "_warmed", False)
-    warm_up_in_background().join()
+    warm_up_in_background(warm_up_workloads()).join()
     assert warmup_module._warmed
 
     traced: list[object] = []
     monkeypatch.setattr(trace_module, "trace_training", lambda *args, **kw: traced.append(args))
-    warm_up()
-    warm_up_in_background().join()
+    warm_up(warm_up_workloads())
+    warm_up_in_background(warm_up_workloads()).join()
     assert traced == []

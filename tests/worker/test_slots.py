@@ -1,4 +1,4 @@
-"""Packing: slot accounting (worker/slots.py) and a trial's own process (worker/slot_process.py)."""
+"""Packing: slot accounting (worker/run/slots.py) and a trial's own process (slot_process.py)."""
 
 from __future__ import annotations
 
@@ -20,13 +20,13 @@ from service.wire import (
     TrainBudget,
 )
 from tests.worker.test_agent_quadratic import Recorder
-from worker.agent import Agent, AgentOptions
-from worker.api import ServerClient
-from worker.packing import Packer
-from worker.policy import RunAsPlanned
-from worker.runner import CardSpec, OutOfMemory, RunFailed, Stopped
-from worker.slot_process import STOP_CHECK_S, Given, SlotProcess, _outcome, limit_memory
-from worker.slots import (
+from worker.loop.agent import Agent
+from worker.loop.api import ServerClient
+from worker.loop.cycle import AgentOptions
+from worker.loop.packing import Packer
+from worker.plan.policy import RunAsPlanned
+from worker.run.slot_process import STOP_CHECK_S, Given, SlotProcess, _outcome, limit_memory
+from worker.run.slots import (
     SlotBook,
     cuda_memory_fraction,
     default_max_trials_per_card,
@@ -34,6 +34,7 @@ from worker.slots import (
     threads_per_trial,
 )
 from worker.tasks.quadratic import MIB, QuadraticConfig, QuadraticTask, footprint_bytes
+from worker.trial.runner import CardSpec, OutOfMemory, RunFailed, Stopped
 
 BUDGET = TrainBudget(max_steps=6, eval_every=2)
 

@@ -17,11 +17,11 @@ import torch
 from task_contract import check_task
 
 from service.wire import Plan
-from worker.memory import MemoryTracker
+from worker.device.memory import MemoryTracker
 from worker.predictor import clear_cache, predict
-from worker.registry import discover
-from worker.steps import batch_feeder, build_for_plan, train_step
-from worker.task import Task, TaskConfigError
+from worker.tasks.registry import discover
+from worker.trial.steps import batch_feeder, build_for_plan, train_step
+from worker.trial.task import Task, TaskConfigError
 
 CPU = torch.device("cpu")
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from worker.registry import _TASK_METHODS, _protocol_methods, discover, format_listing
-from worker.task import Task
-from worker.training import TorchTaskRunner
+from worker.run.training import TorchTaskRunner
+from worker.tasks.members import TASK_METHODS
+from worker.tasks.registry import _protocol_methods, discover, format_listing
+from worker.trial.task import Task
 
 BUILT_INS = {"digits-mlp", "digits-cnn", "char-transformer"}
 
@@ -95,7 +96,7 @@ def test_a_bad_name_a_failing_constructor_and_an_empty_module_are_errors(tmp_pat
     assert not found.runners
     assert "invalid task name 'no spaces'" in found.errors[f"{bad_name}:EchoRunner"]
     assert found.errors[f"{failing}:EchoRunner"] == "RuntimeError: needs a GPU"
-    assert found.errors[empty] == f"no Task or TrialRunner found in {empty}"
+    assert found.errors[empty].startswith(f"no Task or TrialRunner found in {empty}: a task is")
 
 
 def test_the_listing_shows_each_task_and_each_failure(tmp_path: Path) -> None:
@@ -116,4 +117,4 @@ def test_the_listing_shows_each_task_and_each_failure(tmp_path: Path) -> None:
 
 
 def test_the_registry_knows_the_task_protocol_methods_without_importing_torch() -> None:
-    assert _protocol_methods(Task) == _TASK_METHODS
+    assert _protocol_methods(Task) == frozenset(TASK_METHODS)

@@ -7,10 +7,10 @@ import torch
 from task_contract import RecordingReporter
 
 from service.wire import CardInfo, Plan, TrainBudget
-from worker.runner import CardSpec, OutOfMemory
+from worker.run.training import TorchTaskRunner
 from worker.tasks.charlm import CharTransformerTask
 from worker.tasks.digits import DigitsCNNTask
-from worker.training import TorchTaskRunner
+from worker.trial.runner import CardSpec, OutOfMemory
 
 pytestmark = [
     pytest.mark.gpu,

@@ -8,20 +8,15 @@ import logging
 
 import pytest
 import torch
-from task_contract import (
-    RecordingReporter,
-    cpu_threads,
-    gradients_after_one_step,
-    run_trial,
-    simulated_card,
-)
+from task_contract import RecordingReporter, cpu_threads, run_trial, simulated_card
 
 from service.wire import Plan, TrainBudget
-from worker.runner import OutOfMemory, Stopped
-from worker.task import Config, TaskConfigError
+from worker.run.training import TorchTaskRunner, TrainingDiverged, trial_config
 from worker.tasks.charlm import CharTransformerTask
+from worker.tasks.contract import gradients_after_one_step
 from worker.tasks.digits import DigitsCNNTask, DigitsMLPTask
-from worker.training import TorchTaskRunner, TrainingDiverged, trial_config
+from worker.trial.runner import OutOfMemory, Stopped
+from worker.trial.task import Config, TaskConfigError
 
 MIB = 1024**2
 GPT = {
@@ -180,7 +175,7 @@ def test_evaluation_runs_in_eval_mode_in_chunks_of_the_micro_batch() -> None:
 
 
 def test_progress_is_logged_as_lines_without_a_terminal(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="worker.training"):
+    with caplog.at_level(logging.INFO, logger="worker.run.training"):
         run_trial(DigitsMLPTask(), {"batch_size": 4}, steps=4, eval_every=2)
     lines = [r.getMessage() for r in caplog.records if "step" in r.getMessage()]
     assert len(lines) == 2 and lines[1].startswith("digits-mlp step 4/4 loss ")
@@ -199,7 +194,7 @@ def test_progress_is_a_bar_on_a_terminal(
 ) -> None:
     terminal = Terminal()
     monkeypatch.setattr("sys.stderr", terminal)
-    with caplog.at_level(logging.INFO, logger="worker.training"):
+    with caplog.at_level(logging.INFO, logger="worker.run.training"):
         run_trial(DigitsMLPTask(), {"batch_size": 4}, steps=4, eval_every=2)
     assert "digits-mlp" in terminal.getvalue() and "step" in terminal.getvalue()
     assert not [r for r in caplog.records if "step" in r.getMessage()]

@@ -6,7 +6,7 @@ Public API:
     measure_card_constants(device) -> CardConstants
     footprint(prediction) -> int: the bytes a card must hold (reserved, or allocated if larger)
     clear_cache(): forget cached predictions and probes
-    warm_up() / warm_up_in_background(): pay the first trace's one-time cost (a worker's start)
+    warm_up(workloads) / warm_up_in_background(workloads): pay the first trace's one-time cost
 """
 
 from worker.predictor.card import measure_card_constants

@@ -50,9 +50,9 @@ def _exercise_blas(device: torch.device) -> None:
 
 
 def _process_used_bytes(device_index: int) -> int | None:
-    """NVML's bytes for this process (worker.gpu is the one module that imports pynvml)."""
+    """NVML's bytes for this process (worker.device.gpu is the one module that imports pynvml)."""
     try:
-        from worker.gpu import process_used_bytes
+        from worker.device.gpu import process_used_bytes
     except ImportError:
         return None
     return process_used_bytes(device_index)

@@ -12,6 +12,7 @@ the micro-batch, sets it. `largest_micro_batch` solves the maximum of those line
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -20,26 +21,27 @@ from typing import Any
 
 import torch
 
-from service.wire import (
-    Calibration,
-    CardConstants,
-    Plan,
-    Prediction,
-    apply_calibration,
-    calibrated_bytes,
-    raw_peaks,
-)
+from common.memory import apply_calibration, calibrated_bytes, raw_peaks
+from service.wire import Calibration, CardConstants, Plan, Prediction
 from worker.predictor.allocator import replay
 from worker.predictor.probe import PhasePeaks, measure_point, probe_micro_batches, probe_prediction
-from worker.predictor.trace import CannotTrace, Target, Trace, target_for, trace_training
-from worker.predictor.warmup import warm_up
-from worker.runner import CardSpec, micro_batch_choices, plan_for_micro_batch
-from worker.steps import micro_batch_sizes
-from worker.task import Config, Task
+from worker.predictor.trace import (
+    CannotTrace,
+    Target,
+    Trace,
+    target_for,
+    trace_training,
+    untraceable_reason,
+)
+from worker.predictor.warmup import wait_for_warm_up
+from worker.trial.runner import CardSpec, micro_batch_choices, plan_for_micro_batch
+from worker.trial.steps import micro_batch_sizes
+from worker.trial.task import Config, Task, TaskConfigError
 
 CACHE_SIZE = 512
 # A bound on the search's rounds (one trace each); every answer it gives was traced to fit.
 MAX_SEARCH_TRACES = 8
+MAX_REASON = 4096  # service.wire.ShortText
 
 
 class _LRU(OrderedDict[Hashable, Any]):
@@ -73,6 +75,38 @@ def clear_cache() -> None:
 def footprint(prediction: Prediction) -> int:
     """Bytes the card must hold for the prediction: reserved, or allocated when larger."""
     return max(prediction.peak_reserved_bytes, prediction.peak_allocated_bytes)
+
+
+def prediction_fits(prediction: Prediction, budget_bytes: int) -> bool:
+    """Whether a prediction says the run fits: one that predicts nothing (neither traced nor
+    probed, e.g. BatchNorm refusing a micro-batch of 1) never does, though its bytes are 0."""
+    return prediction.method != "none" and footprint(prediction) <= budget_bytes
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of `n`, ascending."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
+
+
+def largest_fitting_divisor(
+    batch: int, plan: Plan, budget_bytes: int, predict: Callable[[Plan], Prediction]
+) -> tuple[int, Prediction] | None:
+    """The largest micro-batch dividing `batch` whose prediction under `plan`'s flags fits
+    `budget_bytes` (bisected: the peak grows with the micro-batch), for loops that accumulate
+    whole batches only (the Trainer's, Lightning's); None when none fits."""
+    choices = divisors(batch)
+    flags = {"checkpointing": plan.checkpointing, "bf16": plan.bf16}
+    found: tuple[int, Prediction] | None = None
+    low, high = 0, len(choices)
+    while low < high:
+        middle = (low + high) // 2
+        prediction = predict(plan_for_micro_batch(batch, choices[middle], **flags))
+        if prediction_fits(prediction, budget_bytes):
+            found, low = (choices[middle], prediction), middle + 1
+        else:
+            high = middle
+    return found
 
 
 def card_constants(card: CardSpec | None) -> CardConstants:
@@ -131,7 +165,7 @@ def predict(
     (method "probe", with the reason). `target` forces a trace mode (the benchmark).
     """
     started = time.perf_counter()
-    warm_up()  # waits for a warm-up in progress instead of paying it twice
+    wait_for_warm_up()  # instead of paying the one-time cost twice
     target = target or target_for(card)
     constants = card_constants(card) if target.cuda else CardConstants()
     key = _prediction_key(task, config, plan, target, constants)
@@ -219,8 +253,27 @@ def _probe(
             if size == 1:
                 return _does_not_fit(card, reason, started)
             wanted = [max(1, size // 4), max(1, size // 2)]
+        except TaskConfigError:
+            raise
+        except Exception as error:  # a fallback answers with its reason, never raises
+            return _unpredictable(reason, size, error, started)
     _PROBE_POINTS.put(key, points)
     return probe_prediction(points, micro, reason, time.perf_counter() - started)
+
+
+def _unpredictable(reason: str, size: int, error: Exception, started: float) -> Prediction:
+    """No prediction: neither the trace nor the probe's real step at `size` ran (a BatchNorm
+    given one value per channel, say). The plan is then chosen blind (method "none")."""
+    return Prediction(
+        peak_allocated_bytes=0,
+        peak_reserved_bytes=0,
+        method="none",
+        reason=(
+            f"cannot trace ({reason}); the probe failed at micro-batch {size}: "
+            f"{untraceable_reason(error).removeprefix('tracing failed: ')}"
+        )[:MAX_REASON],
+        seconds=time.perf_counter() - started,
+    )
 
 
 def _does_not_fit(card: CardSpec | None, reason: str, started: float) -> Prediction:
@@ -250,7 +303,7 @@ def largest_micro_batch(
     even: bool = False,
 ) -> tuple[int, Prediction] | None:
     """The largest micro-batch whose footprint under `plan`'s flags fits `budget_bytes`
-    (`even`: the largest of an even split, `worker.runner.micro_batch_choices`).
+    (`even`: the largest of an even split, `worker.trial.runner.micro_batch_choices`).
 
     The whole batch is tried first, then a micro-batch of 1; between them the footprint is
     solved as the maximum of the phases' lines and each solution confirmed by one trace
@@ -272,12 +325,12 @@ def largest_micro_batch(
         return raw if calibration is None else float(calibrated_bytes(round(raw), calibration))
 
     whole = at(batch)
-    if footprint(whole.prediction) <= budget_bytes:
+    if prediction_fits(whole.prediction, budget_bytes):
         return batch, whole.prediction
     if batch == 1:
         return None
     one = at(1)
-    if footprint(one.prediction) > budget_bytes:
+    if not prediction_fits(one.prediction, budget_bytes):
         return None
     traced = {1: one, batch: whole}
     choices = micro_batch_choices(batch, even)
@@ -319,7 +372,7 @@ def _search(
                 break  # the next choice is over the budget on lines that under-state it
             guess = inside[0]
         traced[guess] = at(guess)
-        if footprint(traced[guess].prediction) <= budget:
+        if prediction_fits(traced[guess].prediction, budget):
             fits = guess
         else:
             fails = guess

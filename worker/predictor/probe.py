@@ -21,10 +21,10 @@ from typing import Protocol
 import torch
 
 from service.wire import Plan, Prediction
-from worker.memory import MemoryTracker
-from worker.runner import CardSpec, plan_for_micro_batch
-from worker.steps import build_for_plan, train_step
-from worker.task import Batch, Config, Task
+from worker.device.memory import MemoryTracker
+from worker.trial.runner import CardSpec, plan_for_micro_batch
+from worker.trial.steps import build_for_plan, train_step
+from worker.trial.task import Batch, Config, Task
 
 PROBE_STEPS = 2
 

@@ -20,8 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 from torch.nn import functional as F
 
-from worker.task import Batch, Config, Metric, TaskConfigError
-from worker.tasks.common import parse_config, seeded_batches
+from worker.tasks.common import parse_config
+from worker.trial.data import seeded_batches
+from worker.trial.task import Batch, Config, Metric, TaskConfigError
 
 VOCAB = 128
 HELD_OUT_FRACTION = 0.1

@@ -17,8 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from torch.nn import functional as F
 
-from worker.task import Batch, Config, Metric
-from worker.tasks.common import parse_config, seeded_batches
+from worker.tasks.common import parse_config
+from worker.trial.data import seeded_batches
+from worker.trial.task import Batch, Config, Metric
 
 N_CLASSES = 10
 NATIVE_RESOLUTION = 8

@@ -14,6 +14,8 @@ import importlib
 import importlib.util
 from types import ModuleType
 
+from torch.utils._python_dispatch import _disable_current_modes
+
 
 class MissingExtra(ImportError):
     """A built-in task's optional dependency is not installed."""
@@ -27,9 +29,15 @@ def require(task: str, extra: str, *modules: str) -> None:
 
 
 def load(task: str, extra: str, module: str) -> ModuleType:
-    """Import `module` for `task`, naming the extra when it fails."""
+    """Import `module` for `task`, naming the extra when it fails.
+
+    The import runs outside any torch dispatch mode: a first import inside the predictor's
+    trace would otherwise count the tensors the library makes at import (peft's: 1 KiB) as the
+    model's.
+    """
     try:
-        return importlib.import_module(module)
+        with _disable_current_modes():
+            return importlib.import_module(module)
     except ImportError as error:
         raise MissingExtra(
             f"{task} cannot import {module} ({error}); see vramtune[{extra}]"

@@ -7,28 +7,60 @@ own source as ASCII codes, worker/tasks/charlm.py); a vocabulary larger than 128
 only adds rows the data never uses. Checkpointing is transformers' own
 `gradient_checkpointing_enable` (non-reentrant). The metric is the held-out loss in nats per
 character. Needs ``pip install 'vramtune[hf]'``.
+
+LoRA fine-tuning wraps the model with `peft.get_peft_model`; the base is frozen, so it gets no
+gradients and no optimizer state. In the task_config, `finetune: {method: lora, r, lora_alpha,
+lora_dropout, target_modules}`, or `finetune: lora` with the flat `lora_r`, `lora_alpha`,
+`lora_dropout`, `lora_target_modules` (comma-separated): the study wire carries only flat
+values, and these may be hyperparameters (they take precedence over the mapping's). Needs
+``pip install 'vramtune[peft]'``; without peft a configuration that asks for LoRA fails with a
+TaskConfigError naming the extra.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Literal
 from unittest import mock
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch import nn
 from torch.nn import functional as F
 
-from common.task_rules import BYTE_VOCAB, hf_problems
-from worker.task import Batch, Config, Metric
+from common.task_rules import BYTE_VOCAB, LORA_OVERRIDES, hf_problems
 from worker.tasks.charlm import held_out_loss, training_windows
 from worker.tasks.common import parse_config
 from worker.tasks.extras import load, require
+from worker.trial.task import Batch, Config, Metric, TaskConfigError
 
 NAME = "hf-causal-lm"
 require(NAME, "hf", "transformers")
+
+
+LORA_FIELDS = {"lora_r": "r", "lora_target_modules": "target_modules"}
+"""The flat names whose LoRASettings field is named otherwise."""
+
+
+class LoRASettings(BaseModel):
+    """Low-rank adapters on the frozen model (peft's `LoraConfig` names)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["lora"] = "lora"
+    r: int = Field(8, ge=1, le=65536, description="The adapters' rank.")
+    lora_alpha: float = Field(16.0, gt=0, le=1e6, description="Scale: lora_alpha / r.")
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] | None = Field(
+        None, min_length=1, description="Module names to adapt; None: peft's default per family."
+    )
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: object) -> object:
+        return [name.strip() for name in value.split(",")] if isinstance(value, str) else value
 
 
 class HFCausalLMConfig(BaseModel):
@@ -56,12 +88,35 @@ class HFCausalLMConfig(BaseModel):
     corpus_chars: int = Field(1_000_000, ge=10_000, le=100_000_000)
     eval_windows: int = Field(64, ge=1, le=100_000)
     seed: int = Field(0, description="Seeds the weights, dropout and the order of windows.")
+    finetune: LoRASettings | None = Field(None, description="None: train every parameter.")
+    lora_r: int | None = Field(None, ge=1, le=65536, description="Overrides finetune.r.")
+    lora_alpha: float | None = Field(None, gt=0, le=1e6, description="Overrides its lora_alpha.")
+    lora_dropout: float | None = Field(None, ge=0.0, lt=1.0, description="Overrides its dropout.")
+    lora_target_modules: str | None = Field(
+        None, min_length=1, max_length=4096, description="Overrides its target_modules (a,b,c)."
+    )
+
+    @field_validator("finetune", mode="before")
+    @classmethod
+    def _method_alone(cls, value: object) -> object:
+        return {"method": value} if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _buildable(self) -> HFCausalLMConfig:
         for field, message in hf_problems(self.model_dump()):
             raise ValueError(f"{field}: {message}")
         return self
+
+    def lora(self) -> LoRASettings | None:
+        """The LoRA settings with the hyperparameters' overrides, or None (full training)."""
+        if self.finetune is None:
+            return None
+        overrides = {
+            LORA_FIELDS.get(name, name): getattr(self, name)
+            for name in LORA_OVERRIDES
+            if getattr(self, name) is not None
+        }
+        return LoRASettings.model_validate({**self.finetune.model_dump(), **overrides})
 
     def transformers_config(self) -> Any:
         """The family's `PretrainedConfig` at these shapes (no cache: a training run)."""
@@ -117,29 +172,42 @@ class HFCausalLMTask:
             "vocab_size",
             "tie_word_embeddings",
             "dropout",  # p = 0 saves no masks
+            "finetune",
+            "lora_r",
+            "lora_dropout",  # p = 0: peft uses no dropout module
+            "lora_target_modules",
         }
     )
     metric = Metric("val_loss", "minimize")
 
     def settings(self, config: Config) -> HFCausalLMConfig:
-        """The validated configuration."""
-        return parse_config(self.name, HFCausalLMConfig, config)
+        """The validated configuration (LoRA without peft installed is a TaskConfigError)."""
+        settings = parse_config(self.name, HFCausalLMConfig, config)
+        if settings.finetune is not None and importlib.util.find_spec("peft") is None:
+            raise TaskConfigError(
+                f"{self.name}: finetune.method lora needs peft: pip install 'vramtune[peft]'"
+            )
+        return settings
 
     def build_model(self, config: Config) -> nn.Module:
-        """A randomly initialised model of the configured family and shapes, SDPA attention."""
+        """A randomly initialised model of the configured family and shapes, SDPA attention;
+        wrapped in LoRA adapters (the base frozen) when the configuration asks for them."""
         settings = self.settings(config)
         transformers = load(NAME, "hf", "transformers")
         torch.manual_seed(settings.seed)
         model: nn.Module = transformers.AutoModelForCausalLM.from_config(
             settings.transformers_config(), attn_implementation="sdpa"
         )
-        return model
+        lora = settings.lora()
+        return model if lora is None else _with_lora(model, lora, settings.model_type == "gpt2")
 
     def build_optimizer(self, model: nn.Module, config: Config) -> torch.optim.Optimizer:
-        """AdamW; foreach spelled out so CPU runs allocate what CUDA runs (and the trace) do."""
+        """AdamW over the trainable parameters (a frozen base keeps no state); foreach spelled
+        out so CPU runs allocate what CUDA runs (and the trace) do."""
         settings = self.settings(config)
+        trainable = [p for p in model.parameters() if p.requires_grad]
         return torch.optim.AdamW(
-            model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay, foreach=True
+            trainable, lr=settings.lr, weight_decay=settings.weight_decay, foreach=True
         )
 
     def example_batch(self, config: Config, micro_batch: int, device: torch.device) -> Batch:
@@ -196,6 +264,26 @@ class HFCausalLMTask:
     def checkpoint_modules(self, model: nn.Module) -> Sequence[nn.Module]:
         """Not used: `enable_checkpointing` turns on transformers' own."""
         return ()
+
+
+def _with_lora(model: nn.Module, lora: LoRASettings, conv1d: bool) -> nn.Module:
+    """`peft.get_peft_model` with these settings: adapters trainable, everything else frozen.
+    (`conv1d`: GPT-2's layers store their weights transposed, which peft must be told.)
+
+    peft moves the adapters with `Module.to`, which fake parameters refuse: the predictor then
+    builds the model on meta and converts it (worker/predictor/conversion.py).
+    """
+    peft = load(NAME, "peft", "peft")
+    adapters = peft.LoraConfig(
+        task_type="CAUSAL_LM",
+        r=lora.r,
+        lora_alpha=lora.lora_alpha,
+        lora_dropout=lora.lora_dropout,
+        target_modules=lora.target_modules,
+        fan_in_fan_out=conv1d,
+    )
+    wrapped: nn.Module = peft.get_peft_model(model, adapters)
+    return wrapped
 
 
 def _unpacked_sequences() -> AbstractContextManager[Any]:

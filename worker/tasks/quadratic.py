@@ -9,7 +9,7 @@ models (worker/predictor), so resizing, routing and the OOM path behave as they 
 where `shrink` is 1/2 with activation checkpointing and 1/2 again with bf16. Running a plan whose
 peak exceeds the card raises `OutOfMemory` at `oom_step`, as a real CUDA OOM does once the
 optimizer state exists. A run sleeps `startup_seconds` (a real task builds its model and loads
-its data), then `step_seconds` per step times the plan's expected slowdown (worker/policy.py).
+its data), then `step_seconds` per step times the plan's expected slowdown (worker/plan/policy.py).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.wire import Measured, Plan, Prediction, TrainBudget
-from worker.policy import expected_slowdown
-from worker.runner import CardSpec, Config, OutOfMemory, Reporter, RunResult, Stopped
+from worker.plan.policy import expected_slowdown
+from worker.trial.runner import CardSpec, Config, OutOfMemory, Reporter, RunResult, Stopped
 
 MIB = 1024 * 1024
 
@@ -66,7 +66,7 @@ class QuadraticConfigError(ValueError):
 
 
 class QuadraticTask:
-    """The quadratic task as a `TrialRunner` (see worker/runner.py)."""
+    """The quadratic task as a `TrialRunner` (see worker/trial/runner.py)."""
 
     task_name = "quadratic"
     can_checkpoint = True

@@ -16,8 +16,8 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from worker.task import Config
 from worker.tasks.extras import load, require
+from worker.trial.task import Config
 
 require("timm-image", "vision", "timm", "torchvision")
 

@@ -29,10 +29,11 @@ from torch._subclasses.fake_tensor import (
 from torch.nn import functional as F
 
 from common.task_rules import MIN_RESOLUTION, image_problems
-from worker.task import Batch, Config, Metric, TaskConfigError
-from worker.tasks.common import parse_config, seeded_batches
+from worker.tasks.common import parse_config
 from worker.tasks.digits import N_CLASSES, digits, upsample
 from worker.tasks.extras import load, require
+from worker.trial.data import seeded_batches
+from worker.trial.task import Batch, Config, Metric, TaskConfigError
 
 require("torchvision-image", "vision", "torchvision")
 load("torchvision-image", "vision", "torchvision")  # one built for another torch fails here
@@ -199,7 +200,7 @@ def stages(model: nn.Module) -> list[nn.Module]:
 
 def wrap_stages(model: nn.Module) -> int:
     """Checkpoint `stages(model)` the way the trainer checkpoints a task's modules."""
-    from worker.steps import checkpoint_forward
+    from worker.trial.steps import checkpoint_forward
 
     blocks = stages(model)
     for block in blocks:

@@ -6,29 +6,15 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query
 
+from common.durations import duration_of
 from service.api.deps import NowDep, SessionDep
-from service.api.errors import NotFound
 from service.auth import audit, tokens as auth
-from service.auth.tokens import PrincipalDep
-from service.db.tables import TokenRow
-from service.wire import (
-    AuditOut,
-    AuditPage,
-    TokenCreate,
-    TokenCreated,
-    TokenList,
-    TokenOut,
-    WhoAmI,
-    duration_of,
-)
+from service.auth.tokens import PrincipalDep, token_out
+from service.errors import NotFound
+from service.wire import AuditOut, AuditPage, TokenCreate, TokenCreated, TokenList, TokenOut, WhoAmI
 
 router = APIRouter(tags=["auth"])
 TokenId = Annotated[int, Path(ge=1, le=2**63 - 1, description="The token's id.")]
-
-
-def token_out(row: TokenRow) -> TokenOut:
-    """The listed form of a token row (without any secret)."""
-    return TokenOut.model_validate(row, from_attributes=True)
 
 
 @router.get("/auth/whoami")

@@ -6,7 +6,7 @@ from fastapi import APIRouter
 from sqlalchemy import text
 
 from service.api.deps import StateDep
-from service.api.errors import Unavailable
+from service.errors import Unavailable
 
 router = APIRouter(tags=["health"])
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Response
 from optuna.trial import TrialState
+from sqlalchemy.orm import Session
 
 from service import studies
 from service.api.deps import NowDep, SessionDep, SettingsDep, StorageDep
 from service.auth.tokens import PrincipalDep
+from service.fleet.offers import live_tasks, task_warnings
+from service.settings import Settings
 from service.wire import ParetoFront, StudyCreate, StudyList, StudySummary, TrialPage
 
 router = APIRouter(prefix="/studies", tags=["studies"])
@@ -27,19 +31,35 @@ def create_study(
 ) -> StudySummary:
     """Create a study: an Optuna study plus vramtune's record of its spec."""
     row = studies.create_study(session, storage, spec, now, settings.max_search_space_points)
-    return studies.summarize(storage, row)
+    return _with_warnings(studies.summarize(storage, row), session, settings, now)
 
 
 @router.get("")
-def list_studies(session: SessionDep, storage: StorageDep) -> StudyList:
-    """Every study with its counts per trial state."""
-    return StudyList(studies=studies.list_summaries(session, storage))
+def list_studies(
+    session: SessionDep, storage: StorageDep, settings: SettingsDep, now: NowDep
+) -> StudyList:
+    """Every study with its counts per trial state (and warnings, as `GET /studies/NAME`)."""
+    offered = live_tasks(session, now, settings.worker_stale_s)
+    summaries = studies.list_summaries(session, storage)
+    return StudyList(studies=[_warned(summary, offered) for summary in summaries])
 
 
 @router.get("/{name}")
-def get_study(name: str, session: SessionDep, storage: StorageDep) -> StudySummary:
-    """One study."""
-    return studies.get_summary(session, storage, name)
+def get_study(
+    name: str, session: SessionDep, storage: StorageDep, settings: SettingsDep, now: NowDep
+) -> StudySummary:
+    """One study, with a warning when no live worker offers its task."""
+    return _with_warnings(studies.get_summary(session, storage, name), session, settings, now)
+
+
+def _with_warnings(
+    summary: StudySummary, session: Session, settings: Settings, now: datetime
+) -> StudySummary:
+    return _warned(summary, live_tasks(session, now, settings.worker_stale_s))
+
+
+def _warned(summary: StudySummary, offered: set[str]) -> StudySummary:
+    return summary.model_copy(update={"warnings": task_warnings(summary.task, offered)})
 
 
 @router.get("/{name}/trials")
@@ -64,18 +84,30 @@ def best(name: str, session: SessionDep, storage: StorageDep) -> ParetoFront:
 
 @router.post("/{name}/pause")
 def pause(
-    name: str, session: SessionDep, storage: StorageDep, principal: PrincipalDep, now: NowDep
+    name: str,
+    session: SessionDep,
+    storage: StorageDep,
+    settings: SettingsDep,
+    principal: PrincipalDep,
+    now: NowDep,
 ) -> StudySummary:
     """Pause: no new trials are handed out, and workers are told to stop running ones."""
-    return studies.summarize(storage, studies.set_paused(session, name, True, now, principal))
+    row = studies.set_paused(session, name, True, now, principal)
+    return _with_warnings(studies.summarize(storage, row), session, settings, now)
 
 
 @router.post("/{name}/resume")
 def resume(
-    name: str, session: SessionDep, storage: StorageDep, principal: PrincipalDep, now: NowDep
+    name: str,
+    session: SessionDep,
+    storage: StorageDep,
+    settings: SettingsDep,
+    principal: PrincipalDep,
+    now: NowDep,
 ) -> StudySummary:
     """Hand out trials again."""
-    return studies.summarize(storage, studies.set_paused(session, name, False, now, principal))
+    row = studies.set_paused(session, name, False, now, principal)
+    return _with_warnings(studies.summarize(storage, row), session, settings, now)
 
 
 @router.delete("/{name}", status_code=204)

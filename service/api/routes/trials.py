@@ -10,8 +10,8 @@ from pydantic import BaseModel
 from sqlalchemy.exc import SQLAlchemyError
 
 from service.api.deps import StateDep
-from service.api.errors import DomainError
 from service.auth.tokens import Principal, PrincipalDep
+from service.errors import DomainError
 from service.fleet import dispatch, trials as fleet_trials
 from service.fleet.trials import TrialCall
 from service.fleet.workers import fleet_transaction

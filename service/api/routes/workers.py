@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Response
+from sqlalchemy.orm import Session
 
 from service.api.deps import StateDep
-from service.auth.tokens import PrincipalDep
-from service.fleet import dispatch, workers as fleet
+from service.auth.tokens import Principal, PrincipalDep
+from service.errors import Forbidden
+from service.fleet import dispatch, trust, workers as fleet
 from service.fleet.calibration import calibration_for, step_time_for
 from service.wire import (
     Assignment,
@@ -91,14 +93,34 @@ def list_workers(
 
 
 @router.get("/calibration")
-def calibration(card_model: Text, torch_version: Text, task: Text, state: StateDep) -> Calibration:
-    """The correction of predictions for a card model, torch version and task."""
+def calibration(
+    card_model: Text, torch_version: Text, task: Text, state: StateDep, principal: PrincipalDep
+) -> Calibration:
+    """The correction of predictions for a card model, torch version and task.
+
+    Fitted from the fleet's observations, and a study-limited token's own studies' ones.
+    """
     with state.sessions() as session:
-        return calibration_for(session, card_model, torch_version, task)
+        scopes = _fit_scopes(session, principal, card_model, task)
+        return calibration_for(session, card_model, torch_version, task, scopes)
 
 
 @router.get("/step-time")
-def step_time(card_model: Text, task: Text, state: StateDep) -> StepTimeFit:
-    """The step-time model for a card model and task, fitted from the fleet's measured runs."""
+def step_time(
+    card_model: Text, task: Text, state: StateDep, principal: PrincipalDep
+) -> StepTimeFit:
+    """The step-time model for a card model and task, fitted from the fleet's measured runs
+    (and a study-limited token's own studies' ones)."""
     with state.sessions() as session:
-        return step_time_for(session, card_model, task)
+        return step_time_for(
+            session, card_model, task, _fit_scopes(session, principal, card_model, task)
+        )
+
+
+def _fit_scopes(session: Session, principal: Principal, card_model: str, task: str) -> list[str]:
+    """The scopes of knowledge the caller reads (service.fleet.trust); 403 for a study-limited
+    token asking about a task or card outside its studies."""
+    denial = trust.fit_denial(session, principal.studies, principal.token_id, card_model, task)
+    if denial is not None:
+        raise Forbidden(denial)
+    return trust.visible_to(session, principal.studies)

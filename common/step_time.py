@@ -1,0 +1,69 @@
+"""The step-time model as both sides apply it: log step_s = b . features (service/step_time.py
+fits it from the fleet's runs; workers compare plans and route by it)."""
+
+from __future__ import annotations
+
+import math
+
+from service.wire import StepTimeFit, StepTimeObservation
+
+DEFAULT_OVERHEAD_SAMPLES = 8.0
+"""The fixed model: a micro-batch costs as much as 8 more samples (launches, a cold device)."""
+DEFAULT_CHECKPOINT_SLOWDOWN = 4 / 3
+"""The fixed model: checkpointing recomputes the forward pass, about a third more compute."""
+STEP_TIME_MIN_RUNS = 3
+"""Runs needed before an absolute step time is predicted (the intercept needs data)."""
+
+
+def step_time_prior() -> list[float]:
+    """The fixed model's coefficients (intercept, samples, checkpointing, bf16, sizes)."""
+    return [0.0, 1.0, math.log(DEFAULT_CHECKPOINT_SLOWDOWN), 0.0, 0.0, 0.0]
+
+
+def default_step_time_fit(card_model: str = "", task: str = "") -> StepTimeFit:
+    """The fixed model: what plans are compared by before anything was measured."""
+    return StepTimeFit(
+        card_model=card_model,
+        task=task,
+        overhead_samples=DEFAULT_OVERHEAD_SAMPLES,
+        coefficients=step_time_prior(),
+        n_observations=0,
+    )
+
+
+def step_time_features(x: StepTimeObservation, overhead: float) -> list[float]:
+    """The model's inputs for one run (logs of sizes floored at 1)."""
+    return [
+        1.0,
+        math.log(x.micro_batches * (x.micro_batch + overhead)),
+        float(x.checkpointing),
+        float(x.bf16),
+        math.log(max(x.parameter_bytes, 1)),
+        math.log(max(x.as_asked_peak_bytes, 1)),
+    ]
+
+
+def predicted_step_s(fit: StepTimeFit, x: StepTimeObservation) -> float | None:
+    """Seconds per optimizer step for these features; None before STEP_TIME_MIN_RUNS runs."""
+    if fit.n_observations < STEP_TIME_MIN_RUNS:
+        return None
+    return math.exp(_dot(step_time_features(x, fit.overhead_samples), fit.coefficients))
+
+
+def step_time_slowdown(fit: StepTimeFit, x: StepTimeObservation) -> float:
+    """Time per step of `x`'s plan relative to the same configuration as asked."""
+    asked = x.model_copy(
+        update={
+            "micro_batches": 1,
+            "micro_batch": x.batch_size,
+            "checkpointing": False,
+            "bf16": False,
+        }
+    )
+    ours = step_time_features(x, fit.overhead_samples)
+    theirs = step_time_features(asked, fit.overhead_samples)
+    return math.exp(_dot([a - b for a, b in zip(ours, theirs, strict=True)], fit.coefficients))
+
+
+def _dot(a: list[float], b: list[float]) -> float:
+    return sum(p * q for p, q in zip(a, b, strict=True))

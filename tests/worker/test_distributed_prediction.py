@@ -1,0 +1,101 @@
+"""Per-rank prediction: each rank of DDP and FSDP2 traced on a fake process group against real
+gloo ranks, and the fake group leaving nothing behind.
+
+Cost: about 30-60 s on two loaded cores (one spawn of 2 gloo ranks for four runs, a few
+traces of a tiny CNN).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+from torch.distributed import HashStore
+
+from service.wire import Plan
+from worker.predictor import clear_cache, predict
+from worker.predictor.distributed import (
+    STRATEGIES,
+    RankRun,
+    Strategy,
+    measure_rank_peaks,
+    shard_units,
+    trace_rank,
+)
+from worker.tasks.digits import DigitsCNNTask
+from worker.tasks.hf import HFCausalLMTask
+from worker.trial.task import TaskConfigError
+
+TASK = DigitsCNNTask()
+CONFIG = {"width": 8, "depth": 2, "resolution": 16, "batch_size": 16}
+TOLERANCE = 0.001
+
+
+def test_rank_zero_traced_on_the_fake_group_matches_real_gloo_ranks() -> None:
+    plans = [Plan(), Plan(checkpointing=True), Plan(micro_batch=4)]  # 8 a rank: 2 x 4
+    runs = [RankRun(TASK, CONFIG, plan, strategy) for strategy in STRATEGIES for plan in plans]
+    measured = measure_rank_peaks(runs, world_size=2)
+    for run, measurement in zip(runs, measured, strict=True):
+        for rank, real in enumerate(measurement.peaks):
+            predicted = trace_rank(run.task, run.config, run.plan, run.strategy, 2, rank)
+            case = f"{run.strategy} {run.plan} rank {rank}"
+            if abs(predicted.allocated_bytes - real) > TOLERANCE * real:
+                # Seen about once in twenty runs on a loaded machine: a rank measured one
+                # gradient shard more, which a re-run did not repeat (gloo freeing a
+                # reduce-scatter output late; bench/results/distributed_prediction.md). The
+                # prediction must match a real run of the case, measured once more.
+                real = measure_rank_peaks([run], world_size=2)[0].peaks[rank]
+            assert abs(predicted.allocated_bytes - real) <= TOLERANCE * real, case
+            assert predicted.reserved_bytes >= predicted.allocated_bytes, case
+
+
+def test_fsdp_shards_what_ddp_replicates() -> None:
+    """Per-rank parameter, gradient and optimizer bytes shrink with the world size under FSDP2
+    and stay put under DDP: the wrappers, not the model alone, are what is traced."""
+
+    wider = {**CONFIG, "width": 64, "depth": 3}  # shards well above the 512-byte rounding
+
+    def state_bytes(strategy: Strategy, world_size: int) -> int:
+        breakdown = trace_rank(TASK, wider, Plan(), strategy, world_size).breakdown
+        return breakdown["parameters"] + breakdown["optimizer_state"]
+
+    replicated = state_bytes("ddp", 2)
+    assert state_bytes("ddp", 4) == replicated
+    # A wrapper tensor's placeholder storage is not counted: a shard is 1/W of the state.
+    assert state_bytes("fsdp", 2) == pytest.approx(replicated / 2, rel=0.02)
+    assert state_bytes("fsdp", 4) == pytest.approx(replicated / 4, rel=0.05)
+
+
+def test_the_fake_group_leaves_no_state_behind() -> None:
+    single_card_before = predict(TASK, CONFIG, Plan()).peak_allocated_bytes
+    first = trace_rank(TASK, CONFIG, Plan(), "fsdp", 2)
+    assert not dist.is_initialized()
+    assert trace_rank(TASK, CONFIG, Plan(), "ddp", 4).allocated_bytes > 0
+    assert trace_rank(TASK, CONFIG, Plan(), "fsdp", 2).allocated_bytes == first.allocated_bytes
+    assert not dist.is_initialized()
+    clear_cache()  # traced afresh, not read back
+    assert predict(TASK, CONFIG, Plan()).peak_allocated_bytes == single_card_before
+    # A real group can be made afterwards, and a trace refuses to run inside one.
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match="already initialized"):
+            trace_rank(TASK, CONFIG, Plan(), "fsdp", 2)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_batch_that_does_not_split_over_the_ranks_is_refused() -> None:
+    with pytest.raises(TaskConfigError, match="batch_size=16 does not split evenly over 3"):
+        trace_rank(TASK, CONFIG, Plan(), "fsdp", 3)
+    with pytest.raises(ValueError, match="rank 2 is not in a world of 2"):
+        trace_rank(TASK, CONFIG, Plan(), "fsdp", 2, rank=2)
+    assert not dist.is_initialized()
+
+
+def test_a_transformers_model_is_sharded_per_decoder_layer() -> None:
+    task = HFCausalLMTask()
+    config = {"num_hidden_layers": 3, "hidden_size": 32, "num_attention_heads": 4}
+    units = shard_units(task, task.build_model(config))
+    assert [type(unit).__name__ for unit in units] == ["LlamaDecoderLayer"] * 3
+    assert [type(unit).__name__ for unit in shard_units(TASK, TASK.build_model(CONFIG))] == [
+        "Sequential"
+    ] * 2

@@ -1,0 +1,290 @@
+"""The Hugging Face Trainer integration: the user's Trainer pieces as a TrialRunner, its traced
+step against real CPU runs, its knobs, its callback and its refusals of bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from service.wire import Plan, TrainBudget
+from worker.device.gpu import parse_size, simulated_card
+from worker.integrations.hf_trainer import TrainerTask
+from worker.tasks.registry import discover
+from worker.trial.runner import CardSpec, OutOfMemory, Stopped
+from worker.trial.task import TaskConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "hf_trainer" / "tasks.py"
+SEQ_LEN = 16
+CARD = CardSpec(info=simulated_card(parse_size("256MiB")))
+
+
+def _model_init(trial: dict[str, Any] | None = None) -> Any:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    params = trial or {}
+    config = GPT2Config(
+        vocab_size=64,
+        n_positions=SEQ_LEN,
+        n_layer=int(params.get("n_layer", 1)),
+        n_embd=32,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def _windows(count: int, shift: int) -> list[dict[str, list[int]]]:
+    rows = [[(i * 7 + j * 3 + shift) % 64 for j in range(SEQ_LEN)] for i in range(count)]
+    return [{"input_ids": row, "labels": row} for row in rows]
+
+
+def _factory(**changes: Any) -> Callable[[], dict[str, Any]]:
+    def make() -> dict[str, Any]:
+        from transformers import TrainingArguments, default_data_collator
+
+        made: dict[str, Any] = {
+            "model_init": _model_init,
+            "args": TrainingArguments(
+                output_dir="unused", per_device_train_batch_size=8, learning_rate=1e-3, use_cpu=True
+            ),
+            "train_dataset": _windows(96, 0),
+            "eval_dataset": _windows(16, 5),
+            "data_collator": default_data_collator,
+        }
+        made.update(changes)
+        return {k: v for k, v in made.items() if v is not None}
+
+    return make
+
+
+class _Reporter:
+    def __init__(self, prune: bool = False) -> None:
+        self.prune = prune
+        self.reports: list[tuple[int, float]] = []
+
+    def report(self, step: int, value: float) -> bool:
+        self.reports.append((step, value))
+        return self.prune
+
+    def stop_reason(self) -> str | None:
+        return None
+
+
+@pytest.fixture(scope="module")
+def task() -> TrainerTask:
+    return TrainerTask("tiny-gpt2", _factory())
+
+
+@pytest.mark.parametrize(
+    ("config", "plan"),
+    [
+        ({"per_device_train_batch_size": 8}, Plan()),
+        ({"per_device_train_batch_size": 8}, Plan(micro_batch=2, accumulation=4)),
+        ({"per_device_train_batch_size": 4, "n_layer": 2}, Plan(checkpointing=True)),
+    ],
+    ids=["as-asked", "micro-batch-2", "checkpointing"],
+)
+def test_the_traced_trainer_step_matches_the_real_runs_peak(
+    task: TrainerTask, config: dict[str, Any], plan: Plan
+) -> None:
+    predicted = task.predict(config, plan, CARD)
+    assert predicted.method == "trace", predicted.reason
+    reporter = _Reporter()
+    result = task.run(config, plan, TrainBudget(max_steps=3, eval_every=2), CARD, reporter)
+    # To the byte: the same Trainer code ran, counted by the same counter.
+    assert predicted.peak_allocated_bytes == result.measured.peak_allocated_bytes
+    assert result.steps == 3
+    # Every eval_every steps, and at the end (the Trainer's own last evaluation, not repeated).
+    assert [step for step, _ in reporter.reports] == [2, 3]
+    assert result.values == [reporter.reports[-1][1]]
+
+
+def _bert_init() -> Any:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=SEQ_LEN,
+        num_labels=2,
+    )
+    return BertForSequenceClassification(config)
+
+
+def _padded_rows(count: int) -> list[dict[str, Any]]:
+    """Every other row padded: its attention mask holds zeros, so transformers builds a mask."""
+    rows = []
+    for i in range(count):
+        length = SEQ_LEN if i % 2 else SEQ_LEN // 2
+        mask = [1] * length + [0] * (SEQ_LEN - length)
+        ids = [(i + j) % 63 + 1 if j < length else 0 for j in range(SEQ_LEN)]
+        rows.append({"input_ids": ids, "attention_mask": mask, "labels": i % 2})
+    return rows
+
+
+@pytest.mark.parametrize("plan", [Plan(), Plan(checkpointing=True)], ids=["as-asked", "ckpt"])
+def test_a_padded_encoder_matches_the_real_run_too(plan: Plan) -> None:
+    # The trace answers transformers' "is the padding all ones?" from the real batches: here
+    # it is not, and both runs build the attention mask.
+    task = TrainerTask(
+        "tiny-bert",
+        _factory(
+            model_init=_bert_init, train_dataset=_padded_rows(64), eval_dataset=_padded_rows(8)
+        ),
+    )
+    config = {"per_device_train_batch_size": 8}
+    predicted = task.predict(config, plan, CARD)
+    result = task.run(config, plan, TrainBudget(max_steps=2, eval_every=5), CARD, _Reporter())
+    assert predicted.peak_allocated_bytes == result.measured.peak_allocated_bytes
+
+
+def test_a_trainer_subclass_is_traced_with_its_own_training_step() -> None:
+    # The trainer_class path TRL's SFTTrainer takes: the subclass's compute_loss (here a label
+    # smoothing loss of its own) is what the trace runs, and it matches the real run.
+    from transformers import Trainer
+
+    class SmoothedTrainer(Trainer):
+        calls = 0
+
+        def compute_loss(
+            self, model: Any, inputs: Any, return_outputs: bool = False, **kwargs: Any
+        ) -> Any:
+            import torch
+
+            SmoothedTrainer.calls += 1
+            labels = inputs.pop("labels")
+            outputs = model(**inputs)
+            logits = outputs.logits.float()
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]),
+                labels[:, 1:].reshape(-1),
+                label_smoothing=0.1,
+            )
+            return (loss, outputs) if return_outputs else loss
+
+    task = TrainerTask("smoothed", _factory(), trainer_class=SmoothedTrainer)
+    config = {"per_device_train_batch_size": 8}
+    predicted = task.predict(config, Plan(), CARD)
+    assert SmoothedTrainer.calls == 2  # one micro-batch in each of the two traced steps
+    result = task.run(config, Plan(), TrainBudget(max_steps=2, eval_every=5), CARD, _Reporter())
+    assert predicted.peak_allocated_bytes == result.measured.peak_allocated_bytes
+
+
+def test_trainer_class_must_be_a_trainer() -> None:
+    with pytest.raises(ValueError, match=r"trainer_class must be transformers\.Trainer"):
+        TrainerTask("odd", _factory(), trainer_class=dict)
+
+
+def test_the_example_study_file_is_a_valid_study() -> None:
+    import yaml
+
+    from service.wire import StudyCreate
+
+    body = yaml.safe_load((EXAMPLE.parent / "study.yaml").read_text())
+    assert StudyCreate.model_validate(body).task == "hf-trainer-gpt2"
+
+
+def test_a_plan_resizes_through_the_trainers_own_knobs(task: TrainerTask) -> None:
+    setup = task.setup()
+    config = {"per_device_train_batch_size": 12, "learning_rate": 0.01}
+    args = task.arguments(setup, config, Plan(micro_batch=5, accumulation=3), CARD)
+    # 5 does not divide 12: the Trainer's equal micro-batches take the divisor below, 4 x 3.
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (4, 3)
+    assert args.learning_rate == 0.01
+    assert task.batch_size(config) == 12
+    resized = task.arguments(setup, config, Plan(checkpointing=True, bf16=True), CARD)
+    assert resized.gradient_checkpointing and resized.bf16
+    assert resized.per_device_train_batch_size == 12
+
+
+def test_the_largest_micro_batch_is_a_divisor_that_fits(task: TrainerTask) -> None:
+    config = {"per_device_train_batch_size": 8}
+    whole = task.predict(config, Plan(), CARD).peak_allocated_bytes
+    found = task.largest_micro_batch(config, Plan(), whole - 1, CARD)
+    assert found is not None
+    micro, prediction = found
+    assert micro in (1, 2, 4)
+    assert prediction.peak_allocated_bytes < whole
+
+
+def test_the_pruner_stops_the_trainer(task: TrainerTask) -> None:
+    reporter = _Reporter(prune=True)
+    with pytest.raises(Stopped) as stopped:
+        task.run({}, Plan(), TrainBudget(max_steps=10, eval_every=1), CARD, reporter)
+    assert stopped.value.reason == "pruned"
+    assert [step for step, _ in reporter.reports] == [1]
+
+
+def test_a_run_past_the_simulated_card_is_out_of_memory(task: TrainerTask) -> None:
+    small = CardSpec(info=simulated_card(parse_size("256KiB")))  # the model takes more
+    with pytest.raises(OutOfMemory):
+        task.run({}, Plan(), TrainBudget(max_steps=2, eval_every=1), small, _Reporter())
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"model_init": None}, "gives no model_init"),
+        ({"eval_dataset": None}, "gives no eval_dataset"),
+        ({"model": object()}, "give model_init, not model"),
+        ({"args": {"learning_rate": 1e-3}}, "args must be a transformers.TrainingArguments"),
+        ({"callbacks": []}, "callbacks is vramtune's"),
+        ({"model_init": lambda a, b: None}, "model_init must take 0 or 1 argument"),
+    ],
+)
+def test_a_bad_factory_is_refused_naming_the_member(changes: dict[str, Any], named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        TrainerTask("bad", _factory(**changes))
+
+
+def test_a_key_neither_argument_nor_model_parameter_fails_the_trial_naming_it() -> None:
+    task = TrainerTask("no-trial", _factory(model_init=lambda: _model_init()))
+    with pytest.raises(TaskConfigError, match="n_layers: not a TrainingArguments field"):
+        task.model_parameters(task.setup(), {"n_layers": 2, "learning_rate": 0.1})
+
+
+def test_a_value_a_training_argument_refuses_fails_the_trial_naming_it(
+    task: TrainerTask,
+) -> None:
+    with pytest.raises(TaskConfigError, match="lr_scheduler_type: sideways is not a valid"):
+        task.arguments(task.setup(), {"lr_scheduler_type": "sideways"}, Plan(), CARD)
+
+
+def test_a_missing_metric_fails_naming_the_ones_there() -> None:
+    task = TrainerTask("acc", _factory(), metric="accuracy", direction="maximize")
+    with pytest.raises(TaskConfigError, match=r"'accuracy' is not among .*eval_loss"):
+        task.run({}, Plan(), TrainBudget(max_steps=1, eval_every=1), CARD, _Reporter())
+
+
+def test_the_example_is_discovered_as_a_task() -> None:
+    found = discover([str(EXAMPLE)], entry_points=False)
+    assert found.errors == {}
+    runner = found.runners["hf-trainer-gpt2"]
+    assert runner.batch_size({"per_device_train_batch_size": 32}) == 32
+
+
+def test_a_worker_without_accelerate_does_not_advertise_the_example() -> None:
+    script = (
+        "import sys; sys.modules['accelerate'] = None\n"  # find_spec then answers None
+        "from worker.tasks.registry import discover\n"
+        f"found = discover([{str(EXAMPLE)!r}], entry_points=False)\n"
+        "print(sorted(found.runners)); print(found.errors)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout
+    assert out.splitlines()[0] == "[]"
+    assert "TrainerTask needs accelerate: pip install 'vramtune[hf]'" in out

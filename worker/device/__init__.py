@@ -1,0 +1,1 @@
+"""The card a worker drives: NVML facts (`gpu`) and the live tensor bytes of a run (`memory`)."""

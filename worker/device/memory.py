@@ -1,0 +1,389 @@
+"""Live tensor memory of a training run, counted storage by storage.
+
+`MemoryTracker` is a `TorchDispatchMode`: every storage an operator creates is counted once
+(views share their storage), rounded up as the CUDA caching allocator rounds requests, and
+uncounted when it dies (a weakref finalizer on the storage). It works on real tensors (the CPU
+trainer's measured peak, the simulated card of ``--memory-limit``) and under a
+`FakeTensorMode` (the predictor's trace): it is the one byte counter of the project, so on a
+CPU build the predicted peak equals the measured one to the byte. Where a fake kernel's output
+is smaller than the real one (oneDNN's RNN workspace), the trace passes a `correct` hook that
+fixes the output before it is counted, in this same mode.
+
+Typical use in a training loop::
+
+    tracker = MemoryTracker(device_type="cpu", limit_bytes=card_bytes)
+    with tracker:                      # enter inside a FakeTensorMode, never outside it
+        model = build_for_plan(task, config, plan, device)
+        optimizer = task.build_optimizer(model, config)
+        tracker.watch_optimizer(optimizer)
+        for _ in range(steps):
+            train_step(...)            # raises MemoryLimitExceeded past the limit
+            tracker.label_training_state(model, optimizer)
+    tracker.peak_bytes, tracker.breakdown()
+
+Tensors created before the tracker is entered are not counted unless passed to `track`, nor
+are views of them (a slice of a dataset loaded before the run is not memory the run allocated:
+counting it was the constant 95,232 bytes the digits study's evaluation added to every measured
+peak, issue 18).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
+
+CUDA_ALLOCATION_ROUNDING = 512
+"""The CUDA caching allocator rounds every request up to a multiple of 512 bytes."""
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
+"""The breakdown of a peak: labelled training state, then what forward left alive, then the rest."""
+
+PHASES = ("setup", "forward", "backward", "optimizer")
+"""Where a storage was created; `phase` and `watch_optimizer` set it, backward is detected."""
+
+Correction = Callable[[Any, tuple[Any, ...], Any], Any]
+"""`correct(func, args, out)`: the output to count instead of `out` (a fake kernel's fix)."""
+
+
+@functools.cache
+def _aliases_an_input(func: Any) -> bool:
+    """Whether the operator returns (a view of) an input: views, in-place and out= variants.
+
+    lift_fresh is excluded: it is how `torch.tensor(data)` hands a tensor it just made to the
+    dispatcher, a new allocation.
+    """
+    if func in (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default):
+        return False
+    schema = getattr(func, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+class MemoryLimitExceeded(torch.OutOfMemoryError):
+    """Live tensor bytes would pass the tracker's limit: the simulated card is out of memory.
+
+    It subclasses `torch.OutOfMemoryError`, so one ``except torch.OutOfMemoryError`` catches
+    a real CUDA OOM and the simulated one alike.
+    """
+
+    def __init__(self, requested: int, live: int, limit: int) -> None:
+        super().__init__(
+            f"simulated card out of memory: tried to allocate {_mib(requested)} with "
+            f"{_mib(live)} live of a {_mib(limit)} limit"
+        )
+        self.requested = requested
+        self.live = live
+        self.limit = limit
+
+    def __reduce__(self) -> tuple[type[MemoryLimitExceeded], tuple[int, int, int]]:
+        return type(self), (self.requested, self.live, self.limit)
+
+
+def round_up(nbytes: int, multiple: int) -> int:
+    """`nbytes` rounded up to a multiple of `multiple` (0 stays 0, as a CUDA empty tensor)."""
+    if multiple <= 1:
+        return nbytes
+    return -(-nbytes // multiple) * multiple
+
+
+@dataclass(slots=True)
+class _Storage:
+    """One counted storage: its size, where it was made, and when it lived (event ticks)."""
+
+    rid: int
+    key: int
+    nbytes: int
+    phase: str
+    born: int
+    died: int | None = None
+    ref: weakref.ref[torch.UntypedStorage] | None = None
+
+
+class MemoryTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Counts live storages; `peak_bytes` is the highest `live_bytes` since the last reset.
+
+    Args:
+        round_to: each storage counts as its size rounded up to this (512 like CUDA; 1 for
+            exact bytes).
+        limit_bytes: raise `MemoryLimitExceeded` when an operator's new storages would take
+            live bytes past this (the storages are dropped, nothing is counted).
+        device_type: count only storages on this device type ("cpu", "cuda"); None counts
+            every device but meta.
+        record_events: keep the allocation/free sequence in `events` (for the allocator model).
+        correct: applied to each operator's output before it is counted (see `Correction`).
+
+    `phase_peaks` holds the highest live bytes reached while each phase allocated: the peak is
+    the largest of them, and each is affine in the micro-batch (the predictor solves on them).
+    """
+
+    def __init__(
+        self,
+        *,
+        round_to: int = CUDA_ALLOCATION_ROUNDING,
+        limit_bytes: int | None = None,
+        device_type: str | None = None,
+        record_events: bool = False,
+        correct: Correction | None = None,
+    ) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.round_to = round_to
+        self.limit_bytes = limit_bytes
+        self.device_type = device_type
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.events: list[tuple[int, int]] | None = [] if record_events else None
+        """(storage id, +requested bytes) per allocation, (storage id, -counted bytes) per free."""
+        self._live: dict[int, _Storage] = {}
+        self._history: list[_Storage] = []
+        self._pruned_at = 64
+        self._labels: dict[int, str] = {}
+        self._tick = 0
+        self._peak_tick = 0
+        self._next_rid = 0
+        self._phase: str | None = None
+        self._correct = correct
+        self.phase_peaks: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ dispatch
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self._correct is not None:
+            out = self._correct(func, args, out)
+        self._count(tree_leaves(out), fresh_only=_aliases_an_input(func))
+        return out
+
+    def track(self, *objects: torch.Tensor | nn.Module | torch.optim.Optimizer) -> None:
+        """Count storages that exist already (a model built before the tracker was entered)."""
+        for obj in objects:
+            if isinstance(obj, nn.Module):
+                self._count([*obj.parameters(), *obj.buffers()])
+            elif isinstance(obj, torch.optim.Optimizer):
+                self._count(_optimizer_tensors(obj))
+            else:
+                self._count([obj])
+            self._label_object(obj)
+
+    def _count(self, leaves: list[Any], fresh_only: bool = False) -> None:
+        """Count the storages of `leaves` not counted yet.
+
+        With `fresh_only` (an operator that returns an input) an unknown storage existed before
+        the tracker saw it: it is not counted, only a known one's growth (resize_) is.
+        """
+        new: dict[int, tuple[torch.UntypedStorage, int]] = {}
+        for leaf in _plain_tensors(leaves):
+            storage = self._storage_of(leaf)
+            if storage is None:
+                continue
+            key = id(storage)
+            known = self._live.get(key)
+            if known is not None:
+                self._maybe_resized(known, storage)
+            elif not fresh_only and key not in new:
+                new[key] = (storage, storage.nbytes())
+        if not new:
+            return
+        requested = sum(round_up(n, self.round_to) for _, n in new.values())
+        if self.limit_bytes is not None and self.live_bytes + requested > self.limit_bytes:
+            raise MemoryLimitExceeded(requested, self.live_bytes, self.limit_bytes)
+        for key, (storage, nbytes) in new.items():
+            self._add(key, storage, nbytes)
+        self._update_peak()
+
+    def _storage_of(self, leaf: Any) -> torch.UntypedStorage | None:
+        if not isinstance(leaf, torch.Tensor) or leaf.device.type == "meta":
+            return None
+        if self.device_type is not None and leaf.device.type != self.device_type:
+            return None
+        try:
+            return leaf.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse, nested: no plain storage
+            return None
+
+    def _add(self, key: int, storage: torch.UntypedStorage, nbytes: int) -> None:
+        self._tick += 1
+        record = _Storage(
+            rid=self._next_rid,
+            key=key,
+            nbytes=round_up(nbytes, self.round_to),
+            phase=self.current_phase(),
+            born=self._tick,
+        )
+        self._next_rid += 1
+        record.ref = weakref.ref(storage, functools.partial(self._free, record))
+        self._live[key] = record
+        self._history.append(record)
+        self.live_bytes += record.nbytes
+        if self.events is not None and nbytes:
+            self.events.append((record.rid, nbytes))
+
+    def _maybe_resized(self, record: _Storage, storage: torch.UntypedStorage) -> None:
+        # resize_/set_ grow a storage in place; count the new size from now on.
+        nbytes = round_up(storage.nbytes(), self.round_to)
+        if nbytes == record.nbytes:
+            return
+        if (
+            self.limit_bytes is not None
+            and self.live_bytes + nbytes - record.nbytes > self.limit_bytes
+        ):
+            raise MemoryLimitExceeded(nbytes - record.nbytes, self.live_bytes, self.limit_bytes)
+        self._free(record, None)
+        self._add(record.key, storage, storage.nbytes())
+        self._update_peak()
+
+    def _free(self, record: _Storage, _ref: object) -> None:
+        if record.died is not None:
+            return
+        self._tick += 1
+        record.died = self._tick
+        self.live_bytes -= record.nbytes
+        if self._live.get(record.key) is record:
+            del self._live[record.key]
+        if self.events is not None and record.nbytes:
+            self.events.append((record.rid, -record.nbytes))
+
+    def _update_peak(self) -> None:
+        phase = self.current_phase()
+        if self.live_bytes > self.phase_peaks.get(phase, 0):
+            self.phase_peaks[phase] = self.live_bytes
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+            self._peak_tick = self._tick
+        if len(self._history) > 2 * self._pruned_at:
+            self._prune_history()
+
+    def _prune_history(self) -> None:
+        # A storage dead before the peak, or born and dead after it, can never be live at a
+        # peak again: drop it so a long training run keeps only live storages and the peak's.
+        self._history = [r for r in self._history if r.died is None or self._alive_at_peak(r)]
+        self._pruned_at = max(64, len(self._history))
+
+    def _alive_at_peak(self, record: _Storage) -> bool:
+        return record.born <= self._peak_tick and (
+            record.died is None or record.died > self._peak_tick
+        )
+
+    # ------------------------------------------------------------------ phases, labels
+
+    def reset_peak(self) -> None:
+        """Start a new peak from the bytes live now."""
+        self.phase_peaks = {}
+        self.peak_bytes = self.live_bytes
+        self._peak_tick = self._tick
+
+    def current_phase(self) -> str:
+        """The phase new storages are attributed to."""
+        if self._phase is not None:
+            return self._phase
+        if torch._C._current_graph_task_id() != -1:
+            return "backward"
+        return "forward"
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Attribute storages created inside the block to phase `name`."""
+        previous, self._phase = self._phase, name
+        try:
+            yield
+        finally:
+            self._phase = previous
+
+    def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+        """Attribute what `optimizer.step()` creates to the "optimizer" phase; returns an undo."""
+
+        def enter(*_: object) -> None:
+            self._phase = "optimizer"
+
+        def leave(*_: object) -> None:
+            self._phase = None
+
+        handles = [
+            optimizer.register_step_pre_hook(enter),
+            optimizer.register_step_post_hook(leave),
+        ]
+
+        def remove() -> None:
+            for handle in handles:
+                handle.remove()
+
+        return remove
+
+    def label(self, category: str, tensors: list[torch.Tensor]) -> None:
+        """Mark the storages of `tensors` (counted already) as `category` in the breakdown."""
+        if category not in CATEGORIES:
+            raise ValueError(f"unknown category {category!r}; use one of {CATEGORIES}")
+        for tensor in _plain_tensors(tensors):
+            storage = self._storage_of(tensor)
+            record = None if storage is None else self._live.get(id(storage))
+            if record is not None:
+                self._labels[record.rid] = category
+
+    def label_training_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    ) -> None:
+        """Label parameters and buffers, gradients and optimizer state; call after each step."""
+        self._label_object(model)
+        if optimizer is not None:
+            self._label_object(optimizer)
+
+    def _label_object(self, obj: object) -> None:
+        if isinstance(obj, nn.Module):
+            self.label("parameters", [*obj.parameters(), *obj.buffers()])
+            self.label("gradients", [p.grad for p in obj.parameters() if p.grad is not None])
+        elif isinstance(obj, torch.optim.Optimizer):
+            self.label("optimizer_state", _optimizer_tensors(obj))
+
+    def breakdown(self) -> dict[str, int]:
+        """Bytes live at the peak by category (labels first, then the phase that made them)."""
+        totals = dict.fromkeys(CATEGORIES, 0)
+        for record in self._history:
+            if self._alive_at_peak(record):
+                totals[self._category(record)] += record.nbytes
+        return totals
+
+    def _category(self, record: _Storage) -> str:
+        label = self._labels.get(record.rid)
+        if label is not None:
+            return label
+        return "activations" if record.phase == "forward" else "temporaries"
+
+
+def _plain_tensors(leaves: list[Any]) -> Iterator[Any]:
+    """`leaves` with each wrapper tensor (DTensor) replaced by the tensors it holds.
+
+    A wrapper's own storage is a placeholder of the global shape that holds no memory (an FSDP2
+    parameter sharded over 4 ranks would count 4 times its shard); what it wraps is counted.
+    """
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and is_traceable_wrapper_subclass(leaf):
+            names, _ = leaf.__tensor_flatten__()
+            yield from _plain_tensors([getattr(leaf, name) for name in names])
+        else:
+            yield leaf
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [
+        value
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    ]

@@ -1,0 +1,437 @@
+"""The fit policy: from a prediction and the study's memory policy, how to run a trial here.
+
+Plans are tried in the order DESIGN.md section 2 step 4 gives: as asked → a smaller micro-batch
+with gradient accumulation (the effective batch, a hyperparameter, never changes) → + activation
+checkpointing → + bf16 autocast (only when the study allows precision changes). Among the plans
+that keep the numerics (everything but bf16) the one with the least predicted time per step wins
+(service.step_time: the fleet's own fit for this card model and task, the fixed model before any
+measurement); bf16 is used only when nothing else fits. A plan that already ran out of memory on
+this card model (`plans_tried`) is never chosen again, nor any plan predicted to need as much;
+after an OOM, plans whose micro-batch is smaller than the smallest that ran out are searched first
+(a run can die above a micro-batch the prediction missed: a faster plan at the same micro-batch,
+say with checkpointing, would likely die the same way).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from common.memory import apply_calibration, peak_of
+from common.plans import PlanKey, plan_key
+from common.step_time import default_step_time_fit, predicted_step_s, step_time_slowdown
+from service.wire import (
+    Calibration,
+    MemoryPolicy,
+    Plan,
+    PlanOut,
+    Prediction,
+    StepTimeFit,
+    StepTimeObservation,
+)
+from worker.trial.runner import CardSpec, Config, RunResult, TrialRunner, plan_for_micro_batch
+
+GIB = 1024**3
+
+
+@runtime_checkable
+class MicroBatchSearch(Protocol):
+    """A runner that can solve for the largest micro-batch that fits (worker/predictor).
+
+    Contract:
+        largest_micro_batch(config, plan, budget_bytes, card): the largest micro-batch whose
+            predicted peak under `plan`'s flags is at most `budget_bytes`, with that prediction;
+            None when not even a micro-batch of 1 fits. It may answer the largest of an even
+            split instead (ceil(batch / k) for k micro-batches: the plan the policy evens any
+            answer to), which the predictor's solver does to spare a trace.
+    """
+
+    def largest_micro_batch(
+        self, config: Config, plan: Plan, budget_bytes: int, card: CardSpec
+    ) -> tuple[int, Prediction] | None: ...
+
+
+@dataclass(frozen=True)
+class RunAsPlanned:
+    """Run the trial here with this plan (its reason says why).
+
+    `seconds`: how long choosing it took, every prediction included (the worker records it).
+    """
+
+    plan: Plan
+    prediction: Prediction
+    step_time: StepTimeObservation | None = None
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class HandBack:
+    """Nothing allowed fits this card: give the trial back with the smallest footprint seen."""
+
+    min_footprint_bytes: int
+    plan: Plan | None
+    reason: str
+    seconds: float = 0.0
+
+
+Decision = RunAsPlanned | HandBack
+
+
+@dataclass(frozen=True)
+class _Stage:
+    """One rung of the ladder: which resizes are on."""
+
+    micro_batch: bool
+    checkpointing: bool
+    bf16: bool
+
+    def flags(self) -> dict[str, bool]:
+        return {"checkpointing": self.checkpointing, "bf16": self.bf16}
+
+    def best_slowdown(self, batch: int, fit: StepTimeFit | None) -> float:
+        """The least slowdown any plan of this stage can have (a micro-batch of the full batch)."""
+        return expected_slowdown(Plan(**self.flags()), batch, fit)
+
+
+def step_features(
+    plan: Plan, batch_size: int, prediction: Prediction | None = None, as_asked_bytes: int = 0
+) -> StepTimeObservation:
+    """What the step-time model reads of a run: its plan's shape and the model's size."""
+    micro = min(plan.micro_batch or batch_size, batch_size)
+    return StepTimeObservation(
+        batch_size=batch_size,
+        micro_batch=micro,
+        micro_batches=math.ceil(batch_size / micro),
+        checkpointing=plan.checkpointing,
+        bf16=plan.bf16,
+        parameter_bytes=0 if prediction is None else prediction.breakdown.get("parameters", 0),
+        as_asked_peak_bytes=as_asked_bytes,
+    )
+
+
+def measured_step_time(
+    features: StepTimeObservation | None, result: RunResult
+) -> StepTimeObservation | None:
+    """The features with the run's training seconds per step (evaluation excluded)."""
+    if features is None or not result.samples_per_s:
+        return features
+    return features.model_copy(
+        update={"measured_step_s": features.batch_size / result.samples_per_s}
+    )
+
+
+def expected_slowdown(plan: Plan, batch_size: int, fit: StepTimeFit | None = None) -> float:
+    """Predicted time per optimizer step under `plan`, relative to running it as asked."""
+    return step_time_slowdown(fit or default_step_time_fit(), step_features(plan, batch_size))
+
+
+def choose_plan(
+    runner: TrialRunner,
+    config: Config,
+    policy: MemoryPolicy,
+    card: CardSpec,
+    free_bytes: int,
+    plans_tried: Sequence[PlanOut] = (),
+    calibration: Calibration | None = None,
+    step_fit: StepTimeFit | None = None,
+) -> Decision:
+    """The fitting plan of least predicted step time within `free_bytes` less the policy's
+    margin, or a hand-back. `step_fit` is the fleet's step-time model for this card and task.
+
+    The decision's `seconds` is the time the choice took, every prediction it needed included.
+    """
+    started = time.perf_counter()
+    decision = _choose(runner, config, policy, card, free_bytes, plans_tried, calibration, step_fit)
+    return dataclasses.replace(decision, seconds=time.perf_counter() - started)
+
+
+def _choose(
+    runner: TrialRunner,
+    config: Config,
+    policy: MemoryPolicy,
+    card: CardSpec,
+    free_bytes: int,
+    plans_tried: Sequence[PlanOut],
+    calibration: Calibration | None,
+    step_fit: StepTimeFit | None,
+) -> Decision:
+    chooser = _Chooser(runner, config, card, calibration, runner.batch_size(config), step_fit)
+    first = chooser.predict(Plan())
+    if first.method == "none":
+        return _blind_plan(chooser.batch, policy, plans_tried, first)
+    margin_budget = int(free_bytes * (1.0 - policy.margin))
+    budget = chooser.below_tried(margin_budget, plans_tried)
+    stages = _stages(runner, policy)
+    below_oom = _micro_batch_cap(chooser.batch, plans_tried)
+    for precise, cap in _search_order(below_oom, chooser.batch):
+        ladder = [s for s in stages if s.bf16 != precise]
+        if peak_of(first) > budget and not chooser.smallest_fits(ladder, budget):
+            continue
+        found = chooser.cheapest(ladder, budget, _keys(plans_tried), cap)
+        if found is not None:
+            plan, prediction = found
+            reason = _reason(chooser, plan, prediction, first, budget, free_bytes, policy)
+            features = chooser.step_time(plan, prediction, peak_of(first))
+            return RunAsPlanned(plan.model_copy(update={"reason": reason}), prediction, features)
+    return chooser.hand_back(stages[-1], budget, free_bytes, policy)
+
+
+class _Chooser:
+    """Predictions of one configuration on one card, calibrated and compared to a budget."""
+
+    def __init__(
+        self,
+        runner: TrialRunner,
+        config: Config,
+        card: CardSpec,
+        calibration: Calibration | None,
+        batch: int,
+        step_fit: StepTimeFit | None = None,
+    ) -> None:
+        self.runner = runner
+        self.config = config
+        self.card = card
+        self.calibration = calibration
+        self.batch = batch
+        self.step_fit = step_fit
+        self._predictions: dict[PlanKey, Prediction] = {}
+
+    def step_time(
+        self, plan: Plan, prediction: Prediction, as_asked_bytes: int
+    ) -> StepTimeObservation:
+        """The run's step-time features with the model's prediction (None before a fit)."""
+        features = step_features(plan, self.batch, prediction, as_asked_bytes)
+        fit = self.step_fit or default_step_time_fit()
+        return features.model_copy(update={"predicted_step_s": predicted_step_s(fit, features)})
+
+    def predict(self, plan: Plan) -> Prediction:
+        """The runner's prediction with the service's calibration applied (once per plan)."""
+        key = plan_key(plan)
+        if key not in self._predictions:
+            raw = self.runner.predict(self.config, plan, self.card)
+            calibrated = raw if self.calibration is None else _calibrated(raw, self.calibration)
+            self._predictions[key] = calibrated
+        return self._predictions[key]
+
+    def below_tried(self, budget: int, plans_tried: Sequence[PlanOut]) -> int:
+        """An OOM shows this card cannot hold what the tried plan was predicted to need."""
+        for tried in plans_tried:
+            budget = min(budget, peak_of(self.predict(_plan_of(tried))) - 1)
+        return budget
+
+    def smallest_fits(self, stages: Sequence[_Stage], budget: int) -> bool:
+        """Whether the ladder's smallest plan (its last stage at a micro-batch of 1) fits.
+
+        Each resize only lowers the peak (the hand-back reports that plan as the smallest for
+        the same reason), so when it does not fit no plan of the ladder does: one trace
+        settles what searching every stage would take two each to find. A ladder of one stage
+        (no resizes) is left to the search.
+        """
+        if len(stages) < 2:
+            return True
+        smallest = stages[-1]
+        micro = 1 if smallest.micro_batch else self.batch
+        plan = plan_for_micro_batch(self.batch, micro, **smallest.flags())
+        return peak_of(self.predict(plan)) <= budget
+
+    def cheapest(
+        self, stages: Sequence[_Stage], budget: int, tried: set[PlanKey], cap: int
+    ) -> tuple[Plan, Prediction] | None:
+        """The fitting plan of least predicted step time over `stages` with micro-batches of at
+        most `cap` (earlier wins ties)."""
+        best: tuple[Plan, Prediction] | None = None
+        best_slowdown = math.inf
+        for stage in stages:
+            if stage.best_slowdown(self.batch, self.step_fit) >= best_slowdown:
+                continue
+            found = self.fit(stage, budget, cap)
+            if found is None or plan_key(found[0]) in tried:
+                continue
+            slowdown = expected_slowdown(found[0], self.batch, self.step_fit)
+            if slowdown < best_slowdown:
+                best, best_slowdown = found, slowdown
+        return best
+
+    def fit(self, stage: _Stage, budget: int, cap: int) -> tuple[Plan, Prediction] | None:
+        """The largest-micro-batch plan of `stage`, micro-batch at most `cap`, predicted to fit
+        `budget`."""
+        if not stage.micro_batch:
+            if self.batch > cap:
+                return None
+            plan = Plan(**stage.flags())
+            prediction = self.predict(plan)
+            return (plan, prediction) if _fits(prediction, budget) else None
+        micro = self.largest_micro_batch(stage, budget)
+        if micro is None:
+            return None
+        micro = min(micro, cap)
+        # The same number of micro-batches, evenly split: the smallest peak for that slowdown.
+        micro = math.ceil(self.batch / math.ceil(self.batch / micro))
+        plan = plan_for_micro_batch(self.batch, micro, **stage.flags())
+        prediction = self.predict(plan)
+        return (plan, prediction) if _fits(prediction, budget) else None
+
+    def largest_micro_batch(self, stage: _Stage, budget: int) -> int | None:
+        """Ask the predictor's solver when the runner has one, else bisect on predictions."""
+        if isinstance(self.runner, MicroBatchSearch):
+            raw_budget = _uncalibrated_budget(budget, self.calibration)
+            solved = self.runner.largest_micro_batch(
+                self.config, Plan(**stage.flags()), raw_budget, self.card
+            )
+            return None if solved is None else solved[0]
+        return _largest_true(
+            self.batch,
+            lambda micro: _fits(
+                self.predict(plan_for_micro_batch(self.batch, micro, **stage.flags())), budget
+            ),
+        )
+
+    def hand_back(
+        self, smallest: _Stage, budget: int, free_bytes: int, policy: MemoryPolicy
+    ) -> HandBack:
+        """Give the trial back with the footprint of the smallest plan allowed."""
+        micro = 1 if smallest.micro_batch else self.batch
+        plan = plan_for_micro_batch(self.batch, micro, **smallest.flags())
+        cannot_run = self.predict(plan)
+        if cannot_run.method == "none":  # e.g. BatchNorm refuses a micro-batch of 1
+            plan = Plan(**smallest.flags())
+        need = peak_of(self.predict(plan))
+        reason = (
+            f"does not fit: the smallest allowed plan ({describe(plan)}) needs {_gib(need)}, "
+            f"the budget is {_gib(budget)} ({_gib(free_bytes)} free, margin {policy.margin:.0%})"
+        )
+        if cannot_run.method == "none":
+            reason += f"; smaller micro-batches cannot run: {cannot_run.reason}"
+        return HandBack(need, plan.model_copy(update={"reason": reason}), reason)
+
+
+def _stages(runner: TrialRunner, policy: MemoryPolicy) -> list[_Stage]:
+    """The ladder of allowed resizes, cumulative, in the policy's order."""
+    stage = _Stage(micro_batch=False, checkpointing=False, bf16=False)
+    stages = [stage]
+    if not policy.allow_resize:
+        return stages
+    for resize in policy.resizes:
+        if resize == "micro_batch":
+            stage = _Stage(True, stage.checkpointing, stage.bf16)
+        elif resize == "checkpointing" and runner.can_checkpoint:
+            stage = _Stage(stage.micro_batch, True, stage.bf16)
+        elif resize == "bf16" and runner.can_bf16:
+            stage = _Stage(stage.micro_batch, stage.checkpointing, True)
+        else:
+            continue
+        stages.append(stage)
+    return stages
+
+
+def _fits(prediction: Prediction, budget: int) -> bool:
+    """Whether a prediction says the run fits `budget`: one that predicts nothing (neither
+    traced nor probed) never does, though its bytes are 0."""
+    return prediction.method != "none" and peak_of(prediction) <= budget
+
+
+def _micro_batch_cap(batch: int, plans_tried: Sequence[PlanOut]) -> int:
+    """One less than the smallest micro-batch that ran out of memory (the batch when none did)."""
+    micros = [tried.micro_batch or batch for tried in plans_tried]
+    return max(min(micros) - 1, 1) if micros else batch
+
+
+def _search_order(cap: int, batch: int) -> list[tuple[bool, int]]:
+    """(keep precision, micro-batch cap) pairs: precise plans first, each below the OOM first."""
+    caps = [cap, batch] if cap < batch else [batch]
+    return [(precise, c) for precise in (True, False) for c in caps]
+
+
+def _largest_true(high: int, fits: Callable[[int], bool]) -> int | None:
+    """The largest n in [1, high] with fits(n), for a fits that holds below some n."""
+    if not fits(1):
+        return None
+    low = 1
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def _blind_plan(
+    batch: int, policy: MemoryPolicy, plans_tried: Sequence[PlanOut], prediction: Prediction
+) -> Decision:
+    """Without a prediction: as asked, then halve the micro-batch after each OOM."""
+    tried = _keys(plans_tried)
+    micro = batch
+    while micro >= 1:
+        plan = plan_for_micro_batch(batch, micro)
+        if plan_key(plan) not in tried:
+            reason = f"no prediction ({prediction.reason or 'untraceable'}): {describe(plan)}"
+            return RunAsPlanned(plan.model_copy(update={"reason": reason}), prediction)
+        if not (policy.allow_resize and "micro_batch" in policy.resizes):
+            break
+        micro //= 2
+    reason = f"no prediction and every plan down to micro-batch {max(micro, 1)} ran out of memory"
+    return HandBack(0, None, reason)
+
+
+def _calibrated(prediction: Prediction, calibration: Calibration) -> Prediction:
+    """The prediction corrected by the service's fit, applied as the contract defines."""
+    return apply_calibration(prediction, calibration)
+
+
+def _uncalibrated_budget(budget: int, calibration: Calibration | None) -> int:
+    """The raw-prediction budget whose calibrated value is `budget` (the fit's inverse)."""
+    if calibration is None:
+        return budget
+    line = budget / (1.0 + calibration.margin_fraction)
+    return max(math.floor((line - calibration.offset_bytes) / calibration.scale), 0)
+
+
+def describe(plan: Plan) -> str:
+    """A plan in words, e.g. 'micro-batch 16 x 4 accumulation + checkpointing'."""
+    parts = ["as asked" if plan.micro_batch is None else f"micro-batch {plan.micro_batch}"]
+    if plan.accumulation > 1:
+        parts[0] += f" x {plan.accumulation} accumulation"
+    parts += [
+        name for name, on in (("checkpointing", plan.checkpointing), ("bf16", plan.bf16)) if on
+    ]
+    return " + ".join(parts)
+
+
+def _reason(
+    chooser: _Chooser,
+    plan: Plan,
+    prediction: Prediction,
+    as_asked: Prediction,
+    budget: int,
+    free_bytes: int,
+    policy: MemoryPolicy,
+) -> str:
+    fit = f"predicted {_gib(peak_of(prediction))} <= budget {_gib(budget)}"
+    if prediction.method == "probe":  # the record and the dashboard say why it was measured
+        fit += f" [probed: {prediction.reason}]"
+    room = f"({_gib(free_bytes)} free, margin {policy.margin:.0%})"
+    if plan == Plan():
+        return f"as asked: {fit} {room}"
+    slowdown = expected_slowdown(plan, chooser.batch, chooser.step_fit)
+    return (
+        f"resized to {describe(plan)}, effective batch {chooser.batch} unchanged: as asked needs "
+        f"{_gib(peak_of(as_asked))}; fastest plan that fits (predicted slowdown {slowdown:.2f}x),"
+        f" {fit} {room}"
+    )
+
+
+def _plan_of(tried: PlanOut) -> Plan:
+    return Plan(**tried.model_dump(exclude={"reason"}))
+
+
+def _keys(plans: Sequence[PlanOut]) -> set[PlanKey]:
+    return {plan_key(plan) for plan in plans}
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.3f} GiB"

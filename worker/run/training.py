@@ -1,0 +1,369 @@
+"""The worker's training loop for torch tasks: `TorchTaskRunner`.
+
+The runner owns the loop, as Lightning's Trainer owns a LightningModule's: it builds the task's
+model under the plan (checkpointing), splits each step's batch into the plan's micro-batches
+through `worker.trial.steps.train_step` (the function the predictor traces), evaluates every
+`budget.eval_every` steps and reports through the agent, and measures the peak memory: torch's
+allocator counters and NVML on CUDA, the tracked live tensor bytes on CPU, where the simulated
+card's limit raises `OutOfMemory`.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from service.wire import Measured, Plan, Prediction, TrainBudget
+from worker.device.memory import MemoryTracker
+from worker.trial.runner import (
+    CardSpec,
+    Config,
+    OutOfMemory,
+    Reporter,
+    RunFailed,
+    RunResult,
+    Stopped,
+    trial_config,
+)
+from worker.trial.steps import (
+    autocast_for,
+    batch_feeder,
+    build_for_plan,
+    micro_batch_sizes,
+    train_step,
+)
+from worker.trial.task import Batch, Task
+
+logger = logging.getLogger(__name__)
+
+# How often (in steps) the progress bar shows the loss: reading it syncs a CUDA device.
+LOSS_DISPLAY_EVERY = 10
+
+
+class TrainingDiverged(RunFailed):
+    """The metric became NaN or infinite: the trial fails, as Optuna fails a NaN objective."""
+
+
+class PeakMeter(Protocol):
+    """Measures one run's peak memory on its device.
+
+    Contract:
+        out_of_memory: the exception types that mean the run exceeded the card.
+        __enter__/__exit__: the measured window (the model is built inside it).
+        sample(): called after every step (NVML has no peak counter of its own).
+        measured(): the peaks so far.
+    """
+
+    out_of_memory: tuple[type[BaseException], ...]
+
+    def __enter__(self) -> PeakMeter: ...
+
+    def __exit__(self, *exc_info: object) -> None: ...
+
+    def sample(self) -> None: ...
+
+    def measured(self) -> Measured: ...
+
+
+class CudaPeakMeter:
+    """torch's allocator peaks (allocated, reserved) plus NVML's per-process figure."""
+
+    out_of_memory: tuple[type[BaseException], ...] = (torch.OutOfMemoryError,)
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.nvml_peak: int | None = None
+
+    def __enter__(self) -> CudaPeakMeter:
+        release_device_memory(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.sample()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.sample()
+
+    def sample(self) -> None:
+        """Fold NVML's current per-process usage into its peak."""
+        used = _nvml_process_used(self.index)
+        if used is not None:
+            self.nvml_peak = max(used, self.nvml_peak or 0)
+
+    def measured(self) -> Measured:
+        """max_memory_allocated / max_memory_reserved since the run began, and NVML's peak."""
+        return Measured(
+            peak_allocated_bytes=torch.cuda.max_memory_allocated(self.device),
+            peak_reserved_bytes=torch.cuda.max_memory_reserved(self.device),
+            nvml_peak_bytes=self.nvml_peak,
+        )
+
+
+class CpuPeakMeter:
+    """Live tensor bytes, storage by storage; past `limit_bytes` the simulated card is full."""
+
+    # MemoryLimitExceeded is a torch.OutOfMemoryError, as a real allocation failure is.
+    out_of_memory: tuple[type[BaseException], ...] = (torch.OutOfMemoryError,)
+
+    def __init__(self, limit_bytes: int | None) -> None:
+        self.tracker = MemoryTracker(device_type="cpu", limit_bytes=limit_bytes)
+        self.stack = ExitStack()
+
+    def __enter__(self) -> CpuPeakMeter:
+        self.stack.enter_context(self.tracker)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stack.close()
+
+    def sample(self) -> None:
+        """Nothing to sample: the tracker sees every allocation."""
+
+    def measured(self) -> Measured:
+        """The peak of live tensor bytes (no allocator, hence no reserved figure)."""
+        return Measured(peak_allocated_bytes=self.tracker.peak_bytes)
+
+
+def _nvml_process_used(device_index: int) -> int | None:
+    """NVML's figure for this process, when worker.device.gpu (the one pynvml module) gives it."""
+    try:
+        from worker.device import gpu
+    except ImportError:
+        return None
+    return gpu.process_used_bytes(device_index)
+
+
+def release_device_memory(device: torch.device) -> None:
+    """Free what dead tensors still hold so the next run starts from a clean card."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def meter_for(card: CardSpec) -> PeakMeter:
+    """The meter for the card's device: CUDA counters, or tracked live bytes on CPU."""
+    device = torch.device(card.device)
+    if device.type == "cuda":
+        return CudaPeakMeter(device)
+    return CpuPeakMeter(card.info.total_bytes if card.info.simulated else None)
+
+
+@dataclass
+class _Progress:
+    """A progress bar on an interactive terminal, plain log lines otherwise."""
+
+    label: str
+    total_steps: int | None
+    bar: Any = None
+
+    def __post_init__(self) -> None:
+        if sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                return
+            self.bar = tqdm(total=self.total_steps, desc=self.label, unit="step", leave=False)
+
+    def stepped(self, step: int, loss: torch.Tensor) -> None:
+        """Advance the bar; show the loss now and then."""
+        if self.bar is not None:
+            self.bar.update(1)
+            if step % LOSS_DISPLAY_EVERY == 0:
+                self.bar.set_postfix(loss=f"{float(loss):.4f}", refresh=False)
+
+    def evaluated(self, step: int, loss: torch.Tensor, metric: str, value: float) -> None:
+        """Show an evaluation on the bar, or log it."""
+        if self.bar is not None:
+            self.bar.set_postfix({"loss": f"{float(loss):.4f}", metric: f"{value:.4f}"})
+        else:
+            logger.info(
+                "%s step %d/%s loss %.4f %s %.4f",
+                self.label,
+                step,
+                self.total_steps or "-",
+                float(loss),
+                metric,
+                value,
+            )
+
+    def close(self) -> None:
+        """Remove the bar."""
+        if self.bar is not None:
+            self.bar.close()
+
+
+@dataclass
+class _Loop:
+    """One run's state: the model, its optimizer and the clocks."""
+
+    task: Task
+    config: Config
+    plan: Plan
+    budget: TrainBudget
+    device: torch.device
+    meter: PeakMeter
+    reporter: Reporter
+    started: float = field(default_factory=time.monotonic)
+    eval_seconds: float = 0.0
+    steps: int = 0
+
+    def run(self, batches: Iterator[Batch]) -> RunResult:
+        """Train within the budget, evaluating and reporting on schedule; the final metric."""
+        batch_size = int(self.config[self.task.batch_size_param])
+        model = build_for_plan(self.task, self.config, self.plan, self.device)
+        optimizer = self.task.build_optimizer(model, self.config)
+        next_batch = batch_feeder(batches)
+        progress = _Progress(self.task.name, self.budget.max_steps)
+        value: float | None = None
+        try:
+            while not self.budget_spent():
+                self.check_stop()
+                loss = train_step(
+                    self.task, model, optimizer, next_batch, batch_size, self.plan, self.device
+                )
+                self.steps += 1
+                self.meter.sample()
+                progress.stepped(self.steps, loss)
+                value = None
+                if self.steps % self.budget.eval_every == 0:
+                    value = self.evaluate(model, optimizer)
+                    progress.evaluated(self.steps, loss, self.task.metric.name, value)
+                    if self.reporter.report(self.steps, value):
+                        raise Stopped("pruned", self.meter.measured())
+            if value is None:
+                value = self.evaluate(model, optimizer)
+        finally:
+            progress.close()
+        return self.result(value, batch_size)
+
+    def budget_spent(self) -> bool:
+        """Whether the step or time budget is used up (never before the first step)."""
+        max_steps, max_seconds = self.budget.max_steps, self.budget.max_seconds
+        if self.steps == 0:
+            return False
+        if max_steps is not None and self.steps >= max_steps:
+            return True
+        return max_seconds is not None and time.monotonic() - self.started >= max_seconds
+
+    def check_stop(self) -> None:
+        """Raise Stopped when the agent wants this run to end (between steps)."""
+        reason = self.reporter.stop_reason()
+        if reason is not None:
+            raise Stopped(reason, self.meter.measured())
+
+    def evaluate(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
+        """The task's metric, in eval mode without gradients, in chunks of the micro-batch."""
+        began = time.monotonic()
+        # The next step drops the gradients anyway; dropping them now keeps evaluation below
+        # the training peak (the trace the plan was chosen by does not see evaluation).
+        optimizer.zero_grad(set_to_none=True)
+        micro = micro_batch_sizes(int(self.config[self.task.batch_size_param]), self.plan)[0]
+        # Evaluating in chunks of the micro-batch keeps evaluation within the plan's footprint.
+        eval_config = {**self.config, self.task.batch_size_param: micro}
+        model.eval()
+        try:
+            with torch.no_grad(), autocast_for(self.plan, self.device):
+                value = float(self.task.evaluate(model, eval_config, self.device))
+        finally:
+            model.train()
+            self.eval_seconds += time.monotonic() - began
+        if not math.isfinite(value):
+            raise TrainingDiverged(
+                f"{self.task.metric.name} is {value} after {self.steps} steps (training diverged)",
+                self.meter.measured(),
+            )
+        return value
+
+    def result(self, value: float, batch_size: int) -> RunResult:
+        """The run's metric, peaks, duration and throughput."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        duration = time.monotonic() - self.started
+        train_seconds = max(duration - self.eval_seconds, 1e-9)
+        return RunResult(
+            values=[value],
+            measured=self.meter.measured(),
+            duration_s=duration,
+            samples_per_s=self.steps * batch_size / train_seconds,
+            steps=self.steps,
+        )
+
+
+class TorchTaskRunner:
+    """Runs a `worker.trial.task.Task`'s trials with the worker-owned loop (a `TrialRunner`)."""
+
+    def __init__(self, task: Task) -> None:
+        self.task = task
+        self.task_name = task.name
+        # A task may say it has nothing to checkpoint or must stay in fp32.
+        self.can_checkpoint = bool(getattr(task, "can_checkpoint", True))
+        self.can_bf16 = bool(getattr(task, "can_bf16", True))
+
+    def batch_size(self, config: Config) -> int:
+        """The configuration's effective batch size."""
+        return int(config[self.task.batch_size_param])
+
+    def predict(self, config: Config, plan: Plan, card: CardSpec) -> Prediction:
+        """The predictor's traced peak for `config` under `plan` on `card`."""
+        from worker.predictor import predict
+
+        prediction: Prediction = predict(self.task, config, plan, card)
+        return prediction
+
+    def largest_micro_batch(
+        self, config: Config, plan: Plan, budget_bytes: int, card: CardSpec
+    ) -> tuple[int, Prediction] | None:
+        """The predictor's largest micro-batch of an even split (the policy's plans) fitting
+        `budget_bytes` under `plan`'s flags."""
+        from worker.predictor import largest_micro_batch
+
+        found: tuple[int, Prediction] | None = largest_micro_batch(
+            self.task, config, plan, budget_bytes, card, even=True
+        )
+        return found
+
+    def run(
+        self, config: Config, plan: Plan, budget: TrainBudget, card: CardSpec, reporter: Reporter
+    ) -> RunResult:
+        """Train `config` under `plan` within `budget`; raises OutOfMemory past the card."""
+        device = torch.device(card.device)
+        micro = micro_batch_sizes(self.batch_size(config), plan)[0]
+        # The task loads its data here, outside the measured window: data stays on the host.
+        batches = self.task.batches(config, micro, device, int(config.get("seed", 0)))
+        meter = meter_for(card)
+        try:
+            with meter:
+                torch.manual_seed(int(config.get("seed", 0)))
+                loop = _Loop(self.task, config, plan, budget, device, meter, reporter)
+                return loop.run(batches)
+        except meter.out_of_memory as error:
+            message = f"out of memory: {error}"
+        # Out of the except block the traceback, and the tensors its frames hold, are gone.
+        release_device_memory(device)
+        measured = meter.measured()
+        logger.warning(
+            "%s: %s (peak %d bytes)", self.task_name, message, measured.peak_allocated_bytes
+        )
+        raise OutOfMemory(message, measured)
+
+
+__all__ = [
+    "CpuPeakMeter",
+    "CudaPeakMeter",
+    "PeakMeter",
+    "TorchTaskRunner",
+    "TrainingDiverged",
+    "meter_for",
+    "release_device_memory",
+    "trial_config",
+]
