@@ -124,26 +124,32 @@ class Fleet:
         self.workers.append(WorkerProcess(name, log_path, process))
         return self.workers[-1]
 
+    def busy(self) -> dict[str, dict[str, Any]]:
+        """The live workers running a trial now (their last event is "started"): that event by
+        worker name."""
+        last = {w.name: (w.events() or [{"event": None}])[-1] for w in self.workers if w.alive()}
+        return {name: e for name, e in last.items() if e["event"] == "started"}
+
+    def wait_for_busy(self, count: int, timeout_s: float = PATIENCE_S) -> dict[str, dict[str, Any]]:
+        """Wait until at least ``count`` workers are running a trial; `busy()` then."""
+        deadline = time.monotonic() + timeout_s
+        while len(busy := self.busy()) < count:
+            if time.monotonic() > deadline:
+                pytest.fail(f"fewer than {count} workers ran a trial for {timeout_s:.0f} s")
+            time.sleep(0.05)
+        return busy
+
     def kill_busy(
         self, rng: random.Random, timeout_s: float = PATIENCE_S
     ) -> tuple[WorkerProcess, int]:
         """SIGKILL a random live worker that is running a trial (waiting for one to be); the
         worker and the trial it had started."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            last = {
-                w.name: (w.events() or [{"event": None}])[-1] for w in self.workers if w.alive()
-            }
-            busy = {name: e for name, e in last.items() if e["event"] == "started"}
-            if busy:
-                name = rng.choice(sorted(busy))
-                victim = next(w for w in self.workers if w.name == name)
-                victim.process.kill()
-                victim.process.wait()
-                return victim, int(busy[name]["trial_id"])
-            if time.monotonic() > deadline:
-                pytest.fail(f"no worker was running a trial for {timeout_s:.0f} s")
-            time.sleep(0.05)
+        busy = self.wait_for_busy(1, timeout_s)
+        name = rng.choice(sorted(busy))
+        victim = next(w for w in self.workers if w.name == name)
+        victim.process.kill()
+        victim.process.wait()
+        return victim, int(busy[name]["trial_id"])
 
     def events(self) -> list[dict[str, Any]]:
         """Every worker's events (stop_all first: a live worker may not have logged its last)."""

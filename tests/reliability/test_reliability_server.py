@@ -136,10 +136,13 @@ def test_database_outage_is_503_and_results_wait_for_its_return(
     server = start_server(proxied, **OUTAGE_FLEET)
     n_trials = 32
     # No intermediate reports: a worker whose run ends during the outage holds its result.
-    study = create_study(server.url, n_trials, step_seconds=0.03, reports=False)
+    study = create_study(server.url, n_trials, step_seconds=0.05, reports=False)
     probe = register_probe(server.url)
     fleet.start(server.url, 8)
     wait_for_finished(url, study, 8)
+    # Cut while runs are under way (each ends well within the outage), so that some result
+    # meets the outage: a loaded machine once cut between runs and the test tested nothing.
+    fleet.wait_for_busy(3)
 
     proxy.cut()
     during = statuses_during(server.url, probe, study, OUTAGE_S)
