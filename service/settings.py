@@ -35,7 +35,10 @@ class Settings(BaseSettings):
         "checked with auth on, where every call needs a token.",
     )
     lease_ttl_s: float = Field(
-        30.0, gt=0, description="Seconds a lease lives without a heartbeat renewing it."
+        30.0,
+        gt=0,
+        description="Seconds a lease lives without a heartbeat renewing it, counted only while "
+        "the server sees the database: a server that starts expires no lease for this long.",
     )
     heartbeat_interval_s: float = Field(
         5.0, gt=0, description="Seconds between worker heartbeats (told to workers)."
