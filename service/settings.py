@@ -47,7 +47,10 @@ class Settings(BaseSettings):
         2.0, gt=0, description="Seconds between passes of the reaper of expired leases."
     )
     worker_stale_s: float = Field(
-        30.0, gt=0, description="Seconds without a heartbeat after which a worker is stale."
+        30.0,
+        gt=0,
+        description="Seconds without a heartbeat after which a worker is stale; a server that "
+        "starts ends no trial infeasible for want of a stale worker's card for this long.",
     )
     max_request_bytes: int = Field(
         MIB, ge=1024, description="Largest request body accepted; larger ones get a 413."

@@ -63,13 +63,18 @@ class _Pass:
     reaped: Reaped
 
 
-def reap_once(state: AppState, now: datetime | None = None, expire_leases: bool = True) -> Reaped:
-    """One pass over expired leases (unless told not to expire any) and stranded waiting
-    trials, each in its own transaction."""
+def reap_once(
+    state: AppState,
+    now: datetime | None = None,
+    expire_leases: bool = True,
+    route_waiting: bool = True,
+) -> Reaped:
+    """One pass over expired leases and stranded waiting trials (unless told to leave either
+    alone), each in its own transaction."""
     run = _Pass(state, now or state.clock(), Reaped())
     while expire_leases and _reap_one_lease(run):
         pass
-    for trial_id in _waiting_trial_ids(state):
+    for trial_id in _waiting_trial_ids(state) if route_waiting else []:
         _route_waiting(run, trial_id)
     _count(run.reaped)
     return run.reaped
@@ -197,7 +202,8 @@ class Sight:
         """Whether ``now`` is within ``grace_s`` of the first pass that reached the database.
 
         Workers could not heartbeat while this process was not running: however long the
-        server was down, each gets a lease TTL after it came back before its leases expire.
+        server was down, each gets a lease TTL after it came back before its leases expire
+        (and ``worker_stale_s`` before it is judged gone).
         """
         return self.first is None or now < self.first + timedelta(seconds=grace_s)
 
@@ -213,8 +219,15 @@ def _catch_up(state: AppState, sight: Sight, now: datetime) -> None:
 def _reaper_pass(state: AppState, sight: Sight, now: datetime) -> None:
     """One pass of the loop: catch up after an outage, then reap (leases only past the grace)."""
     _catch_up(state, sight, now)
-    expire = not sight.in_restart_grace(now, state.settings.lease_ttl_s)
-    reaped = reap_once(state, now, expire_leases=expire)
+    settings = state.settings
+    # Nor is a worker judged stale, and its waiting trials ended infeasible, by heartbeats it
+    # could not send while this process was down.
+    reaped = reap_once(
+        state,
+        now,
+        expire_leases=not sight.in_restart_grace(now, settings.lease_ttl_s),
+        route_waiting=not sight.in_restart_grace(now, settings.worker_stale_s),
+    )
     sight.first, sight.last = sight.first or now, now
     if sight.failing_since is not None:  # one line for the whole outage's end
         outage_s = round((now - sight.failing_since).total_seconds(), 1)
