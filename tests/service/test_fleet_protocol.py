@@ -597,6 +597,59 @@ def test_handed_back_trial_waits_for_a_larger_card(env: Env) -> None:
     assert told.user_attrs["vramtune.handback"]["min_footprint_bytes"] == 6 * GIB
 
 
+def test_a_routed_then_pruned_trial_keeps_its_story_and_shows_both(env: Env) -> None:
+    env.create_study(pruner={"name": "threshold", "args": {"upper": 1.0}})
+    small = env.worker("small", 4 * GIB, "Sim 4G")
+    large = env.worker("large", 16 * GIB, "Sim 16G")
+    held = small.next()
+    assert held is not None
+    small.call(held, "handback", min_footprint_bytes=6 * GIB, plan=HALVED, reason="big")
+    routed = large.next()
+    assert routed is not None and routed["trial_id"] == held["trial_id"]
+    started = large.call(routed, "start", plan=PLAN, prediction=_prediction(6 * GIB))
+    assert started.status_code == 200, started.text
+    assert large.call(routed, "report", step=3, value=5.0).json() == {"prune": True}
+    shown = env.page()[held["trial_id"]]
+    assert (shown["outcome"], shown["told_outcome"]) == ("pruned", "routed, pruned")
+    detail = env.http.get(f"/dashboard/studies/{env.study}/trials/{held['number']}").json()
+    assert detail["told_outcome"] == "routed, pruned"
+    story = [(e["kind"], e["detail"].get("worker")) for e in detail["events"]]
+    assert story == [
+        ("leased", "small"),
+        ("handed_back", "small"),
+        ("routed", "large"),
+        ("planned", "large"),
+        ("pruned", "large"),
+    ]
+    texts = [e["text"] for e in detail["events"]]
+    assert "needs 6.00 GiB at its smallest plan; waits for a larger card" in texts[1]
+    assert texts[2] == "routed to the larger card of large (16.0 GiB)"
+    listed = env.http.get("/dashboard/studies").json()["studies"]
+    memory = next(s["memory"] for s in listed if s["name"] == env.study)
+    assert (memory["routed"], memory["routed_pruned"]) == (1, 1)
+
+
+def test_infeasible_trials_get_advice_in_human_units(env: Env) -> None:
+    space = {"width": {"type": "categorical", "choices": [64, 4096]}}
+    env.create_study(n_trials=2, search_space=space, sampler={"name": "grid"})
+    small = env.worker("small", 4 * GIB, "Sim 4G")
+    first, second = small.next(), small.next()
+    assert first is not None and second is not None
+    narrow, wide = sorted((first, second), key=lambda a: a["params"]["width"])
+    assert small.complete(narrow, 1.0, peak=GIB).status_code == 200
+    back = small.call(wide, "handback", min_footprint_bytes=6 * GIB, reason="too wide")
+    assert back.json()["detail"] == "needs 6.00 GiB; the largest live card has 4.00 GiB"
+    advice = env.http.get(f"/dashboard/studies/{env.study}/advice").json()["items"]
+    infeasible = next(a for a in advice if a["kind"] == "infeasible")
+    assert infeasible["trials"] == [wide["number"]]
+    assert "needs 6.00 GiB" in infeasible["text"]
+    assert "The largest live card has 4.00 GiB: 2.00 GiB short (+50 %)" in infeasible["text"]
+    actions = " | ".join(infeasible["actions"])
+    assert "add 'bf16' to memory_policy.resizes" in actions
+    assert "drop 4096 from search_space.width.choices" in actions
+    assert "add a card of at least 6.67 GiB" in actions  # the footprint and the 10 % margin
+
+
 def test_trial_no_card_can_hold_is_infeasible_with_its_constraint(env: Env) -> None:
     env.create_study(n_trials=2)
     small = env.worker("small", 4 * GIB, "Sim 4G")

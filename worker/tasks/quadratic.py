@@ -43,6 +43,9 @@ class QuadraticConfig:
     oom_step: int = 2
     oom_above_micro_batch: int = 0
     objectives: int = 1
+    # Bytes the run holds that predict() does not see, as an evaluation over the whole held-out
+    # set in one pass would: the biased calibration the dashboard's advice explains.
+    unpredicted_bytes: int = 0
 
     @classmethod
     def of(cls, config: Config) -> QuadraticConfig:
@@ -91,7 +94,7 @@ class QuadraticTask:
     ) -> RunResult:
         """Sleep through the steps, report the converging metric, fail past the card."""
         cfg = QuadraticConfig.of(config)
-        peak = footprint_bytes(cfg, plan)
+        peak = footprint_bytes(cfg, plan) + cfg.unpredicted_bytes
         measured = Measured(peak_allocated_bytes=peak, peak_reserved_bytes=peak)
         limit = card.info.free_bytes
         micro = _micro_batch(cfg, plan)
