@@ -41,7 +41,7 @@ MISSED_OOM_SAMPLE = 20  # latest OOMs shown
 MIN_RUNS = 3  # fewer completed runs say nothing about a bias
 BIAS_THRESHOLD = 0.10  # a median bias beyond ±10 % is worth acting on
 ADDITIVE_SPREAD = 2.0  # excess bytes within this factor across sizes: an additive overhead
-FEASIBLE_OUTCOMES = ("as_asked", "resized", "routed")
+FEASIBLE_OUTCOMES = ("as_asked", "resized", "routed", "pruned")  # they ran: they fit a card
 
 
 def advice(session: Session, name: str, settings: Settings, now: datetime) -> Advice:
