@@ -650,6 +650,33 @@ def test_infeasible_trials_get_advice_in_human_units(env: Env) -> None:
     assert "add a card of at least 6.67 GiB" in actions  # the footprint and the 10 % margin
 
 
+def test_an_oom_the_prediction_missed_is_advice_and_story(env: Env) -> None:
+    env.create_study()
+    worker = env.worker("w1", 4 * GIB, "Sim 4G")
+    held = worker.next()
+    assert held is not None
+    worker.call(held, "start", plan=PLAN, prediction=_prediction(3 * GIB))
+    measured = {"peak_allocated_bytes": 5 * GIB}
+    body = {"plan": PLAN, "measured": measured, "prediction": _prediction(3 * GIB)}
+    oom = worker.call(held, "fail", kind="oom", message="CUDA out of memory", **body)
+    assert oom.json()["resolution"] == "retry"
+    advice = env.http.get(f"/dashboard/studies/{env.study}/advice").json()["items"]
+    missed = next(a for a in advice if a["kind"] == "missed_oom")
+    assert missed["title"] == "1 run ran out of memory though predicted to fit"
+    assert "predicted at 3.00 GiB on Sim 4G and ran out of memory at 5.00 GiB" in missed["text"]
+    assert missed["trials"] == [held["number"]]
+    detail = env.http.get(f"/dashboard/studies/{env.study}/trials/{held['number']}").json()
+    assert [e["kind"] for e in detail["events"]] == ["leased", "planned", "oom"]
+    assert detail["events"][-1]["text"] == (
+        "out of memory at 5.00 GiB on w1 (4.00 GiB) running as asked; retried smaller"
+    )
+    retried = worker.next()
+    assert retried is not None and retried["trial_id"] == held["trial_id"]
+    assert worker.complete(retried, 1.0, peak=GIB).status_code == 200
+    detail = env.http.get(f"/dashboard/studies/{env.study}/trials/{held['number']}").json()
+    assert [e["kind"] for e in detail["events"]][3:] == ["leased", "completed"]
+
+
 def test_trial_no_card_can_hold_is_infeasible_with_its_constraint(env: Env) -> None:
     env.create_study(n_trials=2)
     small = env.worker("small", 4 * GIB, "Sim 4G")

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from common.units import human_bytes
 from service.wire import Measured, Plan, Prediction, TrainBudget
 from worker.plan.policy import expected_slowdown
 from worker.trial.runner import CardSpec, Config, OutOfMemory, Reporter, RunResult, Stopped
@@ -109,8 +110,8 @@ class QuadraticTask:
             time.sleep(step_seconds)
             if step >= cfg.oom_step and (peak > limit or 0 < cfg.oom_above_micro_batch < micro):
                 raise OutOfMemory(
-                    f"simulated OOM at step {step}: {peak} bytes needed, micro-batch {micro},"
-                    f" card holds {limit}",
+                    f"simulated OOM at step {step}: {human_bytes(peak)} needed, "
+                    f"micro-batch {micro}, card holds {human_bytes(limit)}",
                     measured,
                 )
             if step % budget.eval_every == 0 and reporter.report(step, _value_at(cfg, step)):
