@@ -272,8 +272,19 @@ def _calibration(session: Session, row: StudyRow) -> list[AdviceItem]:
     by_card: dict[str, list[_Run]] = {}
     for card, predicted, measured in session.execute(latest):
         by_card.setdefault(card, []).append(_Run(int(predicted or 0), int(measured)))
-    items = [_bias(card, runs) for card, runs in sorted(by_card.items())]
+    items = [_bias(cards, runs) for cards, runs in _groups(by_card)]
     return [item for item in items if item is not None]
+
+
+def _groups(by_card: dict[str, list[_Run]]) -> list[tuple[str, list[_Run]]]:
+    """Each card model with enough runs on its own; those with too few, pooled (a small study
+    spread over two cards still shows a bias its trials all share)."""
+    alone = [(card, runs) for card, runs in sorted(by_card.items()) if len(runs) >= MIN_RUNS]
+    few = {card: runs for card, runs in sorted(by_card.items()) if len(runs) < MIN_RUNS}
+    if not few:
+        return alone
+    pooled = [run for runs in few.values() for run in runs]
+    return [*alone, (" and ".join(few), pooled)]
 
 
 def _bias(card: str, runs: list[_Run]) -> AdviceItem | None:

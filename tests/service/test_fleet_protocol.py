@@ -677,6 +677,46 @@ def test_an_oom_the_prediction_missed_is_advice_and_story(env: Env) -> None:
     assert [e["kind"] for e in detail["events"]][3:] == ["leased", "completed"]
 
 
+def test_a_constant_excess_over_prediction_is_advised_as_unchunked_evaluation(env: Env) -> None:
+    env.create_study(n_trials=4)
+    worker = env.worker("w1", 16 * GIB, "Sim 16G")
+    for predicted in (GIB, 2 * GIB, 3 * GIB, 4 * GIB):  # each run holds 512 MiB more
+        assignment = worker.next()
+        assert assignment is not None
+        done = worker.call(
+            assignment,
+            "complete",
+            values=[1.0],
+            plan=PLAN,
+            prediction=_prediction(predicted),
+            measured={"peak_allocated_bytes": predicted + GIB // 2},
+            duration_s=1.0,
+        )
+        assert done.status_code == 200, done.text
+    advice = env.http.get(f"/dashboard/studies/{env.study}/advice").json()["items"]
+    (bias,) = [a for a in advice if a["kind"] == "calibration"]
+    assert bias["title"] == "Predictions on Sim 16G are too low (+21 %)"
+    assert "512 MiB on the smaller, 512 MiB on the larger" in bias["text"]
+    assert "evaluation" in bias["text"] and "chunk" in bias["actions"][0]
+
+
+def test_a_task_no_live_worker_offers_is_advice_and_a_note_on_waiting_trials(env: Env) -> None:
+    env.create_study(n_trials=2)
+    advice = env.http.get(f"/dashboard/studies/{env.study}/advice").json()["items"]
+    assert [a["kind"] for a in advice] == ["no_worker"]
+    assert advice[0]["title"] == f"No live worker offers task '{env.task}'"
+    leaving = env.worker("leaving")
+    held = leaving.next()
+    assert held is not None
+    table = env.http.get(f"/dashboard/studies/{env.study}/trials").json()
+    assert table["note"] is None and table["rows"][0]["note"] is None  # a live worker has it
+    assert env.http.post(f"/workers/{leaving.id}/stop").status_code == 204
+    table = env.http.get(f"/dashboard/studies/{env.study}/trials").json()
+    note = f"no live worker offers task '{env.task}'"
+    assert table["note"] == note
+    assert [(r["waiting"], r["note"]) for r in table["rows"]] == [(True, note)]
+
+
 def test_trial_no_card_can_hold_is_infeasible_with_its_constraint(env: Env) -> None:
     env.create_study(n_trials=2)
     small = env.worker("small", 4 * GIB, "Sim 4G")
