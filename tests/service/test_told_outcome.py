@@ -6,6 +6,8 @@ import pytest
 
 from common.plans import told_outcome
 from common.units import GIB, MIB, human_bytes
+from service.cli.console import trial_rows
+from service.wire import TrialOut
 
 AS_ASKED = {"micro_batch": None, "accumulation": 1, "checkpointing": False, "bf16": False}
 HALVED = {"micro_batch": 8, "accumulation": 2, "checkpointing": False, "bf16": False}
@@ -44,3 +46,13 @@ def test_the_most_informative_outcome(
 )
 def test_bytes_in_human_units(count: int | None, shown: str) -> None:
     assert human_bytes(count) == shown
+
+
+def test_study_trials_shows_the_told_outcome() -> None:
+    """`vramtune study trials` prints the same outcome as the dashboard's table."""
+    trial = TrialOut(
+        id=1, number=0, state="PRUNED", params={}, outcome="pruned", told_outcome="routed, pruned"
+    )
+    lines = trial_rows([trial]).splitlines()
+    assert "OUTCOME" in lines[0]
+    assert "routed, pruned" in lines[-1]
