@@ -496,6 +496,15 @@ def test_lost_lease_reoffers_the_trial_and_refuses_the_late_complete(env: Env) -
     assert [(t.state, t.value) for t in env.trials()] == [(TrialState.COMPLETE, 1.0)]
     assert env.observations() == 1
     assert env.page()[lost["trial_id"]]["attempt"] == 1
+    detail = env.http.get(f"/dashboard/studies/{env.study}/trials/{lost['number']}").json()
+    story = [(e["kind"], e["detail"].get("worker")) for e in detail["events"]]
+    assert story == [
+        ("leased", "slow"),
+        ("lease_lost", "slow"),
+        ("leased", "other"),
+        ("completed", "other"),
+    ]
+    assert detail["events"][1]["text"] == "lease lost: slow stopped heartbeating; offered again"
 
 
 def test_trial_fails_after_max_attempts(env: Env) -> None:
