@@ -94,8 +94,10 @@ def _completed(detail: Mapping[str, Any]) -> str:
 
 
 def _pruned(detail: Mapping[str, Any]) -> str:
-    step = detail.get("step")
-    return f"pruned at step {step} on {_card(detail)}" if step is not None else "pruned"
+    step, message = detail.get("step"), detail.get("message")
+    if step is not None:
+        return f"pruned at step {step} on {_card(detail)}"
+    return f"pruned on {_card(detail)}" + (f": {message}" if message else "")
 
 
 def _infeasible(detail: Mapping[str, Any]) -> str:

@@ -26,7 +26,6 @@ import pytest
 
 from service.client import Client
 from service.testing import fresh_postgres_database, server_factory, sqlite_url, upgrade_database
-from tests.browser.chromium import CHROMIUM, launch
 from tests.browser.conftest import (
     FLEET,
     Page,
@@ -113,22 +112,14 @@ def advice_server(
                 print(f"----- {worker.name}\n{worker.logs()[-4000:]}")
 
 
-@pytest.fixture(scope="module")
-def chromium() -> Iterator[Any]:
-    """Headless Chromium from the Debian package."""
-    if not CHROMIUM.exists():
-        pytest.skip(f"{CHROMIUM} is not installed (apt-get install chromium)")
-    with launch() as browser:
-        yield browser
-
-
 @pytest.fixture
-def study_page(chromium: Any, advice_server: AdviceServer) -> Iterator[Any]:
-    """study_page(name) -> the study's page, signed in as admin, once its advice is drawn."""
+def study_page(browser: Any, advice_server: AdviceServer) -> Iterator[Any]:
+    """study_page(name) -> the study's page, signed in as admin, once its advice is drawn
+    (in the session's one Chromium: tests/browser/conftest.py ``browser``)."""
     contexts: list[Any] = []
 
     def open_(name: str) -> Page:
-        context = chromium.new_context(viewport={"width": 1500, "height": 1000})
+        context = browser.new_context(viewport={"width": 1500, "height": 1000})
         contexts.append(context)
         token = json.dumps(advice_server.admin)
         context.add_init_script(f"sessionStorage.setItem('vramtune.token', {token})")
@@ -168,6 +159,7 @@ def test_infeasible_configurations_get_the_largest_card_and_what_would_fit(
     assert "add 'bf16' to memory_policy.resizes" in text  # the rung the policy leaves out
     assert "add a card of at least" in text and "MiB" in text
     assert re.search(r"\d{6,}", text) is None, text  # human units, never a raw byte count
+    page.screenshot("advice-infeasible", full_page=False)  # for a person to look at
 
 
 def test_a_routed_then_pruned_trial_shows_both_and_its_story(study_page: Any) -> None:
