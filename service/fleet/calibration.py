@@ -25,11 +25,21 @@ def observed_pairs(
     task: str,
     scopes: Sequence[str] = (FLEET,),
 ) -> list[Pair]:
-    """(raw predicted, measured) peak bytes of finished runs in ``scopes``, newest first."""
+    """(raw predicted, measured) peak bytes of finished runs in ``scopes``, newest first.
+
+    Like against like: where a run reported its training steps' peak beside a training-step
+    prediction, those two are the pair, so an evaluation measured apart never reads as a
+    training-step miss; older runs' whole-run peaks are paired as they were reported.
+    """
     o = MemoryObservationRow
     query = (
         select(
-            o.predicted_allocated, o.predicted_reserved, o.measured_allocated, o.measured_reserved
+            o.predicted_allocated,
+            o.predicted_reserved,
+            o.measured_allocated,
+            o.measured_reserved,
+            o.predicted_training,
+            o.measured_training,
         )
         .where(
             o.card_model == card_model,
@@ -41,10 +51,21 @@ def observed_pairs(
         .order_by(o.id.desc())
         .limit(MAX_OBSERVATIONS)
     )
-    return [
-        (held_peak(p_alloc or 0, p_reserved), held_peak(m_alloc, m_reserved))
-        for p_alloc, p_reserved, m_alloc, m_reserved in session.execute(query)
-    ]
+    return [_pair(*row) for row in session.execute(query)]
+
+
+def _pair(
+    p_alloc: int | None,
+    p_reserved: int | None,
+    m_alloc: int,
+    m_reserved: int | None,
+    p_training: int | None,
+    m_training: int | None,
+) -> Pair:
+    """The training steps' pair when both sides have it, else the whole run's."""
+    if p_training is not None and m_training is not None:
+        return p_training, m_training
+    return held_peak(p_alloc or 0, p_reserved), held_peak(m_alloc, m_reserved)
 
 
 def calibration_for(

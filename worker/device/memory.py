@@ -47,8 +47,11 @@ CUDA_ALLOCATION_ROUNDING = 512
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
 """The breakdown of a peak: labelled training state, then what forward left alive, then the rest."""
 
-PHASES = ("setup", "forward", "backward", "optimizer")
+PHASES = ("setup", "forward", "backward", "optimizer", "evaluation")
 """Where a storage was created; `phase` and `watch_optimizer` set it, backward is detected."""
+
+EVALUATION_PHASE = "evaluation"
+"""The phase of a task's `evaluate` (measured and predicted apart from the training step's)."""
 
 Correction = Callable[[Any, tuple[Any, ...], Any], Any]
 """`correct(func, args, out)`: the output to count instead of `out` (a fake kernel's fix)."""
