@@ -433,7 +433,7 @@ def _evaluation_note(prediction: Prediction) -> str:
     training, evaluation = prediction.training_peak_bytes, prediction.evaluation_peak_bytes
     if training is None or evaluation is None or evaluation <= training:
         return ""
-    return f" (set by the evaluation: {_gib(evaluation)}, training step {_gib(training)})"
+    return f" (set by the evaluation: {_mib(evaluation)}, training step {_mib(training)})"
 
 
 def _plan_of(tried: PlanOut) -> Plan:
@@ -442,6 +442,10 @@ def _plan_of(tried: PlanOut) -> Plan:
 
 def _keys(plans: Sequence[PlanOut]) -> set[PlanKey]:
     return {plan_key(plan) for plan in plans}
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.3f} MiB"
 
 
 def _gib(n: int) -> str:
