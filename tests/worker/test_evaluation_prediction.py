@@ -93,4 +93,8 @@ def test_a_data_set_first_loaded_inside_the_trace_stays_real() -> None:
     predicted = predict(DigitsMLPTask(), config, Plan(), simulated_card())
     assert predicted.evaluation_peak_bytes is not None
     assert not any(isinstance(t, FakeTensor) for t in digits_module.digits())
-    assert run_trial(DigitsMLPTask(), config, steps=2, eval_every=1).values[0] >= 0
+    result = run_trial(DigitsMLPTask(), config, steps=2, eval_every=1)
+    assert result.values[0] >= 0
+    # Loaded by the trace's first, uncounted evaluation: in neither peak, as in the run.
+    assert result.measured.evaluation_peak_bytes == predicted.evaluation_peak_bytes
+    assert result.measured.peak_allocated_bytes == predicted.peak_allocated_bytes

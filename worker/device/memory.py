@@ -157,6 +157,7 @@ class MemoryTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._next_rid = 0
         self._phase: str | None = None
         self._correct = correct
+        self._paused = False
         self.phase_peaks: dict[str, int] = {}
 
     # ------------------------------------------------------------------ dispatch
@@ -169,6 +170,8 @@ class MemoryTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         out = func(*args, **(kwargs or {}))
+        if self._paused:
+            return out
         if self._correct is not None:
             out = self._correct(func, args, out)
         self._count(tree_leaves(out), fresh_only=_aliases_an_input(func))
@@ -299,6 +302,15 @@ class MemoryTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if torch._C._current_graph_task_id() != -1:
             return "backward"
         return "forward"
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Count nothing created inside the block: it is as if made before the tracker."""
+        previous, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = previous
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:

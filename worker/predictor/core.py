@@ -25,6 +25,7 @@ from common.memory import apply_calibration, calibrated_bytes, raw_peaks
 from service.wire import Calibration, CardConstants, Plan, Prediction
 from worker.device.memory import EVALUATION_PHASE
 from worker.predictor.allocator import replay
+from worker.predictor.evaluation import UNTRACED_BOUND
 from worker.predictor.probe import PhasePeaks, measure_point, probe_micro_batches, probe_prediction
 from worker.predictor.trace import (
     CannotTrace,
@@ -176,7 +177,7 @@ def predict(
     try:
         trace = trace_training(task, config, plan, target)
     except CannotTrace as error:
-        return _probe(task, config, plan, card, error.reason, started)
+        return _bounded_evaluation(_probe(task, config, plan, card, error.reason, started))
     prediction = from_trace(trace, target, constants, time.perf_counter() - started)
     _PREDICTIONS.put(key, _Point(prediction, trace.phase_peaks))
     return prediction
@@ -289,6 +290,15 @@ def _probe(
             return _unpredictable(reason, size, error, started)
     _PROBE_POINTS.put(key, points)
     return probe_prediction(points, micro, reason, time.perf_counter() - started)
+
+
+def _bounded_evaluation(prediction: Prediction) -> Prediction:
+    """A probe measures training steps only: its reason says how the evaluation is bounded."""
+    if prediction.method != "probe":
+        return prediction
+    bound = UNTRACED_BOUND.format(why="the training step was probed")
+    reason = f"{prediction.reason}; {bound}"[:MAX_REASON]
+    return prediction.model_copy(update={"reason": reason})
 
 
 def _unpredictable(reason: str, size: int, error: Exception, started: float) -> Prediction:

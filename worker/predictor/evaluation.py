@@ -8,6 +8,9 @@ held-out data, so two things differ from the training step's trace:
   comparison) runs for real, outside the fake mode, so a data set the task caches stays real
   for the runs after the trace; where real data meets the fake model, the fake mode converts it.
   On a CUDA target a real tensor sent to the card becomes fake there.
+- Its data may be loaded on first use and cached by the task. The evaluation runs twice: the
+  first call, counted by nothing, loads it (as the runs after the trace find it loaded); the
+  second is the one traced.
 - Its metric is read in Python (`.item()`, `float()`, `int()`). Fake tensors have no values: a
   read answers zero. The metric is thrown away; only the memory is kept. Control flow that
   depends on those values (an early stop on the metric) is then traced as the zero path.
@@ -91,7 +94,12 @@ def trace_evaluation(
     allowed = fake.allow_non_fake_inputs
     fake.allow_non_fake_inputs = True  # real held-out data meets the fake model
     try:
-        with tracker.phase(EVALUATION_PHASE), _RealDataMode(fake, device):
-            evaluate_step(task, model, optimizer, config, plan, device)
+        with _RealDataMode(fake, device):
+            # A first, uncounted call loads what the task caches (a data set on first use):
+            # the runs find it loaded, and a data set is not memory a run allocates.
+            with tracker.paused():
+                evaluate_step(task, model, optimizer, config, plan, device)
+            with tracker.phase(EVALUATION_PHASE):
+                evaluate_step(task, model, optimizer, config, plan, device)
     finally:
         fake.allow_non_fake_inputs = allowed
