@@ -43,11 +43,6 @@ UNTRACED_BOUND = (
 class _RealDataMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Real operators on real data, zero for a fake scalar read (see the module docstring)."""
 
-    def __init__(self, fake: FakeTensorMode, device: torch.device) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.fake = fake
-        self.device = device
-
     def __torch_dispatch__(
         self,
         func: Any,
@@ -61,15 +56,17 @@ class _RealDataMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             if func is torch.ops.aten._local_scalar_dense.default:
                 return _zero_of(args[0].dtype)
             return func(*args, **kwargs)
-        if self._to_fake_device(kwargs):
+        if _makes_a_card_tensor(kwargs):
             return func(*args, **kwargs)  # the fake mode converts the real inputs
         with unset_fake_temporarily():
             return func(*args, **kwargs)
 
-    def _to_fake_device(self, kwargs: dict[str, Any]) -> bool:
-        """Whether an all-real operator makes a tensor on a device only the fake mode has."""
-        device = kwargs.get("device")
-        return device is not None and torch.device(device).type != "cpu"
+
+def _makes_a_card_tensor(kwargs: dict[str, Any]) -> bool:
+    """Whether an all-real operator makes a tensor on a device only the fake mode has (a
+    held-out batch sent to the GPU, on a worker that traces on fake cuda)."""
+    device = kwargs.get("device")
+    return device is not None and torch.device(device).type != "cpu"
 
 
 def _zero_of(dtype: torch.dtype) -> bool | int | float:
@@ -94,7 +91,7 @@ def trace_evaluation(
     allowed = fake.allow_non_fake_inputs
     fake.allow_non_fake_inputs = True  # real held-out data meets the fake model
     try:
-        with _RealDataMode(fake, device):
+        with _RealDataMode():  # type: ignore[no-untyped-call]
             # A first, uncounted call loads what the task caches (a data set on first use):
             # the runs find it loaded, and a data set is not memory a run allocates.
             with tracker.paused():
