@@ -16,6 +16,9 @@ from service.step_time import MAX_OBSERVATIONS as MAX_STEP_TIMES, fit_step_time
 from service.wire import Calibration, StepTimeFit, StepTimeObservation
 
 MAX_OBSERVATIONS = 5000  # the newest ones: a fit follows the current torch and driver
+MIN_FLEET_WORKERS = 2
+"""Distinct workers whose runs the fleet-wide correction needs before it departs from the
+identity: one worker, broken or hostile, cannot move every worker's plans alone."""
 
 
 def observed_pairs(
@@ -29,7 +32,8 @@ def observed_pairs(
 
     Like against like: where a run reported its training steps' peak beside a training-step
     prediction, those two are the pair, so an evaluation measured apart never reads as a
-    training-step miss; older runs' whole-run peaks are paired as they were reported.
+    training-step miss; older runs' whole-run peaks are paired as they were reported. The
+    fleet's own runs count once they come from `MIN_FLEET_WORKERS` distinct workers.
     """
     o = MemoryObservationRow
     query = (
@@ -40,6 +44,8 @@ def observed_pairs(
             o.measured_reserved,
             o.predicted_training,
             o.measured_training,
+            o.scope,
+            o.worker_id,
         )
         .where(
             o.card_model == card_model,
@@ -51,7 +57,10 @@ def observed_pairs(
         .order_by(o.id.desc())
         .limit(MAX_OBSERVATIONS)
     )
-    return [_pair(*row) for row in session.execute(query)]
+    rows = session.execute(query).all()
+    fleet_workers = {worker for *_, scope, worker in rows if scope == FLEET and worker is not None}
+    quorum = len(fleet_workers) >= MIN_FLEET_WORKERS
+    return [_pair(*row[:6]) for row in rows if quorum or row[6] != FLEET]
 
 
 def _pair(

@@ -39,11 +39,14 @@ def columns(engine: Engine) -> set[str]:
     return {c["name"] for c in sa.inspect(engine).get_columns(TABLE)}
 
 
-def observe(engine: Engine, predicted: int, measured: int, **apart: int | None) -> None:
+def observe(
+    engine: Engine, predicted: int, measured: int, worker: int = 1, **apart: int | None
+) -> None:
     """One run of wine-mlp on the simulated card: whole-run peaks, and the parts if given."""
     row: dict[str, Any] = {
         "trial_id": 1,
         "study_id": 1,
+        "worker_id": worker,
         "card_model": "simulated-cpu-64MiB",
         "torch_version": "2.13.0+cpu",
         "task": "wine-mlp",
@@ -76,11 +79,12 @@ def test_migration_0008_adds_the_peaks_apart_and_goes_down_and_up(engine: Engine
 def test_calibration_pairs_training_with_training_not_with_the_evaluation(engine: Engine) -> None:
     """Runs whose evaluation (unpredicted before issue 29) tripled the whole-run peak, and whose
     training steps were predicted exactly: the served correction is the identity."""
-    for predicted in (14 * KiB, 22 * KiB, 37 * KiB):
+    for worker, predicted in enumerate((14 * KiB, 22 * KiB, 37 * KiB)):
         observe(
             engine,
             predicted,
             3 * predicted,
+            worker,
             predicted_training=predicted,
             measured_training=predicted + 512,
             measured_evaluation=3 * predicted,
@@ -90,11 +94,20 @@ def test_calibration_pairs_training_with_training_not_with_the_evaluation(engine
 
 
 def test_runs_without_the_parts_are_paired_as_reported(engine: Engine) -> None:
-    for predicted in (14 * KiB, 22 * KiB, 37 * KiB):
-        observe(engine, predicted, predicted + 70 * KiB)  # an older worker: one peak per run
+    for worker, predicted in enumerate((14 * KiB, 22 * KiB, 37 * KiB)):
+        observe(engine, predicted, predicted + 70 * KiB, worker)  # older workers: one peak
     calibration = calibration_for_wine(engine)
     # Few runs: the miss is an offset of its bytes, never a scale on larger predictions.
     assert (calibration.scale, calibration.offset_bytes) == (1.0, 70 * KiB)
+
+
+def test_one_worker_alone_cannot_move_the_fleets_calibration(engine: Engine) -> None:
+    for predicted in (14 * KiB, 22 * KiB, 37 * KiB) * 5:
+        observe(engine, predicted, 4 * predicted, worker=7)
+    alone = calibration_for_wine(engine)
+    assert (alone.scale, alone.offset_bytes, alone.n_observations) == (1.0, 0, 0)
+    observe(engine, 14 * KiB, 4 * 14 * KiB, worker=8)  # a second worker sees the same
+    assert calibration_for_wine(engine).scale == 4.0
 
 
 def calibration_for_wine(engine: Engine) -> Any:
