@@ -2,8 +2,9 @@
 
 Pure Python (no torch): the server fits here; workers apply the fit with the contract's
 ``service.wire.apply_calibration``. Per (card model, torch version, task),
-the measured peak is modelled as ``scale * predicted + offset`` (a robust Theil-Sen line, or a
-median ratio while there are few observations or they span too little), and the margin is the
+the measured peak is modelled as ``scale * predicted + offset`` (a robust Theil-Sen line; with
+fewer than MIN_FOR_LINE observations the median miss as an offset, scale 1; with enough that
+span too little, the median ratio), and the margin is the
 conformal (1 - alpha) quantile of the relative under-prediction left after that fit, so that a
 new run exceeds ``(scale * predicted + offset) * (1 + margin)`` with probability <= alpha (1 %)
 when runs are exchangeable. With fewer than 99 observations that quantile does not exist yet:
@@ -59,11 +60,16 @@ def fit_calibration(
 
 
 def _fit_line(pairs: Sequence[Pair]) -> tuple[float, float]:
-    """(scale, offset): Theil-Sen when the points allow it, else the median ratio."""
+    """(scale, offset): Theil-Sen when the points allow it, else the median offset or ratio."""
     if not pairs:
         return 1.0, 0.0
+    if len(pairs) < MIN_FOR_LINE:
+        # A few small runs cannot tell a constant miss from a proportional one; as a ratio, a
+        # constant miss (memory the prediction did not see, issue 29) would multiply every
+        # larger prediction. As an offset it stays the bytes it was.
+        return 1.0, statistics.median(m - p for p, m in pairs)
     predicted = [p for p, _ in pairs]
-    if len(pairs) < MIN_FOR_LINE or max(predicted) < MIN_SPREAD * min(predicted):
+    if max(predicted) < MIN_SPREAD * min(predicted):
         return _bounded(statistics.median(m / p for p, m in pairs)), 0.0
     points = pairs[:MAX_LINE_POINTS]
     slopes = [

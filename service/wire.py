@@ -518,6 +518,16 @@ class Prediction(Wire):
     method: Literal["trace", "probe", "none"] = "trace"
     reason: ShortText = Field("", description="Why tracing was not possible, when it was not.")
     seconds: Finite = Field(0.0, ge=0)
+    training_peak_bytes: Bytes | None = Field(
+        None,
+        description="The training steps' footprint alone, before calibration (what a "
+        "calibration is fitted on); None from a worker that predicts the run as one peak.",
+    )
+    evaluation_peak_bytes: Bytes | None = Field(
+        None,
+        description="The evaluation's traced footprint, before calibration; None where it was "
+        "not traced (the reason then says how it is bounded).",
+    )
 
 
 class SharedPrediction(Wire):
@@ -557,6 +567,15 @@ class Measured(Wire):
     peak_allocated_bytes: Bytes
     peak_reserved_bytes: Bytes | None = None
     nvml_peak_bytes: Bytes | None = None
+    training_peak_bytes: Bytes | None = Field(
+        None,
+        description="The bytes the card held while training, evaluation excluded (reserved "
+        "where known, else allocated); None from a worker that measures the run as one peak.",
+    )
+    evaluation_peak_bytes: Bytes | None = Field(
+        None,
+        description="The bytes the card held while the task evaluated; None when it never did.",
+    )
 
 
 class LeaseCall(Wire):

@@ -160,6 +160,12 @@ class MemoryObservationRow(Base):
     measured_allocated: Mapped[int] = mapped_column(BigInteger)
     measured_reserved: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     nvml_peak: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # The training steps' and the evaluation's peaks apart (raw predictions): a calibration
+    # compares training with training (issue 29). None from workers that report one peak.
+    predicted_training: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    predicted_evaluation: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    measured_training: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    measured_evaluation: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime)
     # Where it counts (service.fleet.trust): "fleet", or "study:<id>" for a study-limited token.
     scope: Mapped[str] = mapped_column(String(32), default="fleet", server_default="fleet")

@@ -16,6 +16,9 @@ from service.step_time import MAX_OBSERVATIONS as MAX_STEP_TIMES, fit_step_time
 from service.wire import Calibration, StepTimeFit, StepTimeObservation
 
 MAX_OBSERVATIONS = 5000  # the newest ones: a fit follows the current torch and driver
+MIN_FLEET_WORKERS = 2
+"""Distinct workers whose runs the fleet-wide correction needs before it departs from the
+identity: one worker, broken or hostile, cannot move every worker's plans alone."""
 
 
 def observed_pairs(
@@ -25,11 +28,24 @@ def observed_pairs(
     task: str,
     scopes: Sequence[str] = (FLEET,),
 ) -> list[Pair]:
-    """(raw predicted, measured) peak bytes of finished runs in ``scopes``, newest first."""
+    """(raw predicted, measured) peak bytes of finished runs in ``scopes``, newest first.
+
+    Like against like: where a run reported its training steps' peak beside a training-step
+    prediction, those two are the pair, so an evaluation measured apart never reads as a
+    training-step miss; older runs' whole-run peaks are paired as they were reported. The
+    fleet's own runs count once they come from `MIN_FLEET_WORKERS` distinct workers.
+    """
     o = MemoryObservationRow
     query = (
         select(
-            o.predicted_allocated, o.predicted_reserved, o.measured_allocated, o.measured_reserved
+            o.predicted_allocated,
+            o.predicted_reserved,
+            o.measured_allocated,
+            o.measured_reserved,
+            o.predicted_training,
+            o.measured_training,
+            o.scope,
+            o.worker_id,
         )
         .where(
             o.card_model == card_model,
@@ -41,10 +57,24 @@ def observed_pairs(
         .order_by(o.id.desc())
         .limit(MAX_OBSERVATIONS)
     )
-    return [
-        (held_peak(p_alloc or 0, p_reserved), held_peak(m_alloc, m_reserved))
-        for p_alloc, p_reserved, m_alloc, m_reserved in session.execute(query)
-    ]
+    rows = session.execute(query).all()
+    fleet_workers = {worker for *_, scope, worker in rows if scope == FLEET and worker is not None}
+    quorum = len(fleet_workers) >= MIN_FLEET_WORKERS
+    return [_pair(*row[:6]) for row in rows if quorum or row[6] != FLEET]
+
+
+def _pair(
+    p_alloc: int | None,
+    p_reserved: int | None,
+    m_alloc: int,
+    m_reserved: int | None,
+    p_training: int | None,
+    m_training: int | None,
+) -> Pair:
+    """The training steps' pair when both sides have it, else the whole run's."""
+    if p_training is not None and m_training is not None:
+        return p_training, m_training
+    return held_peak(p_alloc or 0, p_reserved), held_peak(m_alloc, m_reserved)
 
 
 def calibration_for(

@@ -327,6 +327,10 @@ def observe(
         measured_allocated=measured.peak_allocated_bytes,
         measured_reserved=measured.peak_reserved_bytes,
         nvml_peak=measured.nvml_peak_bytes,
+        predicted_training=None if prediction is None else prediction.training_peak_bytes,
+        predicted_evaluation=None if prediction is None else prediction.evaluation_peak_bytes,
+        measured_training=measured.training_peak_bytes,
+        measured_evaluation=measured.evaluation_peak_bytes,
         created_at=call.now,
         scope=made_for.scope,
     )

@@ -38,13 +38,25 @@ def test_no_history_is_the_identity_with_the_default_margin() -> None:
     )
 
 
-def test_a_few_runs_fit_a_ratio_and_a_margin_above_every_residual() -> None:
+def test_a_few_runs_fit_an_offset_and_a_margin_above_every_residual() -> None:
     pairs = [(1000 * MiB, 1100 * MiB), (2000 * MiB, 2150 * MiB), (1500 * MiB, 1680 * MiB)]
     calibration = fit_calibration("card", "2.13.0", "task", pairs)
-    assert calibration.scale == pytest.approx(1.1, abs=0.01)
-    assert calibration.offset_bytes == 0
+    assert calibration.scale == 1.0
+    assert calibration.offset_bytes == 150 * MiB  # the median miss
     assert under_prediction_rate(pairs, calibration) == 0.0
     assert calibration.margin_fraction > 0.02  # few runs: part of the default still held back
+
+
+def test_a_constant_miss_on_small_runs_is_not_a_scale_on_a_large_one() -> None:
+    """Issue 29: three small runs measured 2.7-4.6x their prediction (an unpredicted
+    evaluation of a fixed size); a 40 MiB prediction must stay near 40 MiB, not x3.6."""
+    overhead = 70 * 1024
+    pairs = [(p, p + overhead) for p in (26 * 1024, 30 * 1024, 40 * 1024)]
+    calibration = fit_calibration("card", "2.13.0", "task", pairs)
+    assert calibration.scale == 1.0 and calibration.offset_bytes == overhead
+    assert under_prediction_rate(pairs, calibration) == 0.0
+    large = calibrated_bytes(40 * MiB, calibration)
+    assert 40 * MiB + overhead <= large < 1.1 * 40 * MiB
 
 
 def test_many_runs_recover_scale_and_offset_and_bound_under_predictions() -> None:

@@ -478,6 +478,8 @@ def test_a_probed_plan_says_why_in_its_reason() -> None:
     assert decision.prediction.method == "probe"
     # The plan's reason is what the trial record and the dashboard's plan column show.
     assert "[probed: cannot trace (data-dependent operation" in (decision.plan.reason or "")
+    # A probe runs training steps only: the reason says how the evaluation is bounded.
+    assert "evaluation not traced (the training step was probed)" in decision.plan.reason
 
 
 @torch.library.custom_op("vramtune_test::scaled", mutates_args=())

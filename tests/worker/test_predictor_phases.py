@@ -168,6 +168,9 @@ def test_a_built_in_tasks_real_run_peaks_at_its_prediction(
     result = run_trial(task, config, steps=3, eval_every=1, plan=plan)  # type: ignore[arg-type]
     predicted = predict(task, config, plan, simulated_card())  # type: ignore[arg-type]
     assert result.measured.peak_allocated_bytes == predicted.peak_allocated_bytes
+    # The training steps and the evaluation apart, each equal to its prediction (issue 29).
+    assert result.measured.training_peak_bytes == predicted.training_peak_bytes
+    assert result.measured.evaluation_peak_bytes == predicted.evaluation_peak_bytes
 
 
 def test_the_quadratic_tasks_run_peaks_at_its_prediction() -> None:

@@ -47,3 +47,18 @@ def test_a_real_cuda_oom_becomes_out_of_memory_and_frees_the_card() -> None:
         )
     assert oom.value.measured.peak_allocated_bytes > 0
     assert torch.cuda.memory_allocated(0) <= before + 2**20
+
+
+def test_a_cuda_run_measures_the_training_steps_and_the_evaluation_apart() -> None:
+    """Issue 29: torch's one peak counter is reset around each evaluation; the whole run's
+    peak is the larger window's, and each window's is reported."""
+    config = {"width": 16, "depth": 2, "resolution": 32, "batch_size": 64, "lr": 1e-2}
+    budget = TrainBudget(max_steps=4, eval_every=2)
+    result = TorchTaskRunner(DigitsCNNTask()).run(
+        config, Plan(), budget, cuda_card(), RecordingReporter()
+    )
+    measured = result.measured
+    assert measured.training_peak_bytes is not None and measured.evaluation_peak_bytes
+    assert measured.peak_reserved_bytes is not None
+    whole = max(measured.peak_allocated_bytes, measured.peak_reserved_bytes)
+    assert max(measured.training_peak_bytes, measured.evaluation_peak_bytes) == whole

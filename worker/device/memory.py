@@ -47,8 +47,11 @@ CUDA_ALLOCATION_ROUNDING = 512
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
 """The breakdown of a peak: labelled training state, then what forward left alive, then the rest."""
 
-PHASES = ("setup", "forward", "backward", "optimizer")
+PHASES = ("setup", "forward", "backward", "optimizer", "evaluation")
 """Where a storage was created; `phase` and `watch_optimizer` set it, backward is detected."""
+
+EVALUATION_PHASE = "evaluation"
+"""The phase of a task's `evaluate` (measured and predicted apart from the training step's)."""
 
 Correction = Callable[[Any, tuple[Any, ...], Any], Any]
 """`correct(func, args, out)`: the output to count instead of `out` (a fake kernel's fix)."""
@@ -154,6 +157,7 @@ class MemoryTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._next_rid = 0
         self._phase: str | None = None
         self._correct = correct
+        self._paused = False
         self.phase_peaks: dict[str, int] = {}
 
     # ------------------------------------------------------------------ dispatch
@@ -166,6 +170,8 @@ class MemoryTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         out = func(*args, **(kwargs or {}))
+        if self._paused:
+            return out
         if self._correct is not None:
             out = self._correct(func, args, out)
         self._count(tree_leaves(out), fresh_only=_aliases_an_input(func))
@@ -296,6 +302,15 @@ class MemoryTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if torch._C._current_graph_task_id() != -1:
             return "backward"
         return "forward"
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Count nothing created inside the block: it is as if made before the tracker."""
+        previous, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = previous
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:

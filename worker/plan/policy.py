@@ -412,8 +412,11 @@ def _reason(
     policy: MemoryPolicy,
 ) -> str:
     fit = f"predicted {_gib(peak_of(prediction))} <= budget {_gib(budget)}"
+    fit += _evaluation_note(prediction)
     if prediction.method == "probe":  # the record and the dashboard say why it was measured
         fit += f" [probed: {prediction.reason}]"
+    elif prediction.reason:  # a traced step whose evaluation was bounded, not traced
+        fit += f" [{prediction.reason}]"
     room = f"({_gib(free_bytes)} free, margin {policy.margin:.0%})"
     if plan == Plan():
         return f"as asked: {fit} {room}"
@@ -425,12 +428,24 @@ def _reason(
     )
 
 
+def _evaluation_note(prediction: Prediction) -> str:
+    """Which peak the plan fits, where the evaluation's is larger than the training step's."""
+    training, evaluation = prediction.training_peak_bytes, prediction.evaluation_peak_bytes
+    if training is None or evaluation is None or evaluation <= training:
+        return ""
+    return f" (set by the evaluation: {_mib(evaluation)}, training step {_mib(training)})"
+
+
 def _plan_of(tried: PlanOut) -> Plan:
     return Plan(**tried.model_dump(exclude={"reason"}))
 
 
 def _keys(plans: Sequence[PlanOut]) -> set[PlanKey]:
     return {plan_key(plan) for plan in plans}
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.3f} MiB"
 
 
 def _gib(n: int) -> str:

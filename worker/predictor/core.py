@@ -23,7 +23,9 @@ import torch
 
 from common.memory import apply_calibration, calibrated_bytes, raw_peaks
 from service.wire import Calibration, CardConstants, Plan, Prediction
+from worker.device.memory import EVALUATION_PHASE
 from worker.predictor.allocator import replay
+from worker.predictor.evaluation import UNTRACED_BOUND
 from worker.predictor.probe import PhasePeaks, measure_point, probe_micro_batches, probe_prediction
 from worker.predictor.trace import (
     CannotTrace,
@@ -175,7 +177,7 @@ def predict(
     try:
         trace = trace_training(task, config, plan, target)
     except CannotTrace as error:
-        return _probe(task, config, plan, card, error.reason, started)
+        return _bounded_evaluation(_probe(task, config, plan, card, error.reason, started))
     prediction = from_trace(trace, target, constants, time.perf_counter() - started)
     _PREDICTIONS.put(key, _Point(prediction, trace.phase_peaks))
     return prediction
@@ -216,22 +218,51 @@ def _phase_peaks(
 def from_trace(
     trace: Trace, target: Target, constants: CardConstants, seconds: float
 ) -> Prediction:
-    """A prediction from a trace: live bytes on the CPU card, the allocator model on CUDA."""
+    """A prediction from a trace: live bytes on the CPU card, the allocator model on CUDA.
+
+    The peaks are the whole run's, evaluation included (what the plan must fit); the training
+    steps' footprint and the evaluation's ride beside them, for a calibration fitted like
+    against like. An evaluation that was not traced is bounded by the training steps' peak
+    and the reason says so.
+    """
+    evaluation = _evaluation_peak(trace)
     if not target.cuda:
         return Prediction(
             peak_allocated_bytes=trace.peak_bytes,
             peak_reserved_bytes=trace.peak_bytes,
             breakdown=trace.breakdown,
+            reason=trace.training.evaluation_reason or "",
             seconds=seconds,
+            training_peak_bytes=trace.training.peak_bytes,
+            evaluation_peak_bytes=evaluation,
         )
-    peaks = replay(trace.events, preallocated=[constants.cublas_workspace_bytes])
+    whole = _on_card(trace.events, constants)
+    training = _on_card(trace.events[: trace.training.events], constants)
     return Prediction(
-        peak_allocated_bytes=peaks.allocated + constants.other_bytes,
-        peak_reserved_bytes=peaks.reserved + constants.other_bytes,
+        peak_allocated_bytes=whole[0],
+        peak_reserved_bytes=whole[1],
         breakdown=trace.breakdown,
         constants=constants.model_dump(),
+        reason=trace.training.evaluation_reason or "",
         seconds=seconds,
+        training_peak_bytes=max(training),
+        # The caching allocator keeps the training steps' segments: the card holds the
+        # whole run's reserve while evaluating.
+        evaluation_peak_bytes=max(whole) if evaluation is not None else None,
     )
+
+
+def _evaluation_peak(trace: Trace) -> int | None:
+    """The live-bytes peak while the evaluation allocated; None where it was not traced."""
+    if not trace.evaluation_traced:
+        return None
+    return trace.phase_peaks.get(EVALUATION_PHASE, 0)
+
+
+def _on_card(events: list[tuple[int, int]], constants: CardConstants) -> tuple[int, int]:
+    """(allocated, reserved) of these allocation events through the caching-allocator model."""
+    peaks = replay(events, preallocated=[constants.cublas_workspace_bytes])
+    return peaks.allocated + constants.other_bytes, peaks.reserved + constants.other_bytes
 
 
 def _probe(
@@ -259,6 +290,15 @@ def _probe(
             return _unpredictable(reason, size, error, started)
     _PROBE_POINTS.put(key, points)
     return probe_prediction(points, micro, reason, time.perf_counter() - started)
+
+
+def _bounded_evaluation(prediction: Prediction) -> Prediction:
+    """A probe measures training steps only: its reason says how the evaluation is bounded."""
+    if prediction.method != "probe":
+        return prediction
+    bound = UNTRACED_BOUND.format(why="the training step was probed")
+    reason = f"{prediction.reason}; {bound}"[:MAX_REASON]
+    return prediction.model_copy(update={"reason": reason})
 
 
 def _unpredictable(reason: str, size: int, error: Exception, started: float) -> Prediction:

@@ -42,6 +42,7 @@ from service.wire import Plan
 from worker.device.memory import MemoryLimitExceeded, MemoryTracker
 from worker.predictor.conversion import BuildFailed, build_for_trace
 from worker.predictor.emulation import cuda_emulation, prefer_foreach
+from worker.predictor.evaluation import UNTRACED_BOUND, trace_evaluation
 from worker.predictor.opmodel import real_kernel_storages
 from worker.trial.runner import CardSpec
 from worker.trial.steps import traced_micro_batch_sizes, train_step
@@ -103,17 +104,43 @@ class Trace:
     seconds: float
     phase_peaks: dict[str, int]
     """The highest live bytes while each phase (forward, backward, optimizer...) allocated."""
+    training: TrainingPart
+    """Where the training steps ended and the evaluation began."""
 
     @classmethod
-    def counted(cls, tracker: MemoryTracker, started: float) -> Trace:
-        """What `tracker` counted over a trace begun at `started` (a perf_counter time)."""
+    def counted(
+        cls, tracker: MemoryTracker, started: float, training: TrainingPart | None = None
+    ) -> Trace:
+        """What `tracker` counted over a trace begun at `started` (a perf_counter time);
+        without `training`, all of it is the training steps' (a framework's own loop)."""
+        if training is None:
+            training = TrainingPart(tracker.peak_bytes, len(tracker.events or []), None)
         return cls(
             peak_bytes=tracker.peak_bytes,
             breakdown=tracker.breakdown(),
             events=tracker.events or [],
             seconds=time.perf_counter() - started,
             phase_peaks=dict(tracker.phase_peaks),
+            training=training,
         )
+
+    @property
+    def evaluation_traced(self) -> bool:
+        """Whether the task's evaluation was traced to its end."""
+        return self.training.evaluation_reason == ""
+
+
+@dataclass(frozen=True)
+class TrainingPart:
+    """The training steps' share of a trace: their peak and their allocation events (the
+    first `events` of the trace's).
+
+    `evaluation_reason` is "" when the evaluation after them was traced, why not when it was
+    not, None when the trace had no evaluation of its own to trace (a framework's loop)."""
+
+    peak_bytes: int
+    events: int
+    evaluation_reason: str | None = ""
 
 
 def trace_training(
@@ -134,7 +161,7 @@ def trace_training(
     fake = FakeTensorMode()
     try:
         with fake, _FakeDeepcopy(), _emulation(target), real_kernel_storages(), tracker:
-            _run_steps(task, config, plan, target, tracker, real_first_step)
+            training = _run_steps(task, config, plan, target, (fake, tracker), real_first_step)
     except (TaskConfigError, MemoryLimitExceeded):
         raise
     except CannotTrace:
@@ -143,7 +170,7 @@ def trace_training(
         raise CannotTrace(str(error)) from error
     except Exception as error:
         raise CannotTrace(untraceable_reason(error)) from error
-    return Trace.counted(tracker, started)
+    return Trace.counted(tracker, started, training)
 
 
 def _emulation(target: Target) -> AbstractContextManager[None]:
@@ -155,9 +182,11 @@ def _run_steps(
     config: Config,
     plan: Plan,
     target: Target,
-    tracker: MemoryTracker,
+    modes: tuple[FakeTensorMode, MemoryTracker],
     real_first_step: bool,
-) -> None:
+) -> TrainingPart:
+    """The training steps, then the evaluation the trainer runs after them."""
+    fake, tracker = modes
     device = target.device
     batch_size = int(config[task.batch_size_param])
     # Built straight on the trace device (Module.to cannot move fake parameters), or outside
@@ -196,7 +225,29 @@ def _run_steps(
             # Kept across the next step, as the trainer's loop keeps its last loss.
             loss = train_step(task, model, optimizer, next_batch, batch_size, plan, device, sizes)
         tracker.label_training_state(model, optimizer)
+    trained = (tracker.peak_bytes, len(tracker.events or []))
+    # The trainer's last loss is still alive when it evaluates: `loss` is kept until then.
+    why = _evaluation(task, model, optimizer, config, plan, (fake, tracker, device))
     del loss
+    return TrainingPart(*trained, evaluation_reason=why)
+
+
+def _evaluation(
+    task: Task,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: Config,
+    plan: Plan,
+    context: tuple[FakeTensorMode, MemoryTracker, torch.device],
+) -> str:
+    """Trace the evaluation; "" when traced, else the reason it is bounded instead."""
+    try:
+        trace_evaluation(task, model, optimizer, config, plan, context)
+    except MemoryLimitExceeded:
+        raise
+    except Exception as error:  # an evaluation that cannot be traced is bounded, not fatal
+        return UNTRACED_BOUND.format(why=untraceable_reason(error))
+    return ""
 
 
 def _replayable(sizes: list[int]) -> bool:

@@ -16,15 +16,16 @@ import math
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from common.memory import held_peak
 from service.wire import Measured, Plan, Prediction, TrainBudget
-from worker.device.memory import MemoryTracker
+from worker.device.memory import EVALUATION_PHASE, MemoryTracker
 from worker.trial.runner import (
     CardSpec,
     Config,
@@ -36,9 +37,9 @@ from worker.trial.runner import (
     trial_config,
 )
 from worker.trial.steps import (
-    autocast_for,
     batch_feeder,
     build_for_plan,
+    evaluate_step,
     micro_batch_sizes,
     train_step,
 )
@@ -61,7 +62,9 @@ class PeakMeter(Protocol):
         out_of_memory: the exception types that mean the run exceeded the card.
         __enter__/__exit__: the measured window (the model is built inside it).
         sample(): called after every step (NVML has no peak counter of its own).
-        measured(): the peaks so far.
+        evaluation(): the window of one evaluation, whose peak is measured apart from the
+            training steps' (a calibration compares the training step with its prediction).
+        measured(): the peaks so far: the whole run's, the training steps' and the evaluations'.
     """
 
     out_of_memory: tuple[type[BaseException], ...]
@@ -71,6 +74,8 @@ class PeakMeter(Protocol):
     def __exit__(self, *exc_info: object) -> None: ...
 
     def sample(self) -> None: ...
+
+    def evaluation(self) -> AbstractContextManager[None]: ...
 
     def measured(self) -> Measured: ...
 
@@ -84,6 +89,11 @@ class CudaPeakMeter:
         self.device = device
         self.index = device.index if device.index is not None else torch.cuda.current_device()
         self.nvml_peak: int | None = None
+        # torch keeps one peak counter: each evaluation resets it, so the windows' peaks are
+        # folded here (the whole run's is the larger of the two).
+        self.allocated = self.reserved = self.training_peak = 0
+        self.evaluation_peak: int | None = None
+        self.evaluating = False
 
     def __enter__(self) -> CudaPeakMeter:
         release_device_memory(self.device)
@@ -100,12 +110,40 @@ class CudaPeakMeter:
         if used is not None:
             self.nvml_peak = max(used, self.nvml_peak or 0)
 
+    @contextmanager
+    def evaluation(self) -> Iterator[None]:
+        """Measure the evaluation in its own window of torch's peak counters."""
+        self.fold_window()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.evaluating = True
+        try:
+            yield
+        finally:
+            self.fold_window()
+            self.evaluating = False
+            # Reserved memory stays cached: the next training window starts from it.
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def fold_window(self) -> None:
+        """Fold the current window's max_memory_allocated / max_memory_reserved in."""
+        allocated = torch.cuda.max_memory_allocated(self.device)
+        reserved = torch.cuda.max_memory_reserved(self.device)
+        self.allocated, self.reserved = max(self.allocated, allocated), max(self.reserved, reserved)
+        held = held_peak(allocated, reserved)
+        if self.evaluating:
+            self.evaluation_peak = max(self.evaluation_peak or 0, held)
+        else:
+            self.training_peak = max(self.training_peak, held)
+
     def measured(self) -> Measured:
-        """max_memory_allocated / max_memory_reserved since the run began, and NVML's peak."""
+        """The allocator's peaks since the run began, NVML's, and the windows' apart."""
+        self.fold_window()
         return Measured(
-            peak_allocated_bytes=torch.cuda.max_memory_allocated(self.device),
-            peak_reserved_bytes=torch.cuda.max_memory_reserved(self.device),
+            peak_allocated_bytes=self.allocated,
+            peak_reserved_bytes=self.reserved,
             nvml_peak_bytes=self.nvml_peak,
+            training_peak_bytes=self.training_peak,
+            evaluation_peak_bytes=self.evaluation_peak,
         )
 
 
@@ -118,6 +156,7 @@ class CpuPeakMeter:
     def __init__(self, limit_bytes: int | None) -> None:
         self.tracker = MemoryTracker(device_type="cpu", limit_bytes=limit_bytes)
         self.stack = ExitStack()
+        self.evaluation_start: int | None = None
 
     def __enter__(self) -> CpuPeakMeter:
         self.stack.enter_context(self.tracker)
@@ -129,9 +168,25 @@ class CpuPeakMeter:
     def sample(self) -> None:
         """Nothing to sample: the tracker sees every allocation."""
 
+    @contextmanager
+    def evaluation(self) -> Iterator[None]:
+        """Count what the evaluation allocates in its own phase of the tracker."""
+        live = self.tracker.live_bytes
+        self.evaluation_start = max(self.evaluation_start or 0, live)
+        with self.tracker.phase(EVALUATION_PHASE):
+            yield
+
     def measured(self) -> Measured:
-        """The peak of live tensor bytes (no allocator, hence no reserved figure)."""
-        return Measured(peak_allocated_bytes=self.tracker.peak_bytes)
+        """The peak of live tensor bytes (no allocator, hence no reserved figure), and the
+        training steps' and the evaluations' apart (the tracker's phase peaks)."""
+        phases = self.tracker.phase_peaks
+        training = max((v for k, v in phases.items() if k != EVALUATION_PHASE), default=0)
+        evaluation = phases.get(EVALUATION_PHASE, self.evaluation_start)
+        return Measured(
+            peak_allocated_bytes=self.tracker.peak_bytes,
+            training_peak_bytes=training,
+            evaluation_peak_bytes=evaluation,
+        )
 
 
 def _nvml_process_used(device_index: int) -> int | None:
@@ -262,20 +317,14 @@ class _Loop:
             raise Stopped(reason, self.meter.measured())
 
     def evaluate(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
-        """The task's metric, in eval mode without gradients, in chunks of the micro-batch."""
+        """The task's metric (`evaluate_step`), its peak measured apart from training's."""
         began = time.monotonic()
-        # The next step drops the gradients anyway; dropping them now keeps evaluation below
-        # the training peak (the trace the plan was chosen by does not see evaluation).
-        optimizer.zero_grad(set_to_none=True)
-        micro = micro_batch_sizes(int(self.config[self.task.batch_size_param]), self.plan)[0]
-        # Evaluating in chunks of the micro-batch keeps evaluation within the plan's footprint.
-        eval_config = {**self.config, self.task.batch_size_param: micro}
-        model.eval()
         try:
-            with torch.no_grad(), autocast_for(self.plan, self.device):
-                value = float(self.task.evaluate(model, eval_config, self.device))
+            with self.meter.evaluation():
+                value = evaluate_step(
+                    self.task, model, optimizer, self.config, self.plan, self.device
+                )
         finally:
-            model.train()
             self.eval_seconds += time.monotonic() - began
         if not math.isfinite(value):
             raise TrainingDiverged(

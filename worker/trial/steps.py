@@ -133,3 +133,29 @@ def batch_feeder(batches: Iterator[Batch]) -> Callable[[int], Batch]:
         return tuple(t[:size] for t in batch)
 
     return next_batch
+
+
+def evaluate_step(
+    task: Task,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: Config,
+    plan: Plan,
+    device: torch.device,
+) -> float:
+    """The task's metric as the trainer takes it, the code path the predictor traces too.
+
+    The gradients are dropped first (the next step drops them anyway), and the task gets the
+    plan's micro-batch as its batch size, so a task that evaluates in chunks of it stays near
+    the training step's footprint. A task that evaluates everything at once is not held to it:
+    the predictor traces this function and the plan fits whichever peak is larger.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    micro = micro_batch_sizes(int(config[task.batch_size_param]), plan)[0]
+    eval_config = {**config, task.batch_size_param: micro}
+    model.eval()
+    try:
+        with torch.no_grad(), autocast_for(plan, device):
+            return float(task.evaluate(model, eval_config, device))
+    finally:
+        model.train()

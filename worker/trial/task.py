@@ -64,7 +64,11 @@ class Task(Protocol):
         loss(model, batch): the mean loss of the batch (a scalar tensor). The worker scales it
             for accumulation.
         evaluate(model, config, device): the metric on held-out data, with the model in eval
-            mode and under ``torch.no_grad()`` (the worker sets both).
+            mode and under ``torch.no_grad()`` (the worker sets both), the plan's micro-batch
+            as ``config[batch_size_param]``. The predictor traces it after the training steps
+            (worker/predictor/evaluation.py) and the plan fits the larger peak: its memory must
+            not depend on the metric's value (a ``.item()`` reads zero in the trace), and a
+            data-dependent shape on the model's output leaves it bounded, not traced.
         checkpoint_modules(model): the sub-modules whose forward may be recomputed in the
             backward pass (transformer blocks, conv stages). An empty sequence means the plan
             cannot use activation checkpointing for this task.

@@ -1,0 +1,193 @@
+"""Evaluation memory (issue 29 item 4): predicted against measured training-step and evaluation
+peaks, apart, on the CPU card.
+
+For each case the worker's own prediction (`runner.predict`: two training steps, then the
+task's `evaluate` as the trainer runs it, traced under fake tensors) beside a real run of the
+worker's own loop on a simulated CPU card (`runner.run`, `--steps` steps, evaluating every
+`--eval-every`), whose meter measures the training steps' and the evaluations' peaks apart.
+Cases: the built-in digits and char-transformer tasks, PlainTask's example
+(examples/plain_task.py), the unchunked `examples/my_task.py` (its `evaluate` runs all 89
+held-out rows at once) and the Trainer / Lightning examples, whose evaluation runs inside the
+framework's own loop (traced and measured as part of the training run, not apart).
+
+Writes ``evaluation_prediction.{md,json}`` under ``--out`` (default bench/results/), the 1-minute
+load average beside each case. Usage:
+``flock /tmp/bench.lock python bench/evaluation_prediction.py``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from bench.report import write_report  # noqa: E402
+from service.wire import Plan, TrainBudget  # noqa: E402
+from worker.device.gpu import parse_size, simulated_card  # noqa: E402
+from worker.predictor import clear_cache  # noqa: E402
+from worker.tasks.registry import discover  # noqa: E402
+from worker.trial.runner import CardSpec, TrialRunner  # noqa: E402
+
+CARD = CardSpec(info=simulated_card(parse_size("4GiB")))
+EXAMPLES = REPO / "examples"
+FILES = [
+    EXAMPLES / "plain_task.py",
+    EXAMPLES / "my_task.py",
+    EXAMPLES / "hf_trainer" / "tasks.py",
+    EXAMPLES / "lightning" / "tasks.py",
+]
+CASES: list[tuple[str, dict[str, Any]]] = [
+    ("digits-mlp", {"width": 256, "depth": 2, "resolution": 8, "batch_size": 64}),
+    ("digits-cnn", {"width": 16, "depth": 2, "resolution": 16, "batch_size": 32}),
+    (
+        "char-transformer",
+        {
+            "n_layers": 2,
+            "d_model": 64,
+            "n_heads": 4,
+            "seq_len": 64,
+            "eval_windows": 32,
+            "batch_size": 16,
+        },
+    ),
+    ("plain-digits", {"width": 256, "batch_size": 64}),
+    ("wine-mlp", {"width": 32, "batch_size": 8}),
+    ("wine-mlp", {"width": 45000, "batch_size": 8}),
+    ("wine-mlp", {"width": 6600, "batch_size": 512}),
+    (
+        "hf-trainer-gpt2",
+        {"learning_rate": 1e-3, "per_device_train_batch_size": 8, "n_layer": 2, "n_embd": 64},
+    ),
+    ("digits-lightning", {"width": 256, "depth": 2, "lr": 0.01, "batch_size": 64}),
+]
+
+
+class _Quiet:
+    """A Reporter that never prunes nor stops."""
+
+    def report(self, step: int, value: float) -> bool:
+        return False
+
+    def stop_reason(self) -> str | None:
+        return None
+
+
+def runners() -> dict[str, TrialRunner]:
+    """The built-in tasks and the examples' (those whose extras are installed)."""
+    found = discover([str(path) for path in FILES], entry_points=True)
+    for name, why in {**found.errors, **found.unavailable}.items():
+        print(f"skipped {name}: {why}")
+    return dict(found.runners)
+
+
+def measure(runner: TrialRunner, config: dict[str, Any], steps: int, every: int) -> dict[str, Any]:
+    """One case: the prediction, then the real run, and the load average beside them."""
+    clear_cache()
+    began = time.perf_counter()
+    predicted = runner.predict(config, Plan(), CARD)
+    traced_s = time.perf_counter() - began
+    budget = TrainBudget(max_steps=steps, eval_every=every)
+    began = time.perf_counter()
+    measured = runner.run(config, Plan(), budget, CARD, _Quiet()).measured
+    return {
+        "task": runner.task_name,
+        "config": config,
+        "method": predicted.method,
+        "reason": predicted.reason,
+        "predicted_peak": predicted.peak_allocated_bytes,
+        "measured_peak": measured.peak_allocated_bytes,
+        "predicted_training": predicted.training_peak_bytes,
+        "measured_training": measured.training_peak_bytes,
+        "predicted_evaluation": predicted.evaluation_peak_bytes,
+        "measured_evaluation": measured.evaluation_peak_bytes,
+        "trace_s": round(traced_s, 2),
+        "real_s": round(time.perf_counter() - began, 2),
+        "load_1min": os.getloadavg()[0],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("--steps", type=int, default=4, help="real optimizer steps per case")
+    parser.add_argument("--eval-every", type=int, default=2, help="steps between evaluations")
+    options = parser.parse_args()
+    torch.set_num_threads(1)
+    available = runners()
+    rows = []
+    for name, config in CASES:
+        if name not in available:
+            print(f"{name}: not available here (its extra is not installed)")
+            continue
+        rows.append(measure(available[name], config, options.steps, options.eval_every))
+        print(rows[-1])
+    result = {"torch": torch.__version__, "steps": options.steps, "cases": rows}
+    write_report(options.out, "evaluation_prediction", result, render(rows, options))
+
+
+def _bytes(value: int | None) -> str:
+    return "—" if value is None else f"{value:,}"
+
+
+def _error(predicted: int | None, measured: int | None) -> str:
+    if predicted is None or measured is None or measured == 0:
+        return "—"
+    return f"{(predicted - measured) / measured * 100:+.3f} %"
+
+
+def render(rows: list[dict[str, Any]], options: argparse.Namespace) -> str:
+    """The markdown report."""
+    lines = [
+        "# Evaluation memory: predicted against measured, training step and evaluation apart",
+        "",
+        f"`python bench/evaluation_prediction.py` (torch {torch.__version__}, CPU, simulated "
+        f"card; {options.steps} real steps, evaluating every {options.eval_every}). *predicted*: "
+        "the worker's prediction (two traced training steps, then the task's `evaluate` traced "
+        "as the trainer runs it); *measured*: the worker's own loop on the simulated CPU card, "
+        "its meter taking the training steps' and the evaluations' peaks apart. Bytes of live "
+        "tensors (512 B blocks). — : not predicted or measured apart (the Trainer's and "
+        "Lightning's evaluations run inside their own loops).",
+        "",
+        "| task | config | training predicted | training measured | error | evaluation "
+        "predicted | evaluation measured | error | whole-run error | trace s | real s | "
+        "load 1 min |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        shape = ", ".join(f"{k}={v}" for k, v in row["config"].items() if k != "learning_rate")
+        lines.append(
+            f"| {row['task']} | {shape} | {_bytes(row['predicted_training'])} | "
+            f"{_bytes(row['measured_training'])} | "
+            f"{_error(row['predicted_training'], row['measured_training'])} | "
+            f"{_bytes(row['predicted_evaluation'])} | {_bytes(row['measured_evaluation'])} | "
+            f"{_error(row['predicted_evaluation'], row['measured_evaluation'])} | "
+            f"{_error(row['predicted_peak'], row['measured_peak'])} | {row['trace_s']} | "
+            f"{row['real_s']} | {row['load_1min']:.1f} |"
+        )
+    reasons = [f"- {row['task']}: {row['reason']}" for row in rows if row["reason"]]
+    if reasons:
+        lines += ["", "Reasons the predictions carry:", "", *reasons]
+    lines += [
+        "",
+        "wine-mlp (`examples/my_task.py`) measures more than predicted by the index tensor its "
+        "`batches` generator keeps alive between steps (8 bytes per example, in 512 B blocks), "
+        "in both parts; the trace's example batches have none. Its evaluation, all 89 held-out "
+        "rows in one pass, sets the peak at the small and the wide configurations and is "
+        "predicted; before issue 29 it was measured but not predicted. The Trainer and "
+        "Lightning rows are whole runs with their own evaluations inside.",
+        "",
+        "Times are wall seconds on a shared 2-core machine.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
