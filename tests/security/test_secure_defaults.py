@@ -147,8 +147,8 @@ def test_migration_0003_matches_the_tables_and_goes_down_and_up(database_url: st
     engine = create_engine(url)
     try:
         assert _schema_drift(engine) == []
-        # 0009 (trial events) goes down to 0007 alone: its table goes, the others stay.
-        downgrade(alembic_config(engine), "0007")
+        # 0009 (trial events) goes down to 0008 alone: its table goes, the others stay.
+        downgrade(alembic_config(engine), "0008")
         assert "vramtune_trial_events" not in inspect(engine).get_table_names()
         assert "vramtune_trials" in inspect(engine).get_table_names()
         downgrade(alembic_config(engine), "0002")

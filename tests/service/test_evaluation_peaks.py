@@ -62,7 +62,7 @@ def observe(
 
 
 def test_migration_0008_adds_the_peaks_apart_and_goes_down_and_up(engine: Engine) -> None:
-    assert current_revision(engine) == head_revision() == "0008"
+    assert current_revision(engine) == head_revision()
     assert columns(engine) >= NEW_COLUMNS
     observe(engine, 100, 300, predicted_training=100, measured_training=100)
     downgrade(alembic_config(engine), "0007")
