@@ -27,13 +27,16 @@ def observed_pairs(
     torch_version: str,
     task: str,
     scopes: Sequence[str] = (FLEET,),
+    own_worker: int | None = None,
 ) -> list[Pair]:
     """(raw predicted, measured) peak bytes of finished runs in ``scopes``, newest first.
 
     Like against like: where a run reported its training steps' peak beside a training-step
     prediction, those two are the pair, so an evaluation measured apart never reads as a
     training-step miss; older runs' whole-run peaks are paired as they were reported. The
-    fleet's own runs count once they come from `MIN_FLEET_WORKERS` distinct workers.
+    fleet's own runs count once they come from `MIN_FLEET_WORKERS` distinct workers; those of
+    ``own_worker`` (the asking worker) always count for itself, so a fleet of one is corrected
+    by its own runs while the correction it teaches others waits for the quorum.
     """
     o = MemoryObservationRow
     query = (
@@ -60,7 +63,11 @@ def observed_pairs(
     rows = session.execute(query).all()
     fleet_workers = {worker for *_, scope, worker in rows if scope == FLEET and worker is not None}
     quorum = len(fleet_workers) >= MIN_FLEET_WORKERS
-    return [_pair(*row[:6]) for row in rows if quorum or row[6] != FLEET]
+    return [
+        _pair(*row[:6])
+        for row in rows
+        if quorum or row[6] != FLEET or (own_worker is not None and row[7] == own_worker)
+    ]
 
 
 def _pair(
@@ -83,10 +90,11 @@ def calibration_for(
     torch_version: str,
     task: str,
     scopes: Sequence[str] = (FLEET,),
+    own_worker: int | None = None,
 ) -> Calibration:
     """The correction fitted to this card model's, torch version's and task's history, as
-    taught in ``scopes`` (service.fleet.trust)."""
-    pairs = observed_pairs(session, card_model, torch_version, task, scopes)
+    taught in ``scopes`` (service.fleet.trust), for ``own_worker`` when a worker asks."""
+    pairs = observed_pairs(session, card_model, torch_version, task, scopes, own_worker)
     return fit_calibration(card_model, torch_version, task, pairs)
 
 

@@ -110,6 +110,16 @@ def test_one_worker_alone_cannot_move_the_fleets_calibration(engine: Engine) -> 
     assert calibration_for_wine(engine).scale == 4.0
 
 
-def calibration_for_wine(engine: Engine) -> Any:
+def test_a_workers_own_runs_correct_its_own_predictions_before_the_quorum(engine: Engine) -> None:
+    """A fleet of one is still calibrated, by its own runs, for itself only."""
+    for predicted in (14 * KiB, 22 * KiB, 37 * KiB) * 5:
+        observe(engine, predicted, 4 * predicted, worker=7)
+    assert calibration_for_wine(engine, own_worker=7).scale == 4.0
+    assert calibration_for_wine(engine, own_worker=8).scale == 1.0  # another worker: identity
+
+
+def calibration_for_wine(engine: Engine, own_worker: int | None = None) -> Any:
     with make_sessions(engine)() as session:
-        return calibration_for(session, "simulated-cpu-64MiB", "2.13.0+cpu", "wine-mlp")
+        return calibration_for(
+            session, "simulated-cpu-64MiB", "2.13.0+cpu", "wine-mlp", own_worker=own_worker
+        )

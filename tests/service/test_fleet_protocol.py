@@ -873,9 +873,14 @@ def test_calibration_is_fitted_from_the_runs_it_saw(env: Env) -> None:
             duration_s=1.0,
         )
         assert done.status_code == 200
-        if number == 0:  # one worker alone does not move the fleet's correction
+        if number == 0:  # one worker alone does not move the fleet's correction ...
             alone = env.http.get("/calibration", params=query).json()
             assert (alone["scale"], alone["offset_bytes"], alone["n_observations"]) == (1.0, 0, 0)
+            # ... but its own run corrects its own predictions
+            own = env.http.get("/calibration", params={**query, "worker_id": workers[0].id})
+            assert (own.json()["n_observations"], own.json()["offset_bytes"]) == (1, GIB)
+            unknown = env.http.get("/calibration", params={**query, "worker_id": 2**30})
+            assert unknown.status_code == 404, unknown.text
     calibration = env.http.get("/calibration", params=query).json()
     assert calibration["n_observations"] == 3
     # Measured 1 GiB over each prediction; three runs cannot tell a constant miss from a

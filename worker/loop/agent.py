@@ -536,7 +536,9 @@ class Agent:
         """The service's correction for this card and task, when it has one."""
         torch_version = self.card.info.torch_version or "none"
         try:
-            return self.client.calibration(self.card.info.model, torch_version, task)
+            return self.client.calibration(
+                self.card.info.model, torch_version, task, self.worker_id
+            )
         except (ServerUnavailable, Rejected, LeaseLost):
             return None
 

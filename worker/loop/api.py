@@ -127,10 +127,22 @@ class ServerClient:
         self._send("POST", f"/workers/{worker_id}/stop", None, retry_for_s=retry_for_s)
 
     def calibration(
-        self, card_model: str, torch_version: str, task: str, retry_for_s: float | None = 10.0
+        self,
+        card_model: str,
+        torch_version: str,
+        task: str,
+        worker_id: int | None = None,
+        retry_for_s: float | None = 10.0,
     ) -> Calibration:
-        """The service's correction of predictions for this card model, torch and task."""
-        query = {"card_model": card_model, "torch_version": torch_version, "task": task}
+        """The service's correction of predictions for this card model, torch and task (with
+        ``worker_id``, this worker's own runs count before the fleet's quorum)."""
+        query = {
+            "card_model": card_model,
+            "torch_version": torch_version,
+            "task": task,
+        }
+        if worker_id is not None:
+            query["worker_id"] = str(worker_id)
         response = self._send("GET", "/calibration", None, params=query, retry_for_s=retry_for_s)
         return Calibration.model_validate_json(response.content)
 

@@ -28,6 +28,14 @@ router = APIRouter(tags=["workers"])
 
 WorkerId = Annotated[int, Path(ge=1, le=2**63 - 1, description="The id registration gave.")]
 Text = Annotated[str, Query(min_length=1, max_length=256)]
+AskingWorker = Annotated[
+    int | None,
+    Query(
+        ge=1,
+        le=2**31 - 1,  # the id column's range on PostgreSQL
+        description="The asking worker's id: its own runs count for it before the fleet's quorum.",
+    ),
+]
 
 
 @router.post("/workers", status_code=201)
@@ -94,15 +102,23 @@ def list_workers(
 
 @router.get("/calibration")
 def calibration(
-    card_model: Text, torch_version: Text, task: Text, state: StateDep, principal: PrincipalDep
+    card_model: Text,
+    torch_version: Text,
+    task: Text,
+    state: StateDep,
+    principal: PrincipalDep,
+    worker_id: AskingWorker = None,
 ) -> Calibration:
     """The correction of predictions for a card model, torch version and task.
 
-    Fitted from the fleet's observations, and a study-limited token's own studies' ones.
+    Fitted from the fleet's observations, and a study-limited token's own studies' ones; with
+    `worker_id` (a worker the calling token registered), that worker's own runs always count.
     """
     with state.sessions() as session:
         scopes = _fit_scopes(session, principal, card_model, task)
-        return calibration_for(session, card_model, torch_version, task, scopes)
+        if worker_id is not None:
+            fleet.get_worker(session, worker_id, principal.token_id)  # 404 / 403 otherwise
+        return calibration_for(session, card_model, torch_version, task, scopes, worker_id)
 
 
 @router.get("/step-time")
