@@ -401,12 +401,15 @@ def _out_of_memory(call: TrialCall, fenced: Fenced, body: FailRequest) -> TrialA
 
 
 def hand_back(call: TrialCall, trial_id: int, body: HandBackRequest) -> TrialAck:
-    """Route a trial that does not fit: wait for a larger live card, or end it infeasible."""
+    """Route a trial that does not fit: wait for a larger live card, or for a node with enough
+    cards of enough bytes (the hand-back's rank needs, fewest ranks first), or end it
+    infeasible."""
     fenced = call.fence(trial_id, body.lease, "handback")
     if fenced.replay is not None:
         return fenced.replay
     trial, worker = fenced.trial, fenced.worker
-    footprint = max(trial.min_bytes, body.min_footprint_bytes)
+    earlier = trial.min_bytes if trial.min_world_size == 1 else 0
+    footprint = max(earlier, body.min_footprint_bytes)
     handback = {
         "worker": worker.name,
         "card_model": worker.card_model,
@@ -414,28 +417,52 @@ def hand_back(call: TrialCall, trial_id: int, body: HandBackRequest) -> TrialAck
         "min_footprint_bytes": body.min_footprint_bytes,
         "plan": None if body.plan is None else body.plan.model_dump(mode="json"),
         "reason": body.reason,
+        "rank_needs": [need.model_dump(mode="json") for need in body.rank_needs],
     }
-    settings = call.settings
-    capacity = live_capacity(
-        call.session,
-        fenced.study.task,
-        call.now,
-        settings.worker_stale_s,
-        settings.max_card_bytes,
-        exclude=worker.id,
-    )
+    capacity = _capacity(call, fenced, cards=1)
     _plan_chosen(call, fenced, body, {"handback": handback})
     if body.fits_here and capacity < footprint:  # the larger card left: it runs where it fits
         reoffer(trial, call.now, next_attempt=False)
         ack = _ack(fenced, "retry", "no larger card is live: offered again as it fits")
         return _finish(call, fenced, ack, "handback")
-    trial.min_bytes = footprint
     if capacity >= footprint:
-        trial.status = "waiting"
-        trial.updated_at = call.now
-        ack = _ack(fenced, "waiting", f"waits for a card of at least {footprint} bytes")
-        return _finish(call, fenced, ack, "handback")
+        return _wait_for(call, fenced, footprint, 1)
+    for need in body.rank_needs:
+        if _capacity(call, fenced, need.world_size) >= need.per_rank_bytes:
+            return _wait_for(call, fenced, need.per_rank_bytes, need.world_size)
+    trial.min_bytes = footprint
     largest = max(capacity, worker.total_bytes)
     reason = f"needs {footprint} bytes; the largest live card has {largest}"
+    if body.rank_needs:
+        fewest = min(body.rank_needs, key=lambda need: need.per_rank_bytes)
+        reason += (
+            f"; no live node has {fewest.world_size} cards of {fewest.per_rank_bytes} bytes "
+            f"({fewest.strategy}), nor any other world size's need"
+        )
     tell_infeasible(call.telling(fenced), trial, footprint, largest, reason)
     return _finish(call, fenced, _ack(fenced, "infeasible", reason), "handback")
+
+
+def _capacity(call: TrialCall, fenced: Fenced, cards: int) -> int:
+    """The largest card of another live worker of the task with at least `cards` cards."""
+    settings = call.settings
+    return live_capacity(
+        call.session,
+        fenced.study.task,
+        call.now,
+        settings.worker_stale_s,
+        settings.max_card_bytes,
+        exclude=fenced.worker.id,
+        min_cards=cards,
+    )
+
+
+def _wait_for(call: TrialCall, fenced: Fenced, per_card: int, cards: int) -> TrialAck:
+    """The trial waits for a worker with `cards` cards of at least `per_card` bytes each."""
+    trial = fenced.trial
+    trial.min_bytes, trial.min_world_size = per_card, cards
+    trial.status = "waiting"
+    trial.updated_at = call.now
+    where = "a card" if cards == 1 else f"a node with {cards} free cards"
+    ack = _ack(fenced, "waiting", f"waits for {where} of at least {per_card} bytes")
+    return _finish(call, fenced, ack, "handback")
