@@ -23,6 +23,8 @@ import pytest
 from service.testing import ServerProcess
 from tests.e2e.conftest import Studies, WorkerFactory, WorkerProcess, finished
 
+# Distributed trials spawn processes that import torch: minutes each at the loads seen here (30).
+pytestmark = pytest.mark.timeout(1800)
 CARD = "12MiB"
 SLOW_S = 900.0  # a failure bound for a study of distributed trials on a loaded machine
 DIGITS = ("--tasks", "worker.tasks.digits")

@@ -22,6 +22,7 @@ from worker.run.training import TorchTaskRunner
 from worker.tasks.digits import DigitsCNNTask
 from worker.trial.runner import CardSpec, OutOfMemory, RunFailed
 
+pytestmark = pytest.mark.timeout(900)  # each run spawns processes that import torch
 TASK = DigitsCNNTask()
 CONFIG = {"width": 8, "depth": 2, "resolution": 16, "batch_size": 16, "lr": 0.05}
 CARD = CardSpec(info=simulated_card(parse_size("64MiB")))
