@@ -20,7 +20,7 @@ from worker.predictor.distributed import trace_rank
 from worker.run.ranks import RankGroupRunner, backend_for, rank_config, rank_device
 from worker.run.training import TorchTaskRunner
 from worker.tasks.digits import DigitsCNNTask
-from worker.trial.runner import CardSpec, OutOfMemory, RunFailed
+from worker.trial.runner import CardSpec, OutOfMemory, RunFailed, Stopped
 
 pytestmark = pytest.mark.timeout(900)  # each run spawns processes that import torch
 TASK = DigitsCNNTask()
@@ -134,3 +134,22 @@ def test_a_rank_killed_mid_trial_fails_the_trial_and_leaves_no_rank_behind() -> 
     assert isinstance(error, RunFailed)
     assert "rank 1 died (killed by SIGKILL)" in str(error)
     assert not any(_alive(pid) for pid in pids)
+
+
+def test_a_stop_reaches_every_rank_and_the_run_says_why() -> None:
+    """SIGTERM to the worker (its reporter says "interrupted"): every rank stops at the same
+    step, the trial goes back as interrupted, and no rank is left."""
+    runner = RankGroupRunner(TorchTaskRunner(TASK), ["cpu", "cpu"])
+    reporter = _Quiet()
+    plan = Plan(world_size=2, strategy="fsdp")
+    long_run = TrainBudget(max_steps=10**6, eval_every=10**6)
+    timer = threading.Timer(20.0, lambda: setattr(reporter, "stop", "interrupted"))
+    timer.start()
+    try:
+        with pytest.raises(Stopped) as stopped:
+            runner.run(CONFIG, plan, long_run, CARD, reporter)
+    finally:
+        timer.cancel()
+    assert stopped.value.reason == "interrupted"
+    assert stopped.value.measured is not None and stopped.value.measured.peak_allocated_bytes > 0
+    assert runner.pids == []
