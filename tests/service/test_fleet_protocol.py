@@ -689,6 +689,24 @@ def test_waiting_trial_is_infeasible_once_the_larger_card_leaves(env: Env) -> No
     assert trial.state == TrialState.COMPLETE and trial.constraints["memory"] > 0
 
 
+def test_a_trial_waiting_for_a_node_is_infeasible_once_the_node_leaves(env: Env) -> None:
+    env.create_study(distributed={"max_world_size": 4})
+    single = env.worker("single", 4 * GIB, "Sim 4G")
+    node = env.worker("node", 4 * GIB, "Sim 4G", cards=2)
+    held = single.next()
+    assert held is not None
+    back = single.call(held, "handback", min_footprint_bytes=6 * GIB, rank_needs=[_need(2, GIB)])
+    assert back.json()["resolution"] == "waiting"
+    reap_once(env.state)
+    assert env.trials()[0].state == TrialState.RUNNING  # the node is live: it waits
+    assert env.http.post(f"/workers/{node.id}/stop").status_code == 204
+    reap_once(env.state)  # the one-card worker is live, but has one card, not two
+    trial = env.trials()[0]
+    assert trial.state == TrialState.COMPLETE and trial.constraints["memory"] > 0
+    reason = env.page()[held["trial_id"]]["user_attrs"]["vramtune.fail_reason"]
+    assert "on each of 2 cards" in reason
+
+
 def test_oom_retries_once_with_the_plans_tried_then_fails(env: Env) -> None:
     env.create_study()
     first = env.worker("a", 8 * GIB, "Sim 8G")

@@ -111,7 +111,7 @@ def test_a_rank_killed_mid_trial_fails_the_trial_and_leaves_no_rank_behind() -> 
     reporter = _Quiet()
     outcome: list[BaseException] = []
     plan = Plan(world_size=2, strategy="ddp")
-    long_run = TrainBudget(max_steps=10**6, eval_every=10**6)
+    long_run = TrainBudget(max_steps=10**6, eval_every=1)  # rank 0 reports every step
 
     def run() -> None:
         try:
@@ -126,7 +126,9 @@ def test_a_rank_killed_mid_trial_fails_the_trial_and_leaves_no_rank_behind() -> 
         time.sleep(0.1)
     pids = list(runner.pids)
     assert len(pids) == 2
-    time.sleep(15)  # the ranks import torch and start training
+    while not reporter.reports and time.monotonic() < deadline:
+        time.sleep(0.1)  # until the ranks have joined their group and trained a step
+    assert reporter.reports
     os.kill(pids[1], signal.SIGKILL)
     thread.join(120)
     assert not thread.is_alive()

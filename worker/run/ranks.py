@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 POLL_S = 0.2  # how often the parent looks at its ranks between messages
 JOIN_S = 10.0  # how long a rank that finished gets to exit before it is killed
+DEATH_SEEN_S = 2.0  # how long a rank's error waits for a peer's death to show (its cause)
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -172,7 +173,26 @@ class _Group:
             reason = self.stop_reason or message[2]
             raise Stopped(reason, self._measured(message[3]))
         else:
-            raise RunFailed(f"rank {rank}: {message[2]}", self._measured(message[3]))
+            raise RunFailed(self._cause(rank, message[2]), self._measured(message[3]))
+
+    def _cause(self, rank: int, error: str) -> str:
+        """What to tell of a rank's error: a peer's death first, when one died.
+
+        The ranks left behind by a dead one fail in their next collective ("connection closed
+        by peer"), often before the parent sees the death: wait a moment for it.
+        """
+        deadline = time.monotonic() + DEATH_SEEN_S
+        while time.monotonic() < deadline:
+            dead = [
+                (other, process.exitcode)
+                for other, process in enumerate(self.processes)
+                if other != rank and process.exitcode not in (None, 0)
+            ]
+            if dead:
+                other, exitcode = dead[0]
+                return f"rank {other} died ({_exit_words(exitcode or 0)}); rank {rank}: {error}"
+            time.sleep(POLL_S / 4)
+        return f"rank {rank}: {error}"
 
     def _check_stop(self) -> None:
         reason = self.reporter.stop_reason()
