@@ -457,10 +457,10 @@ class WorkerRegister(Wire):
         description="Per task, the configuration key holding its batch size: a study of the "
         "task whose search space and task_config both lack it is refused at creation.",
     )
-    cards: list[CardInfo] = Field(
-        default_factory=list,
+    cards: list[CardInfo] | None = Field(
+        None,
         max_length=MAX_WORLD_SIZE,
-        description="A node worker's cards, one per rank (empty: the one `card`). A trial of "
+        description="A node worker's cards, one per rank (None: the one `card`). A trial of "
         "a study with `distributed` may run on several of them at once.",
     )
 
@@ -561,7 +561,15 @@ class Plan(Wire):
     accumulation: int = Field(1, ge=1, le=10**7)
     checkpointing: bool = False
     bf16: bool = False
-    world_size: int = Field(1, ge=1, le=MAX_WORLD_SIZE, description="Ranks (cards) it ran on.")
+    # Left out for one card: a server that predates multi-GPU trials (its Plan forbids unknown
+    # fields) still takes every one-card call of a newer worker.
+    world_size: int = Field(
+        1,
+        ge=1,
+        le=MAX_WORLD_SIZE,
+        description="Ranks (cards) it runs on.",
+        exclude_if=lambda size: size == 1,
+    )
     strategy: Strategy | None = Field(None, description="The data-parallel wrapper; None: 1 rank.")
     reason: ShortText = ""
 
@@ -729,8 +737,8 @@ class HandBackRequest(LeaseCall, PlanChoice):
         description="It fits this card resized, handed back for a larger card that runs it "
         "faster: re-offered, never ended infeasible, when no such card is live.",
     )
-    rank_needs: list[RankNeed] = Field(
-        default_factory=list,
+    rank_needs: list[RankNeed] | None = Field(
+        None,
         max_length=MAX_WORLD_SIZE,
         description="For a study with `distributed`: the per-rank bytes the trial needs at "
         "each world size the worker predicted; the server routes it to a node with that many "

@@ -417,7 +417,7 @@ def hand_back(call: TrialCall, trial_id: int, body: HandBackRequest) -> TrialAck
         "min_footprint_bytes": body.min_footprint_bytes,
         "plan": None if body.plan is None else body.plan.model_dump(mode="json"),
         "reason": body.reason,
-        "rank_needs": [need.model_dump(mode="json") for need in body.rank_needs],
+        "rank_needs": [need.model_dump(mode="json") for need in body.rank_needs or []],
     }
     capacity = _capacity(call, fenced, cards=1)
     _plan_chosen(call, fenced, body, {"handback": handback})
@@ -427,7 +427,7 @@ def hand_back(call: TrialCall, trial_id: int, body: HandBackRequest) -> TrialAck
         return _finish(call, fenced, ack, "handback")
     if capacity >= footprint:
         return _wait_for(call, fenced, footprint, 1)
-    for need in body.rank_needs:
+    for need in body.rank_needs or []:
         if _capacity(call, fenced, need.world_size) >= need.per_rank_bytes:
             return _wait_for(call, fenced, need.per_rank_bytes, need.world_size)
     trial.min_bytes = footprint

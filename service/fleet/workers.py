@@ -84,7 +84,7 @@ def register(
         device=body.device,
         card_model=body.card.model,
         # A node counts as its smallest card: a rank must fit whichever card it lands on.
-        total_bytes=min([body.card.total_bytes, *(c.total_bytes for c in body.cards)]),
+        total_bytes=min([body.card.total_bytes, *(c.total_bytes for c in body.cards or [])]),
         free_bytes=body.card.free_bytes,
         card=body.card.model_dump(mode="json"),
         constants=body.constants.model_dump(mode="json"),
@@ -97,7 +97,7 @@ def register(
         batch_params=dict(body.batch_params),
         token_id=token_id,
         slots=body.slots,
-        cards=max(1, len(body.cards)),
+        cards=max(1, len(body.cards or [])),
     )
     session.add(worker)
     session.flush()

@@ -527,10 +527,10 @@ class Agent:
         """The cards this worker drives: a node's, else 1."""
         return max(1, len(self.options.devices))
 
-    def _node_cards(self, card: CardInfo) -> list[CardInfo]:
-        """A node's cards as registered (one per rank), none for a one-card worker."""
+    def _node_cards(self, card: CardInfo) -> list[CardInfo] | None:
+        """A node's cards as registered (one per rank), None for a one-card worker."""
         if self.ranks == 1:
-            return []
+            return None
         return [
             card.model_copy(update={"device_index": _device_index(device)})
             for device in self.options.devices
