@@ -351,8 +351,19 @@ class PlanOut(Wire):
     accumulation: int = 1
     checkpointing: bool = False
     bf16: bool = False
-    world_size: int = Field(1, ge=1, le=MAX_WORLD_SIZE, description="Ranks (cards) it ran on.")
-    strategy: Strategy | None = Field(None, description="The data-parallel wrapper; None: 1 rank.")
+    # Left out for one card, as in Plan.
+    world_size: int = Field(
+        1,
+        ge=1,
+        le=MAX_WORLD_SIZE,
+        description="Ranks (cards) it ran on.",
+        exclude_if=lambda size: size == 1,
+    )
+    strategy: Strategy | None = Field(
+        None,
+        description="The data-parallel wrapper; None: 1 rank.",
+        exclude_if=lambda strategy: strategy is None,
+    )
     reason: str = ""
 
 
@@ -570,7 +581,11 @@ class Plan(Wire):
         description="Ranks (cards) it runs on.",
         exclude_if=lambda size: size == 1,
     )
-    strategy: Strategy | None = Field(None, description="The data-parallel wrapper; None: 1 rank.")
+    strategy: Strategy | None = Field(
+        None,
+        description="The data-parallel wrapper; None: 1 rank.",
+        exclude_if=lambda strategy: strategy is None,
+    )
     reason: ShortText = ""
 
     @model_validator(mode="after")
