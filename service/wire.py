@@ -52,6 +52,7 @@ MAX_PARAMS = 64
 MAX_CHOICES = 256
 MAX_SHARED_PREDICTIONS = 256  # per plan choice, and per assignment
 MAX_SLOTS = 64  # trials one worker runs at once on its card (a packing worker's slots)
+MAX_WORLD_SIZE = 64  # ranks of one distributed trial, and cards of one node worker
 MAX_FLOAT_STEPS = 10**15  # grid points of a stepped float (Optuna's Decimal checks fail beyond)
 Key = Annotated[str, Field(min_length=1, max_length=128)]
 # A fixed setting or a sampler/pruner argument: a JSON scalar, finite, bounded in length.
@@ -164,6 +165,38 @@ class MemoryPolicy(Wire):
     allow_packing: bool = Field(False, description="May a card run two trials at once?")
 
 
+Strategy = Literal["ddp", "fsdp"]
+
+
+def _both_strategies() -> list[Strategy]:
+    return ["ddp", "fsdp"]
+
+
+class DistributedPolicy(Wire):
+    """How a trial may be spread over several cards of one node, one process per rank.
+
+    The global batch stays the hyperparameter: per-rank micro-batch x accumulation x world size.
+    """
+
+    strategies: list[Strategy] = Field(
+        default_factory=_both_strategies,
+        min_length=1,
+        max_length=2,
+        description="Data-parallel wrappers a worker may use, tried in this order at each "
+        "world size: 'ddp' (DistributedDataParallel) and 'fsdp' (FSDP2 fully_shard).",
+    )
+    max_world_size: int = Field(
+        8, ge=1, le=MAX_WORLD_SIZE, description="The most ranks (cards) one trial may use."
+    )
+
+    @field_validator("strategies")
+    @classmethod
+    def _distinct(cls, strategies: list[Strategy]) -> list[Strategy]:
+        if len(set(strategies)) != len(strategies):
+            raise ValueError("each strategy at most once")
+        return strategies
+
+
 class SamplerSpec(Wire):
     """An Optuna sampler by name with its keyword arguments."""
 
@@ -254,6 +287,11 @@ class StudyCreate(Wire):
     budget: TrainBudget = Field(default_factory=TrainBudget)
     memory_policy: MemoryPolicy = Field(default_factory=MemoryPolicy)
     max_attempts: int = Field(3, ge=1, le=20, description="Attempts per trial before FAIL.")
+    distributed: DistributedPolicy | None = Field(
+        None,
+        description="May a trial run on several cards of a node worker (DDP or FSDP2)? "
+        "None: every trial runs on one card.",
+    )
 
     @model_validator(mode="after")
     def _objectives(self) -> StudyCreate:
@@ -313,6 +351,19 @@ class PlanOut(Wire):
     accumulation: int = 1
     checkpointing: bool = False
     bf16: bool = False
+    # Left out for one card, as in Plan.
+    world_size: int = Field(
+        1,
+        ge=1,
+        le=MAX_WORLD_SIZE,
+        description="Ranks (cards) it ran on.",
+        exclude_if=lambda size: size == 1,
+    )
+    strategy: Strategy | None = Field(
+        None,
+        description="The data-parallel wrapper; None: 1 rank.",
+        exclude_if=lambda strategy: strategy is None,
+    )
     reason: str = ""
 
 
@@ -332,8 +383,15 @@ class TrialOut(Wire):
     plan: PlanOut | None = None
     worker: str | None = None
     card_model: str | None = None
-    predicted_peak_bytes: int | None = None
-    measured_peak_bytes: int | None = None
+    predicted_peak_bytes: int | None = Field(
+        None, description="Predicted peak; per rank when the plan's world size is above 1."
+    )
+    measured_peak_bytes: int | None = Field(
+        None, description="Measured peak; the largest rank's when the world size is above 1."
+    )
+    rank_peak_bytes: list[int] | None = Field(
+        None, description="A distributed run's measured peak on each rank, rank 0 first."
+    )
     outcome: str | None = Field(
         None, description="as_asked, resized, routed, infeasible, oom, failed, pruned."
     )
@@ -414,6 +472,12 @@ class WorkerRegister(Wire):
         max_length=256,
         description="Per task, the configuration key holding its batch size: a study of the "
         "task whose search space and task_config both lack it is refused at creation.",
+    )
+    cards: list[CardInfo] | None = Field(
+        None,
+        max_length=MAX_WORLD_SIZE,
+        description="A node worker's cards, one per rank (None: the one `card`). A trial of "
+        "a study with `distributed` may run on several of them at once.",
     )
 
     @field_validator("shape_params")
@@ -496,16 +560,44 @@ class Assignment(Wire):
         description="The largest live card of another worker for this task, when larger than "
         "this worker's: a trial much slower here resized may be handed back to it.",
     )
+    distributed: DistributedPolicy | None = Field(
+        None, description="The study's distributed policy: may it run on several cards?"
+    )
+    min_world_size: int = Field(
+        1, ge=1, le=MAX_WORLD_SIZE, description="Ranks a hand-back said the trial needs."
+    )
 
 
 class Plan(Wire):
     """How a worker runs a trial: the same hyperparameters, maybe a smaller footprint."""
 
-    micro_batch: int | None = Field(None, ge=1, le=10**7, description="None: the whole batch.")
+    micro_batch: int | None = Field(
+        None, ge=1, le=10**7, description="None: the whole batch (a rank's share of it)."
+    )
     accumulation: int = Field(1, ge=1, le=10**7)
     checkpointing: bool = False
     bf16: bool = False
+    # Left out for one card: a server that predates multi-GPU trials (its Plan forbids unknown
+    # fields) still takes every one-card call of a newer worker.
+    world_size: int = Field(
+        1,
+        ge=1,
+        le=MAX_WORLD_SIZE,
+        description="Ranks (cards) it runs on.",
+        exclude_if=lambda size: size == 1,
+    )
+    strategy: Strategy | None = Field(
+        None,
+        description="The data-parallel wrapper; None: 1 rank.",
+        exclude_if=lambda strategy: strategy is None,
+    )
     reason: ShortText = ""
+
+    @model_validator(mode="after")
+    def _strategy_with_ranks(self) -> Plan:
+        if (self.world_size > 1) != (self.strategy is not None):
+            raise ValueError("a strategy goes with a world size above 1, and only then")
+        return self
 
 
 class Prediction(Wire):
@@ -575,6 +667,11 @@ class Measured(Wire):
     evaluation_peak_bytes: Bytes | None = Field(
         None,
         description="The bytes the card held while the task evaluated; None when it never did.",
+    )
+    rank_peak_bytes: list[Bytes] | None = Field(
+        None,
+        max_length=MAX_WORLD_SIZE,
+        description="A distributed run's allocated peak per rank (the peaks above: the largest).",
     )
 
 
@@ -660,6 +757,14 @@ class FailRequest(LeaseCall):
     measured: Measured | None = None
 
 
+class RankNeed(Wire):
+    """What a distributed trial needs at one world size: cards, and bytes on each."""
+
+    world_size: int = Field(ge=2, le=MAX_WORLD_SIZE)
+    strategy: Strategy
+    per_rank_bytes: Bytes
+
+
 class HandBackRequest(LeaseCall, PlanChoice):
     """The trial does not fit this card even at its smallest footprint."""
 
@@ -670,6 +775,13 @@ class HandBackRequest(LeaseCall, PlanChoice):
         False,
         description="It fits this card resized, handed back for a larger card that runs it "
         "faster: re-offered, never ended infeasible, when no such card is live.",
+    )
+    rank_needs: list[RankNeed] | None = Field(
+        None,
+        max_length=MAX_WORLD_SIZE,
+        description="For a study with `distributed`: the per-rank bytes the trial needs at "
+        "each world size the worker predicted; the server routes it to a node with that many "
+        "free cards of that size, fewest ranks first.",
     )
 
 

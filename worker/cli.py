@@ -62,6 +62,23 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         "--all-gpus", action="store_true", help="start one worker process per GPU of this machine"
     )
     worker.add_argument(
+        "--node",
+        action="store_true",
+        help="with --all-gpus: one node worker over every GPU (trials of studies with a "
+        "distributed policy may span its cards) instead of one worker per GPU",
+    )
+    worker.add_argument(
+        "--devices",
+        metavar="cuda:0,cuda:1,...",
+        help="a node worker over these GPUs, one process per rank (NCCL) for a trial on several",
+    )
+    worker.add_argument(
+        "--ranks",
+        type=positive_int,
+        metavar="N",
+        help="with --device cpu: a node of N simulated cards of --memory-limit each (gloo ranks)",
+    )
+    worker.add_argument(
         "--max-trials", type=int, metavar="N", help="exit after N trials (bounded runs, CI)"
     )
     worker.add_argument(
@@ -133,9 +150,39 @@ def worker_command(args: argparse.Namespace) -> int:
     if not args.server:
         print("vramtune worker: --server or VRAMTUNE_SERVER is required", file=sys.stderr)
         return 2
-    if args.all_gpus:
+    try:
+        args.node_devices = node_devices(args)
+    except ValueError as error:
+        print(f"vramtune worker: {error}", file=sys.stderr)
+        return 2
+    if args.all_gpus and not args.node:
         return _run_all_gpus(args)
+    if args.node_devices:
+        args.device = args.node_devices[0]
     return _run_one(args)
+
+
+def node_devices(args: argparse.Namespace) -> tuple[str, ...]:
+    """A node worker's cards, one per rank, from --devices, --ranks or --all-gpus --node;
+    empty for a one-card worker. ValueError names the option that is wrong."""
+    if args.devices:
+        devices = tuple(d.strip() for d in args.devices.split(",") if d.strip())
+        wrong = [d for d in devices if not re.fullmatch(r"cuda:\d{1,4}", d)]
+        if wrong or len(set(devices)) != len(devices):
+            raise ValueError(f"--devices takes distinct cuda:N cards, got {args.devices!r}")
+        return devices
+    if args.ranks is not None:
+        if args.device != "cpu" or not args.memory_limit:
+            raise ValueError("--ranks simulates cards: use it with --device cpu --memory-limit")
+        return ("cpu",) * int(args.ranks)
+    if args.node and not args.all_gpus:
+        raise ValueError("--node goes with --all-gpus")
+    if args.node:
+        count = gpu.gpu_count()
+        if count == 0:
+            raise ValueError("--all-gpus --node: NVML sees no GPU")
+        return tuple(f"cuda:{index}" for index in range(count))
+    return ()
 
 
 def tasks_command(args: argparse.Namespace) -> int:
@@ -215,6 +262,7 @@ def _run_agent(
         plan_ahead=args.plan_ahead,
         max_trials_per_card=args.max_trials_per_card,
         runner_source=Discovered(tuple(args.tasks), entry_points=not args.no_entry_points),
+        devices=tuple(getattr(args, "node_devices", ())),
     )
     if stop.is_set():
         return 0

@@ -54,7 +54,8 @@ def study_rows(studies: Sequence[StudySummary]) -> str:
 
 def trial_rows(trials: Sequence[TrialOut]) -> str:
     """The `study trials` and `study best` table."""
-    headers = ["NUMBER", "STATE", "VALUES", "ATTEMPT", "OUTCOME", "WORKER", "PARAMS"]
+    headers = ["NUMBER", "STATE", "VALUES", "ATTEMPT", "OUTCOME", "WORKER", "RANKS", "PEAK/RANK"]
+    headers.append("PARAMS")
     rows = [
         [
             t.number,
@@ -63,11 +64,30 @@ def trial_rows(trials: Sequence[TrialOut]) -> str:
             t.attempt,
             t.told_outcome or t.outcome,
             t.worker,
+            ranks_cell(t),
+            peak_cell(t),
             json.dumps(t.params),
         ]
         for t in trials
     ]
     return table(headers, rows)
+
+
+def ranks_cell(trial: TrialOut) -> str | None:
+    """'2 fsdp' for a distributed run, '1' for one card, empty before a plan."""
+    plan = trial.plan
+    if plan is None:
+        return None
+    return f"{plan.world_size} {plan.strategy}" if plan.strategy else str(plan.world_size)
+
+
+def peak_cell(trial: TrialOut) -> str | None:
+    """Predicted → measured peak, per rank ('p → m1/m2' for each rank of a distributed run)."""
+    if trial.predicted_peak_bytes is None and trial.measured_peak_bytes is None:
+        return None
+    measured: Sequence[int | None] = trial.rank_peak_bytes or [trial.measured_peak_bytes]
+    shown = "/".join("?" if peak is None else str(peak) for peak in measured)
+    return f"{trial.predicted_peak_bytes or '?'} -> {shown}"
 
 
 def show_study(summary: StudySummary) -> str:

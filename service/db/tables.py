@@ -68,6 +68,8 @@ class WorkerRow(Base):
     token_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     # Trials it runs at once: it holds at most this many leases, and one leased ahead.
     slots: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    # A node worker's cards (one per rank of a distributed trial), each of ``total_bytes``.
+    cards: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
 
     __table_args__ = (Index("ix_vramtune_workers_token", "token_id", "stopped"),)
 
@@ -90,6 +92,8 @@ class TrialRow(Base):
     status: Mapped[str] = mapped_column(String(16))
     attempt: Mapped[int] = mapped_column(Integer, default=0)
     min_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    # Cards a hand-back said it needs, ``min_bytes`` on each (1: one card of min_bytes).
+    min_world_size: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     outcome: Mapped[str | None] = mapped_column(String(16), nullable=True)
     worker_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     # Optuna's parameters as asked (external values); NULL on rows from before migration 0002.

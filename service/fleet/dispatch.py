@@ -270,6 +270,8 @@ def _assignment(
         ],
         predictions=predictions.shared_for(session, worker, row.task, config, row.study_id),
         larger_card_bytes=_larger_card(session, call, worker, row.task),
+        distributed=spec.distributed,
+        min_world_size=trial.min_world_size,
     )
 
 
@@ -295,6 +297,7 @@ _OFFERED = (
         TrialRow.study_id.in_(bindparam("study_ids", expanding=True)),
         TrialRow.status.in_(("pending", "waiting")),
         TrialRow.min_bytes <= bindparam("card_bytes"),
+        TrialRow.min_world_size <= bindparam("cards"),
         # a waiting trial is not offered back to the card that handed it back
         or_(TrialRow.status == "pending", TrialRow.worker_id != bindparam("worker_id")),
     )
@@ -343,6 +346,7 @@ def _offered(
     params = {
         "study_ids": [row.study_id for row in studies],
         "card_bytes": card_bytes,
+        "cards": worker.cards,
         "worker_id": worker.id,
     }
     return session.scalar(_OFFERED, params)

@@ -164,12 +164,18 @@ def _route_waiting(run: _Pass, trial_id: int) -> None:
         study_row = session.get_one(StudyRow, trial.study_id)
         settings = run.state.settings
         capacity = live_capacity(
-            session, study_row.task, run.now, settings.worker_stale_s, settings.max_card_bytes
+            session,
+            study_row.task,
+            run.now,
+            settings.worker_stale_s,
+            settings.max_card_bytes,
+            min_cards=trial.min_world_size,
         )
         if capacity >= trial.min_bytes or _settled_in_optuna(run, trial):
             return
+        cards = "" if trial.min_world_size == 1 else f" on each of {trial.min_world_size} cards"
         needs, largest = human_bytes(trial.min_bytes), human_bytes(capacity)
-        reason = f"needs {needs}; no live card holds it (largest: {largest})"
+        reason = f"needs {needs}{cards}; no live card holds it (largest: {largest})"
         telling = OptunaTell(session, run.state.storage, study_row, run.now)
         tell_infeasible(telling, trial, trial.min_bytes, capacity, reason)
         trial.status, trial.outcome, trial.message = "done", "infeasible", reason

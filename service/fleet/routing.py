@@ -58,19 +58,25 @@ class OptunaTell:
     now: datetime
 
 
-_LIVE_CARDS = select(WorkerRow.id, WorkerRow.total_bytes, WorkerRow.tasks).where(
+_LIVE_CARDS = select(WorkerRow.id, WorkerRow.total_bytes, WorkerRow.tasks, WorkerRow.cards).where(
     WorkerRow.stopped.is_(False), WorkerRow.last_heartbeat >= bindparam("cutoff")
 )  # built once (a worker's next reads it): see service.fleet.leases._FENCE
 
 
 def live_cards(
-    session: Session, task: str, now: datetime, stale_s: float, believe_up_to: int
+    session: Session,
+    task: str,
+    now: datetime,
+    stale_s: float,
+    believe_up_to: int,
+    min_cards: int = 1,
 ) -> dict[int, int]:
-    """The live workers that run ``task``: worker id -> card size as believed (``believed``)."""
+    """The live workers that run ``task`` with at least ``min_cards`` cards (a node's, for a
+    distributed trial): worker id -> card size as believed (``believed``)."""
     cutoff = now - timedelta(seconds=stale_s)
     rows = session.execute(_LIVE_CARDS, {"cutoff": cutoff})
     # tasks is a JSON list: filtered here, portably, rather than with a dialect's JSON operator
-    cards = {wid: total for wid, total, tasks in rows if task in tasks}
+    cards = {wid: total for wid, total, tasks, n in rows if task in tasks and n >= min_cards}
     return believed(session, cards, believe_up_to)
 
 
@@ -116,9 +122,12 @@ def live_capacity(
     stale_s: float,
     believe_up_to: int,
     exclude: int | None = None,
+    min_cards: int = 1,
 ) -> int:
-    """The largest card (as believed) of a live worker that runs ``task``; 0 when none."""
-    return largest_card(live_cards(session, task, now, stale_s, believe_up_to), exclude)
+    """The largest card (as believed) of a live worker that runs ``task`` with at least
+    ``min_cards`` cards; 0 when none."""
+    cards = live_cards(session, task, now, stale_s, believe_up_to, min_cards)
+    return largest_card(cards, exclude)
 
 
 def headroom(footprint: int, card_bytes: int) -> float:

@@ -437,12 +437,15 @@ def _out_of_memory(call: TrialCall, fenced: Fenced, body: FailRequest) -> TrialA
 
 
 def hand_back(call: TrialCall, trial_id: int, body: HandBackRequest) -> TrialAck:
-    """Route a trial that does not fit: wait for a larger live card, or end it infeasible."""
+    """Route a trial that does not fit: wait for a larger live card, or for a node with enough
+    cards of enough bytes (the hand-back's rank needs, fewest ranks first), or end it
+    infeasible."""
     fenced = call.fence(trial_id, body.lease, "handback")
     if fenced.replay is not None:
         return fenced.replay
     trial, worker = fenced.trial, fenced.worker
-    footprint = max(trial.min_bytes, body.min_footprint_bytes)
+    earlier = trial.min_bytes if trial.min_world_size == 1 else 0
+    footprint = max(earlier, body.min_footprint_bytes)
     handback = {
         "worker": worker.name,
         "card_model": worker.card_model,
@@ -450,16 +453,9 @@ def hand_back(call: TrialCall, trial_id: int, body: HandBackRequest) -> TrialAck
         "min_footprint_bytes": body.min_footprint_bytes,
         "plan": None if body.plan is None else body.plan.model_dump(mode="json"),
         "reason": body.reason,
+        "rank_needs": [need.model_dump(mode="json") for need in body.rank_needs or []],
     }
-    settings = call.settings
-    capacity = live_capacity(
-        call.session,
-        fenced.study.task,
-        call.now,
-        settings.worker_stale_s,
-        settings.max_card_bytes,
-        exclude=worker.id,
-    )
+    capacity = _capacity(call, fenced, cards=1)
     _plan_chosen(call, fenced, body, {"handback": handback})
     plan = _plan_facts(body.plan)
     if body.fits_here and capacity < footprint:  # the larger card left: it runs where it fits
@@ -467,15 +463,49 @@ def hand_back(call: TrialCall, trial_id: int, body: HandBackRequest) -> TrialAck
         ack = _ack(fenced, "retry", "no larger card is live: offered again as it fits")
         _story(call, fenced, "handed_back", footprint_bytes=footprint, plan=plan, then="here")
         return _finish(call, fenced, ack, "handback")
-    trial.min_bytes = footprint
     if capacity >= footprint:
-        trial.status = "waiting"
-        trial.updated_at = call.now
-        ack = _ack(fenced, "waiting", f"waits for a card of at least {human_bytes(footprint)}")
-        _story(call, fenced, "handed_back", footprint_bytes=footprint, plan=plan, then="waits")
-        return _finish(call, fenced, ack, "handback")
+        return _wait_for(call, fenced, footprint, 1, plan)
+    for need in body.rank_needs or []:
+        if _capacity(call, fenced, need.world_size) >= need.per_rank_bytes:
+            return _wait_for(call, fenced, need.per_rank_bytes, need.world_size, plan)
+    trial.min_bytes = footprint
     largest = max(capacity, worker.total_bytes)
     reason = f"needs {human_bytes(footprint)}; the largest live card has {human_bytes(largest)}"
+    if body.rank_needs:
+        fewest = min(body.rank_needs, key=lambda need: need.per_rank_bytes)
+        reason += (
+            f"; no live node has {fewest.world_size} cards of "
+            f"{human_bytes(fewest.per_rank_bytes)} ({fewest.strategy}), nor any other world "
+            "size's need"
+        )
     tell_infeasible(call.telling(fenced), trial, footprint, largest, reason)
     _story(call, fenced, "infeasible", footprint_bytes=footprint, largest_card_bytes=largest)
     return _finish(call, fenced, _ack(fenced, "infeasible", reason), "handback")
+
+
+def _capacity(call: TrialCall, fenced: Fenced, cards: int) -> int:
+    """The largest card of another live worker of the task with at least `cards` cards."""
+    settings = call.settings
+    return live_capacity(
+        call.session,
+        fenced.study.task,
+        call.now,
+        settings.worker_stale_s,
+        settings.max_card_bytes,
+        exclude=fenced.worker.id,
+        min_cards=cards,
+    )
+
+
+def _wait_for(
+    call: TrialCall, fenced: Fenced, per_card: int, cards: int, plan: dict[str, Any] | None
+) -> TrialAck:
+    """The trial waits for a worker with `cards` cards of at least `per_card` bytes each."""
+    trial = fenced.trial
+    trial.min_bytes, trial.min_world_size = per_card, cards
+    trial.status = "waiting"
+    trial.updated_at = call.now
+    where = "a card" if cards == 1 else f"a node with {cards} free cards"
+    ack = _ack(fenced, "waiting", f"waits for {where} of at least {human_bytes(per_card)}")
+    _story(call, fenced, "handed_back", footprint_bytes=per_card, plan=plan, then="waits")
+    return _finish(call, fenced, ack, "handback")

@@ -83,7 +83,8 @@ def register(
         name=body.name,
         device=body.device,
         card_model=body.card.model,
-        total_bytes=body.card.total_bytes,
+        # A node counts as its smallest card: a rank must fit whichever card it lands on.
+        total_bytes=min([body.card.total_bytes, *(c.total_bytes for c in body.cards or [])]),
         free_bytes=body.card.free_bytes,
         card=body.card.model_dump(mode="json"),
         constants=body.constants.model_dump(mode="json"),
@@ -96,6 +97,7 @@ def register(
         batch_params=dict(body.batch_params),
         token_id=token_id,
         slots=body.slots,
+        cards=max(1, len(body.cards or [])),
     )
     session.add(worker)
     session.flush()

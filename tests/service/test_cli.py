@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from service.cli.console import trial_rows
 from service.cli.parser import main
 from service.client import ApiError, Client
 from service.testing import run_vramtune, server_factory, sqlite_url, upgrade_database
+from service.wire import PlanOut, TrialOut
 
 SPEC = {
     "name": "cli-study",
@@ -124,3 +126,21 @@ def test_serve_refuses_several_processes_on_sqlite(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert "processes > 1 needs PostgreSQL" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_study_trials_shows_ranks_and_each_rank_s_peak() -> None:
+    distributed = TrialOut(
+        id=1,
+        number=0,
+        state="COMPLETE",
+        params={"batch_size": 64},
+        plan=PlanOut(world_size=2, strategy="fsdp"),
+        predicted_peak_bytes=1000,
+        measured_peak_bytes=1000,
+        rank_peak_bytes=[1000, 488],
+    )
+    one_card = TrialOut(id=2, number=1, state="RUNNING", params={}, plan=PlanOut())
+    table = trial_rows([distributed, one_card]).splitlines()
+    assert "RANKS" in table[0] and "PEAK/RANK" in table[0]
+    assert "2 fsdp" in table[1] and "1000 -> 1000/488" in table[1]
+    assert table[2].split()[:2] == ["1", "RUNNING"] and " 1 " in table[2]

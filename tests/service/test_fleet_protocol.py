@@ -63,11 +63,14 @@ class SimWorker:
         task: str,
         total_bytes: int = 8 * GIB,
         model: str = "Sim 8G",
+        cards: int = 1,
     ) -> None:
         self.http = http
         self.total_bytes = total_bytes
         card = {"model": model, "total_bytes": total_bytes, "free_bytes": total_bytes}
         body = {"name": name, "device": "cpu", "card": card, "tasks": [task]}
+        if cards > 1:  # a node worker: one card per rank
+            body["cards"] = [card] * cards
         response = http.post("/workers", json=body)
         assert response.status_code == 201, response.text
         self.id: int = response.json()["worker_id"]
@@ -122,9 +125,11 @@ class Env:
     study: str
     task: str
 
-    def worker(self, name: str, total_bytes: int = 8 * GIB, model: str = "Sim 8G") -> SimWorker:
-        """A worker that runs this test's task only."""
-        return SimWorker(self.http, name, self.task, total_bytes, model)
+    def worker(
+        self, name: str, total_bytes: int = 8 * GIB, model: str = "Sim 8G", cards: int = 1
+    ) -> SimWorker:
+        """A worker that runs this test's task only (a node of `cards` cards when above 1)."""
+        return SimWorker(self.http, name, self.task, total_bytes, model, cards)
 
     def create_study(self, **extra: Any) -> None:
         """This test's study: a quadratic on one float, random sampler, no pruner."""
@@ -776,6 +781,56 @@ def test_trial_no_card_can_hold_is_infeasible_with_its_constraint(env: Env) -> N
     assert small.complete(too_big, 1.0).status_code == 409
 
 
+def _need(world_size: int, per_rank_bytes: int) -> dict[str, Any]:
+    return {"world_size": world_size, "strategy": "ddp", "per_rank_bytes": per_rank_bytes}
+
+
+def test_a_hand_back_naming_rank_needs_waits_for_a_node_with_enough_cards(env: Env) -> None:
+    env.create_study(n_trials=2, distributed={"max_world_size": 8})
+    single = env.worker("single", 4 * GIB, "Sim 4G")
+    node = env.worker("node", 4 * GIB, "Sim 4G", cards=4)
+    held = single.next()
+    assert held is not None and held["distributed"]["max_world_size"] == 8
+    needs = [_need(2, 5 * GIB), _need(4, 3 * GIB), _need(8, 2 * GIB)]
+    back = single.call(held, "handback", min_footprint_bytes=10 * GIB, rank_needs=needs)
+    # 2 ranks need 5 GiB a card, more than the node's: the fewest it holds is 4.
+    assert back.json()["resolution"] == "waiting"
+    assert "a node with 4 free cards of at least 3221225472 bytes" in back.json()["detail"]
+    other = single.next()  # the waiting trial is not for a one-card worker
+    assert other is not None and other["trial_id"] != held["trial_id"]
+    routed = node.next()
+    assert routed is not None and routed["trial_id"] == held["trial_id"]
+    assert routed["min_world_size"] == 4
+    plan = {"world_size": 4, "strategy": "ddp"}
+    peaks = [3 * GIB, 3 * GIB - 512, 3 * GIB - 512, 3 * GIB - 1024]
+    measured = {"peak_allocated_bytes": 3 * GIB, "rank_peak_bytes": peaks}
+    done = node.call(
+        routed, "complete", values=[1.0], plan=plan, measured=measured, duration_s=1.0,
+        prediction=_prediction(3 * GIB),
+    )  # fmt: skip
+    assert done.status_code == 200, done.text
+    shown = env.page()[held["trial_id"]]
+    assert (shown["plan"]["world_size"], shown["plan"]["strategy"]) == (4, "ddp")
+    assert shown["rank_peak_bytes"] == peaks and shown["predicted_peak_bytes"] == 3 * GIB
+    # 8 ranks of 2 GiB: the node has 4 cards, and a one-card worker none to spare.
+    back = single.call(other, "handback", min_footprint_bytes=10 * GIB, rank_needs=[_need(8, GIB)])
+    assert back.json()["resolution"] == "infeasible"
+    assert "no live node has 8 cards of 1073741824 bytes" in back.json()["detail"]
+
+
+def test_a_plan_names_a_strategy_with_more_than_one_rank_only(env: Env) -> None:
+    env.create_study()
+    node = env.worker("node", 4 * GIB, "Sim 4G", cards=2)
+    held = node.next()
+    assert held is not None
+    wrong = node.call(held, "start", plan={"world_size": 2})
+    assert wrong.status_code == 422 and "plan" in wrong.text
+    card = {"model": "Sim", "total_bytes": GIB, "free_bytes": GIB}
+    body = {"name": "huge", "device": "cpu", "card": card, "tasks": [env.task]}
+    response = env.http.post("/workers", json={**body, "cards": [card] * 65})
+    assert response.status_code == 422 and "cards" in response.text  # 64 cards at most
+
+
 def test_waiting_trial_is_infeasible_once_the_larger_card_leaves(env: Env) -> None:
     env.create_study()
     small = env.worker("small", 4 * GIB, "Sim 4G")
@@ -790,6 +845,24 @@ def test_waiting_trial_is_infeasible_once_the_larger_card_leaves(env: Env) -> No
     reap_once(env.state)
     trial = env.trials()[0]
     assert trial.state == TrialState.COMPLETE and trial.constraints["memory"] > 0
+
+
+def test_a_trial_waiting_for_a_node_is_infeasible_once_the_node_leaves(env: Env) -> None:
+    env.create_study(distributed={"max_world_size": 4})
+    single = env.worker("single", 4 * GIB, "Sim 4G")
+    node = env.worker("node", 4 * GIB, "Sim 4G", cards=2)
+    held = single.next()
+    assert held is not None
+    back = single.call(held, "handback", min_footprint_bytes=6 * GIB, rank_needs=[_need(2, GIB)])
+    assert back.json()["resolution"] == "waiting"
+    reap_once(env.state)
+    assert env.trials()[0].state == TrialState.RUNNING  # the node is live: it waits
+    assert env.http.post(f"/workers/{node.id}/stop").status_code == 204
+    reap_once(env.state)  # the one-card worker is live, but has one card, not two
+    trial = env.trials()[0]
+    assert trial.state == TrialState.COMPLETE and trial.constraints["memory"] > 0
+    reason = env.page()[held["trial_id"]]["user_attrs"]["vramtune.fail_reason"]
+    assert "on each of 2 cards" in reason
 
 
 def test_oom_retries_once_with_the_plans_tried_then_fails(env: Env) -> None:

@@ -148,6 +148,12 @@ def test_create_get_list(api: httpx.Client, plain: RDBStorage, engine: Engine) -
     assert in_optuna(plain, summary["name"])
 
 
+def test_distributed_policy_round_trips_with_defaults(api: httpx.Client) -> None:
+    made = create(api, distributed={"max_world_size": 4})
+    assert made["spec"]["distributed"] == {"strategies": ["ddp", "fsdp"], "max_world_size": 4}
+    assert create(api)["spec"]["distributed"] is None  # one card a trial unless asked
+
+
 def test_json_types_survive(api: httpx.Client) -> None:
     space = {"flag": {"type": "categorical", "choices": [True, 2, 2.5, "2"]}}
     sampler = {"name": "tpe", "args": {"multivariate": True, "prior_weight": 1.0, "seed": 3}}
@@ -262,6 +268,21 @@ BAD_INPUT: list[tuple[str, dict[str, Any], str]] = [
         "body",
     ),
     ("bad name", {"name": "no spaces please"}, "name"),
+    # Multi-GPU trials (docs/concepts/multi-gpu.md): how a trial may be spread over cards.
+    (
+        "unknown strategy",
+        {"distributed": {"strategies": ["ddp", "zero3"]}},
+        "distributed.strategies",
+    ),
+    (
+        "strategy twice",
+        {"distributed": {"strategies": ["fsdp", "fsdp"]}},
+        "distributed.strategies",
+    ),
+    ("no strategy", {"distributed": {"strategies": []}}, "distributed.strategies"),
+    ("world size 0", {"distributed": {"max_world_size": 0}}, "distributed.max_world_size"),
+    ("world size 65", {"distributed": {"max_world_size": 65}}, "distributed.max_world_size"),
+    ("unknown distributed key", {"distributed": {"nodes": 2}}, "distributed.nodes"),
     ("unknown field", {"colour": "blue"}, "colour"),
     # Built-in model families: what the server can tell without torch (service/task_rules.py).
     (

@@ -191,6 +191,17 @@ def test_unset_optional_fields_are_left_out_of_the_body(
     assert CompleteRequest.model_validate(sent) == COMPLETE
 
 
+def test_one_card_calls_carry_nothing_a_server_before_multi_gpu_trials_would_refuse() -> None:
+    """Plan.world_size is left out at 1, node cards and rank needs when there are none."""
+    handed_back = HandBackRequest(lease="l" * 16, min_footprint_bytes=1, plan=Plan())
+    sent = json.loads(handed_back.model_dump_json(exclude_none=True))
+    assert "rank_needs" not in sent and "world_size" not in sent["plan"]
+    assert Plan.model_validate(sent["plan"]).world_size == 1
+    two = json.loads(Plan(world_size=2, strategy="fsdp").model_dump_json(exclude_none=True))
+    assert (two["world_size"], two["strategy"]) == (2, "fsdp")
+    assert WorkerRegister.model_fields["cards"].default is None  # left out by exclude_none
+
+
 # Every body the worker sends, and the models inside them.
 WORKER_BODIES = (WorkerRegister, Heartbeat, NextRequest, StartRequest, ReportRequest)
 WORKER_BODIES += (CompleteRequest, FailRequest, HandBackRequest)

@@ -63,6 +63,14 @@ def test_no_gpu_here_is_said_plainly() -> None:
     assert "no GPU cuda:0" in result.stderr
 
 
+def test_a_node_of_simulated_cards_needs_the_cpu_and_a_size() -> None:
+    result = vramtune("worker", "--ranks", "4", *QUADRATIC_ONLY, VRAMTUNE_SERVER="http://x")
+    assert result.returncode == 2
+    assert "--ranks simulates cards: use it with --device cpu --memory-limit" in result.stderr
+    wrong = vramtune("worker", "--devices", "cuda:0,gpu1", *QUADRATIC_ONLY, VRAMTUNE_SERVER="x")
+    assert wrong.returncode == 2 and "--devices takes distinct cuda:N cards" in wrong.stderr
+
+
 def test_the_worker_commands_do_not_import_torch() -> None:
     code = "import sys, worker.cli, worker.loop.agent; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO, check=False).returncode == 0

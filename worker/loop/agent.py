@@ -26,9 +26,11 @@ from service.wire import (
     Assignment,
     Calibration,
     CardConstants,
+    CardInfo,
     CompleteReply,
     CompleteRequest,
     FailRequest,
+    MemoryPolicy,
     NextRequest,
     Plan,
     PlanChoice,
@@ -49,9 +51,17 @@ from worker.loop.heartbeat import Heartbeats, RunningTrial
 from worker.loop.lookahead import PlanAhead, Prepared
 from worker.loop.packing import Packer
 from worker.loop.spool import Spool
-from worker.plan.policy import HandBack, RunAsPlanned, choose_plan, measured_step_time
+from worker.plan.distributed import choose_distributed
+from worker.plan.policy import (
+    Decision,
+    HandBack,
+    RunAsPlanned,
+    choose_plan,
+    measured_step_time,
+)
 from worker.plan.shared_predictions import batch_param, shape_keys, shared
 from worker.plan.time_routing import prefer_larger_card
+from worker.run.ranks import RankGroupRunner
 from worker.trial.runner import (
     CardSpec,
     OutOfMemory,
@@ -280,8 +290,11 @@ class Agent:
         self.started(assignment, decision, choice, how)
         if self.options.plan_ahead and not self.stop.is_set() and not self.reached_max_trials():
             self.ahead.begin(self.free_bytes())  # the card as this trial found it
+        on_cards: RunsTrials = runner
+        if decision.plan.world_size > 1:
+            on_cards = RankGroupRunner(runner, self.options.devices)
         self.run_planned(
-            assignment, runner, config, decision.plan, decision.prediction, decision.step_time
+            assignment, on_cards, config, decision.plan, decision.prediction, decision.step_time
         )
 
     def started(
@@ -335,16 +348,22 @@ class Agent:
         """choose_plan through the fleet's shared predictions, then routing by predicted time."""
         predictions = shared(runner, config, assignment.predictions)
         fit = self._step_fit(assignment.task)
-        decision = choose_plan(
-            predictions,
-            config,
-            assignment.memory_policy,
-            self.card,
-            free,
-            assignment.plans_tried,
-            self._calibration(assignment.task),
-            fit,
-        )
+        calibration = self._calibration(assignment.task)
+
+        def on_one_card(policy: MemoryPolicy) -> Decision:
+            return choose_plan(
+                predictions, config, policy, self.card, free, assignment.plans_tried,
+                calibration, fit,
+            )  # fmt: skip
+
+        task: Any = getattr(runner, "task", None)  # a torch Task (TorchTaskRunner's) or None
+        if assignment.distributed is not None and hasattr(task, "batch_size_param"):
+            decision = choose_distributed(
+                task, config, assignment.memory_policy, assignment.distributed, self.card,
+                free, self.ranks, on_one_card,
+            )  # fmt: skip
+        else:
+            decision = on_one_card(assignment.memory_policy)
         policy, larger = assignment.memory_policy, assignment.larger_card_bytes
         decision = prefer_larger_card(decision, larger, policy, fit)
         choice = PlanChoice(
@@ -503,11 +522,27 @@ class Agent:
         self.event("token_refused", status=error.status_code, detail=str(error.detail))
         self.stop.set()
 
+    @property
+    def ranks(self) -> int:
+        """The cards this worker drives: a node's, else 1."""
+        return max(1, len(self.options.devices))
+
+    def _node_cards(self, card: CardInfo) -> list[CardInfo] | None:
+        """A node's cards as registered (one per rank), None for a one-card worker."""
+        if self.ranks == 1:
+            return None
+        return [
+            card.model_copy(update={"device_index": _device_index(device)})
+            for device in self.options.devices
+        ]
+
     def _registration(self) -> WorkerRegister:
+        card = self.card.info.model_copy(update={"free_bytes": self.free_bytes()})
         return WorkerRegister(
             name=self.options.name,
             device=self.options.device,
-            card=self.card.info.model_copy(update={"free_bytes": self.free_bytes()}),
+            card=card,
+            cards=self._node_cards(card),
             tasks=sorted(self.runners),
             constants=CardConstants.model_validate(
                 {k: v for k, v in self.card.constants.items() if k in CardConstants.model_fields}
@@ -560,3 +595,8 @@ class Agent:
     def idle_too_long(self, idle_since: float) -> bool:
         limit = self.options.exit_when_idle_s
         return limit is not None and time.monotonic() - idle_since >= limit
+
+
+def _device_index(device: str) -> int:
+    """The card index of 'cuda:N' (0 for 'cpu' or a bare 'cuda')."""
+    return int(device.partition(":")[2] or 0)

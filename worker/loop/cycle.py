@@ -52,6 +52,9 @@ class AgentOptions:
     max_trials_per_card: int = 1
     # Where a packed trial's process finds the runners; None: the agent's own, pickled.
     runner_source: RunnerSource | None = None
+    # A node worker's cards, one per rank ("cpu" for each simulated card): a trial of a study
+    # with a distributed policy may run on several at once (worker/run/ranks.py). Empty: one.
+    devices: tuple[str, ...] = ()
 
 
 class RunsTrials(Protocol):

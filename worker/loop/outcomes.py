@@ -110,6 +110,7 @@ def handed_back(assignment: Assignment, decision: HandBack, choice: PlanChoice) 
         plan=decision.plan,
         reason=decision.reason[:4096],
         fits_here=getattr(decision, "fits_here", False),  # worker/plan/time_routing.py
+        rank_needs=list(getattr(decision, "rank_needs", ())) or None,  # plan/distributed.py
         **dict(choice),
     )
 

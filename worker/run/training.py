@@ -15,7 +15,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -49,6 +49,8 @@ logger = logging.getLogger(__name__)
 
 # How often (in steps) the progress bar shows the loss: reading it syncs a CUDA device.
 LOSS_DISPLAY_EVERY = 10
+# Rank r of a distributed run draws its batches from seed + r * this: its own examples.
+RANK_SEED_STRIDE = 1_000_003
 
 
 class TrainingDiverged(RunFailed):
@@ -268,6 +270,8 @@ class _Loop:
     device: torch.device
     meter: PeakMeter
     reporter: Reporter
+    # A distributed rank wraps the model (DDP, FSDP2) before its optimizer is built.
+    wrap: Callable[[nn.Module], nn.Module] | None = None
     started: float = field(default_factory=time.monotonic)
     eval_seconds: float = 0.0
     steps: int = 0
@@ -276,6 +280,8 @@ class _Loop:
         """Train within the budget, evaluating and reporting on schedule; the final metric."""
         batch_size = int(self.config[self.task.batch_size_param])
         model = build_for_plan(self.task, self.config, self.plan, self.device)
+        if self.wrap is not None:
+            model = self.wrap(model)
         optimizer = self.task.build_optimizer(model, self.config)
         next_batch = batch_feeder(batches)
         progress = _Progress(self.task.name, self.budget.max_steps)
@@ -385,15 +391,30 @@ class TorchTaskRunner:
         self, config: Config, plan: Plan, budget: TrainBudget, card: CardSpec, reporter: Reporter
     ) -> RunResult:
         """Train `config` under `plan` within `budget`; raises OutOfMemory past the card."""
+        return self.run_wrapped(config, plan, budget, card, reporter)
+
+    def run_wrapped(
+        self,
+        config: Config,
+        plan: Plan,
+        budget: TrainBudget,
+        card: CardSpec,
+        reporter: Reporter,
+        wrap: Callable[[nn.Module], nn.Module] | None = None,
+        rank: int = 0,
+    ) -> RunResult:
+        """`run`, the model wrapped by `wrap` (a distributed rank, worker.run.ranks), the data
+        drawn for `rank` (every rank builds the same model, each trains on its own batches)."""
         device = torch.device(card.device)
         micro = micro_batch_sizes(self.batch_size(config), plan)[0]
+        seed = int(config.get("seed", 0))
         # The task loads its data here, outside the measured window: data stays on the host.
-        batches = self.task.batches(config, micro, device, int(config.get("seed", 0)))
+        batches = self.task.batches(config, micro, device, seed + RANK_SEED_STRIDE * rank)
         meter = meter_for(card)
         try:
             with meter:
-                torch.manual_seed(int(config.get("seed", 0)))
-                loop = _Loop(self.task, config, plan, budget, device, meter, reporter)
+                torch.manual_seed(seed)
+                loop = _Loop(self.task, config, plan, budget, device, meter, reporter, wrap)
                 return loop.run(batches)
         except meter.out_of_memory as error:
             message = f"out of memory: {error}"
