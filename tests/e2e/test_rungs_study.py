@@ -3,7 +3,7 @@ small card holds its configurations only through a new rung (chunked cross-entro
 one runs them as asked; every trial completes, predicted to the byte (a real server; in-process
 agents with the hf-causal-lm task).
 
-Cost: ~5 min per database at load 17 on 2 cores (tiny Llama configs with a 16k vocabulary:
+Cost: 2.5-5 min per database at load 16-17 on 2 cores (tiny Llama configs with a 16k vocabulary:
 the small card is sized from four traces, then four trials of two steps each).
 """
 
