@@ -11,13 +11,24 @@ DEFAULT_OVERHEAD_SAMPLES = 8.0
 """The fixed model: a micro-batch costs as much as 8 more samples (launches, a cold device)."""
 DEFAULT_CHECKPOINT_SLOWDOWN = 4 / 3
 """The fixed model: checkpointing recomputes the forward pass, about a third more compute."""
+DEFAULT_CHUNKED_LOSS_SLOWDOWN = 1.05
+"""The fixed model: chunked cross-entropy recomputes the output layer's forward in backward."""
 STEP_TIME_MIN_RUNS = 3
 """Runs needed before an absolute step time is predicted (the intercept needs data)."""
 
 
 def step_time_prior() -> list[float]:
-    """The fixed model's coefficients (intercept, samples, checkpointing, bf16, sizes)."""
-    return [0.0, 1.0, math.log(DEFAULT_CHECKPOINT_SLOWDOWN), 0.0, 0.0, 0.0]
+    """The fixed model's coefficients (intercept, samples, checkpointing, bf16, sizes, chunked
+    loss)."""
+    return [
+        0.0,
+        1.0,
+        math.log(DEFAULT_CHECKPOINT_SLOWDOWN),
+        0.0,
+        0.0,
+        0.0,
+        math.log(DEFAULT_CHUNKED_LOSS_SLOWDOWN),
+    ]
 
 
 def default_step_time_fit(card_model: str = "", task: str = "") -> StepTimeFit:
@@ -32,14 +43,18 @@ def default_step_time_fit(card_model: str = "", task: str = "") -> StepTimeFit:
 
 
 def step_time_features(x: StepTimeObservation, overhead: float) -> list[float]:
-    """The model's inputs for one run (logs of sizes floored at 1)."""
+    """The model's inputs for one run (logs of sizes floored at 1). Checkpointing counts by
+    the share of blocks it recomputes: selective checkpointing of k of L blocks costs k/L of
+    checkpointing them all."""
+    checkpointed = 1.0 if x.checkpointed_fraction is None else x.checkpointed_fraction
     return [
         1.0,
         math.log(x.micro_batches * (x.micro_batch + overhead)),
-        float(x.checkpointing),
+        float(x.checkpointing) * checkpointed,
         float(x.bf16),
         math.log(max(x.parameter_bytes, 1)),
         math.log(max(x.as_asked_peak_bytes, 1)),
+        float(x.chunked_loss),
     ]
 
 
@@ -47,7 +62,7 @@ def predicted_step_s(fit: StepTimeFit, x: StepTimeObservation) -> float | None:
     """Seconds per optimizer step for these features; None before STEP_TIME_MIN_RUNS runs."""
     if fit.n_observations < STEP_TIME_MIN_RUNS:
         return None
-    return math.exp(_dot(step_time_features(x, fit.overhead_samples), fit.coefficients))
+    return math.exp(_dot(step_time_features(x, fit.overhead_samples), coefficients_of(fit)))
 
 
 def step_time_slowdown(fit: StepTimeFit, x: StepTimeObservation) -> float:
@@ -57,12 +72,21 @@ def step_time_slowdown(fit: StepTimeFit, x: StepTimeObservation) -> float:
             "micro_batches": 1,
             "micro_batch": x.batch_size,
             "checkpointing": False,
+            "checkpointed_fraction": None,
+            "chunked_loss": False,
             "bf16": False,
         }
     )
     ours = step_time_features(x, fit.overhead_samples)
     theirs = step_time_features(asked, fit.overhead_samples)
-    return math.exp(_dot([a - b for a, b in zip(ours, theirs, strict=True)], fit.coefficients))
+    difference = [a - b for a, b in zip(ours, theirs, strict=True)]
+    return math.exp(_dot(difference, coefficients_of(fit)))
+
+
+def coefficients_of(fit: StepTimeFit) -> list[float]:
+    """The fit's coefficients; a fit made before the chunked loss had a term takes the prior's."""
+    prior = step_time_prior()
+    return [*fit.coefficients, *prior[len(fit.coefficients) :]]
 
 
 def _dot(a: list[float], b: list[float]) -> float:

@@ -41,7 +41,8 @@ replaying the tuning-efficiency benchmark's observations online (bench/tuning_ef
 each run predicted by the fit of the runs before it): on digits-cnn, after 20 runs, weight 2
 gave median 12.4 % / p90 41.8 % error, 0.5 gave 9.7 % / 33.7 %; checked on char-transformer,
 not used to choose: 22.9 % / 51.1 % against 14.4 % / 45.0 %, and no worse in the first 20 runs.
-Weaker (0.1) was no better on char's first runs, where a fit has 3-20 runs for 6 coefficients."""
+Weaker (0.1) was no better on char's first runs, where a fit has 3-20 runs for 6 coefficients
+(7 since the chunked loss has a term)."""
 MAX_OBSERVATIONS = 2000
 
 
@@ -58,6 +59,7 @@ def fit_step_time(
         targets = [math.log(x.measured_step_s or 1.0) for x in runs]
         beta = _ridge(rows, targets, step_time_prior(), PRIOR_WEIGHT)
         beta[1:4] = [max(beta[1], 0.0), max(beta[2], 0.0), beta[3]]  # resizing never speeds up
+        beta[6] = max(beta[6], 0.0)  # nor does the chunked loss
         sse = sum((_dot(r, beta) - t) ** 2 for r, t in zip(rows, targets, strict=True))
         if best is None or sse < best[0]:
             best = (sse, overhead, beta)

@@ -144,7 +144,11 @@ SearchSpace = Annotated[
 # ---------------------------------------------------------------- study
 
 
-Resize = Literal["micro_batch", "checkpointing", "bf16"]
+Resize = Literal[
+    "micro_batch", "checkpointing", "selective_checkpointing", "chunked_cross_entropy", "bf16"
+]
+"""The rungs of the plan ladder by name (docs/concepts/plans.md). All but bf16 keep the
+numerics: bf16 is used only when a study lists it."""
 
 
 def _default_resizes() -> list[Resize]:
@@ -157,7 +161,12 @@ class MemoryPolicy(Wire):
     allow_resize: bool = Field(True, description="May a worker run a trial resized?")
     resizes: list[Resize] = Field(
         default_factory=_default_resizes,
-        description="Resizes allowed, tried in this order; add 'bf16' to allow precision changes.",
+        description=(
+            "Rungs allowed, each adding to the ones before: micro_batch, checkpointing (every "
+            "block), selective_checkpointing (the fewest blocks that fit), "
+            "chunked_cross_entropy (the vocabulary's logits in chunks), bf16 (changes the "
+            "numerics: only when listed). The fitting plan of least predicted step time wins."
+        ),
     )
     margin: Finite = Field(
         0.10, ge=0.0, le=0.9, description="Fraction of the card's free memory held back."
@@ -350,6 +359,8 @@ class PlanOut(Wire):
     micro_batch: int | None = None
     accumulation: int = 1
     checkpointing: bool = False
+    checkpoint_blocks: int | None = None
+    chunked_loss: bool = False
     bf16: bool = False
     # Left out for one card, as in Plan.
     world_size: int = Field(
@@ -576,6 +587,13 @@ class Plan(Wire):
     )
     accumulation: int = Field(1, ge=1, le=10**7)
     checkpointing: bool = False
+    checkpoint_blocks: int | None = Field(
+        None,
+        ge=1,
+        le=10**5,
+        description="With checkpointing: the first k blocks recompute their forward; None: all.",
+    )
+    chunked_loss: bool = Field(False, description="Cross-entropy over the vocabulary in chunks.")
     bf16: bool = False
     # Left out for one card: a server that predates multi-GPU trials (its Plan forbids unknown
     # fields) still takes every one-card call of a newer worker.
@@ -708,6 +726,10 @@ class StepTimeObservation(Wire):
     micro_batch: int = Field(ge=1, le=10**7, description="Samples per micro-batch.")
     micro_batches: int = Field(ge=1, le=10**7, description="Micro-batches per step.")
     checkpointing: bool = False
+    checkpointed_fraction: Finite | None = Field(
+        None, ge=0, le=1, description="Share of blocks checkpointed; None: all (when on)."
+    )
+    chunked_loss: bool = False
     bf16: bool = False
     parameter_bytes: Bytes = Field(0, description="The model's parameters (its size).")
     as_asked_peak_bytes: Bytes = Field(0, description="Predicted footprint as asked (its work).")
@@ -721,7 +743,8 @@ class StepTimeFit(Wire):
     card_model: str
     task: str
     overhead_samples: float = Field(description="A micro-batch's fixed cost, in samples.")
-    coefficients: list[float] = Field(min_length=6, max_length=6)
+    # 6 before chunked_loss had a term: such a fit reads the 7th from the prior.
+    coefficients: list[float] = Field(min_length=6, max_length=7)
     n_observations: int = 0
     median_error: float | None = Field(None, description="In-sample |pred - meas| / meas.")
 

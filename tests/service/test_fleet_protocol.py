@@ -47,6 +47,8 @@ from service.wire import Assignment, NextRequest
 GIB = 2**30
 PLAN = {"micro_batch": None, "accumulation": 1, "checkpointing": False, "bf16": False}
 HALVED = {"micro_batch": 8, "accumulation": 2, "checkpointing": False, "bf16": False}
+# What the server fills in for a plan sent without the later rungs' fields (older workers).
+NO_NEW_RUNGS = {"checkpoint_blocks": None, "chunked_loss": False}
 TTL_S = 30.0  # the shared server's lease TTL: only reap_once(now + LATER) expires leases
 LATER = timedelta(seconds=TTL_S + 5)
 _JSON = {"Content-Type": "application/json"}
@@ -236,7 +238,7 @@ def test_protocol_runs_a_study_to_its_budget(env: Env) -> None:
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
     assert [t.value for t in trials] == [x * x for _, x in seen]
     assert [t.params["x"] for t in trials] == [x for _, x in seen]
-    assert trials[0].user_attrs["vramtune.plan"] == {**PLAN, "reason": ""}
+    assert trials[0].user_attrs["vramtune.plan"] == {**PLAN, **NO_NEW_RUNGS, "reason": ""}
     assert trials[0].user_attrs["vramtune.measured_peak_bytes"] == GIB
     assert trials[0].intermediate_values == {1: 9.0}
     listed = worker.out()
@@ -880,7 +882,7 @@ def test_oom_retries_once_with_the_plans_tried_then_fails(env: Env) -> None:
     again = first.next()
     assert again is not None and again["trial_id"] == held["trial_id"]
     assert again["attempt"] == 1
-    assert again["plans_tried"] == [{**PLAN, "reason": ""}]
+    assert again["plans_tried"] == [{**PLAN, **NO_NEW_RUNGS, "reason": ""}]
     last = first.call(
         again, "fail", kind="oom", message="OOM again", plan=HALVED, measured=measured
     )

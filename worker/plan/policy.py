@@ -2,8 +2,12 @@
 
 Plans are tried in the order DESIGN.md section 2 step 4 gives: as asked → a smaller micro-batch
 with gradient accumulation (the effective batch, a hyperparameter, never changes) → + activation
-checkpointing → + bf16 autocast (only when the study allows precision changes). Among the plans
-that keep the numerics (everything but bf16) the one with the least predicted time per step wins
+checkpointing → + bf16 autocast (only when the study allows precision changes). The study's
+`memory_policy.resizes` names the rungs, each adding to those before it; besides those three,
+selective_checkpointing (the fewest of the model's blocks that fit, at the largest micro-batch
+that fits with all of them checkpointed) and chunked_cross_entropy (the loss over the vocabulary
+in chunks). Among the plans that keep the numerics (everything but bf16) the one with the least
+predicted time per step wins
 (service.step_time: the fleet's own fit for this card model and task, the fixed model before any
 measurement); bf16 is used only when nothing else fits. A plan that already ran out of memory on
 this card model (`plans_tried`) is never chosen again, nor any plan predicted to need as much;
@@ -19,10 +23,10 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from common.memory import apply_calibration, peak_of
-from common.plans import PlanKey, plan_key
+from common.plans import PlanKey, plan_key, rungs_of
 from common.step_time import default_step_time_fit, predicted_step_s, step_time_slowdown
 from service.wire import (
     Calibration,
@@ -33,7 +37,14 @@ from service.wire import (
     StepTimeFit,
     StepTimeObservation,
 )
-from worker.trial.runner import CardSpec, Config, RunResult, TrialRunner, plan_for_micro_batch
+from worker.trial.runner import (
+    CardSpec,
+    Config,
+    PlanRungs,
+    RunResult,
+    TrialRunner,
+    plan_for_micro_batch,
+)
 
 GIB = 1024**3
 
@@ -83,34 +94,59 @@ Decision = RunAsPlanned | HandBack
 
 @dataclass(frozen=True)
 class _Stage:
-    """One rung of the ladder: which resizes are on."""
+    """One rung of the ladder: which resizes are on (`selective`: checkpointing the fewest
+    blocks that fit rather than all of them)."""
 
     micro_batch: bool
     checkpointing: bool
     bf16: bool
+    selective: bool = False
+    chunked_loss: bool = False
 
-    def flags(self) -> dict[str, bool]:
-        return {"checkpointing": self.checkpointing, "bf16": self.bf16}
+    def flags(self) -> dict[str, Any]:
+        """The plan flags of the stage's smallest footprint (every block checkpointed)."""
+        return {
+            "checkpointing": self.checkpointing,
+            "bf16": self.bf16,
+            "chunked_loss": self.chunked_loss,
+        }
 
-    def best_slowdown(self, batch: int, fit: StepTimeFit | None) -> float:
-        """The least slowdown any plan of this stage can have (a micro-batch of the full batch)."""
-        return expected_slowdown(Plan(**self.flags()), batch, fit)
+    def best_slowdown(self, batch: int, fit: StepTimeFit | None, blocks: int | None) -> float:
+        """The least slowdown any plan of this stage can have (a micro-batch of the full batch,
+        one block checkpointed when selective)."""
+        fewest = 1 if self.selective else None
+        plan = Plan(**self.flags(), checkpoint_blocks=fewest)
+        return expected_slowdown(plan, batch, fit, blocks)
 
 
 def step_features(
-    plan: Plan, batch_size: int, prediction: Prediction | None = None, as_asked_bytes: int = 0
+    plan: Plan,
+    batch_size: int,
+    prediction: Prediction | None = None,
+    as_asked_bytes: int = 0,
+    blocks: int | None = None,
 ) -> StepTimeObservation:
-    """What the step-time model reads of a run: its plan's shape and the model's size."""
+    """What the step-time model reads of a run: its plan's shape and the model's size
+    (`blocks`: how many selective checkpointing chooses among)."""
     micro = min(plan.micro_batch or batch_size, batch_size)
     return StepTimeObservation(
         batch_size=batch_size,
         micro_batch=micro,
         micro_batches=math.ceil(batch_size / micro),
         checkpointing=plan.checkpointing,
+        checkpointed_fraction=_checkpointed_fraction(plan, blocks),
+        chunked_loss=plan.chunked_loss,
         bf16=plan.bf16,
         parameter_bytes=0 if prediction is None else prediction.breakdown.get("parameters", 0),
         as_asked_peak_bytes=as_asked_bytes,
     )
+
+
+def _checkpointed_fraction(plan: Plan, blocks: int | None) -> float | None:
+    """k/L for selective checkpointing of k of L blocks; None when all (or none) are."""
+    if not plan.checkpointing or plan.checkpoint_blocks is None or not blocks:
+        return None
+    return min(plan.checkpoint_blocks / blocks, 1.0)
 
 
 def measured_step_time(
@@ -124,9 +160,12 @@ def measured_step_time(
     )
 
 
-def expected_slowdown(plan: Plan, batch_size: int, fit: StepTimeFit | None = None) -> float:
+def expected_slowdown(
+    plan: Plan, batch_size: int, fit: StepTimeFit | None = None, blocks: int | None = None
+) -> float:
     """Predicted time per optimizer step under `plan`, relative to running it as asked."""
-    return step_time_slowdown(fit or default_step_time_fit(), step_features(plan, batch_size))
+    features = step_features(plan, batch_size, blocks=blocks)
+    return step_time_slowdown(fit or default_step_time_fit(), features)
 
 
 def choose_plan(
@@ -165,7 +204,7 @@ def _choose(
         return _blind_plan(chooser.batch, policy, plans_tried, first)
     margin_budget = int(free_bytes * (1.0 - policy.margin))
     budget = chooser.below_tried(margin_budget, plans_tried)
-    stages = _stages(runner, policy)
+    stages = _stages(runner, policy, config)
     below_oom = _micro_batch_cap(chooser.batch, plans_tried)
     for precise, cap in _search_order(below_oom, chooser.batch):
         ladder = [s for s in stages if s.bf16 != precise]
@@ -198,13 +237,14 @@ class _Chooser:
         self.calibration = calibration
         self.batch = batch
         self.step_fit = step_fit
+        self.blocks = _block_count(runner, config)
         self._predictions: dict[PlanKey, Prediction] = {}
 
     def step_time(
         self, plan: Plan, prediction: Prediction, as_asked_bytes: int
     ) -> StepTimeObservation:
         """The run's step-time features with the model's prediction (None before a fit)."""
-        features = step_features(plan, self.batch, prediction, as_asked_bytes)
+        features = step_features(plan, self.batch, prediction, as_asked_bytes, self.blocks)
         fit = self.step_fit or default_step_time_fit()
         return features.model_copy(update={"predicted_step_s": predicted_step_s(fit, features)})
 
@@ -246,12 +286,14 @@ class _Chooser:
         best: tuple[Plan, Prediction] | None = None
         best_slowdown = math.inf
         for stage in stages:
-            if stage.best_slowdown(self.batch, self.step_fit) >= best_slowdown:
+            if stage.best_slowdown(self.batch, self.step_fit, self.blocks) >= best_slowdown:
                 continue
             found = self.fit(stage, budget, cap)
+            if found is not None and stage.selective:
+                found = self.fewest_blocks(found[0], budget, tried)
             if found is None or plan_key(found[0]) in tried:
                 continue
-            slowdown = expected_slowdown(found[0], self.batch, self.step_fit)
+            slowdown = expected_slowdown(found[0], self.batch, self.step_fit, self.blocks)
             if slowdown < best_slowdown:
                 best, best_slowdown = found, slowdown
         return best
@@ -274,6 +316,27 @@ class _Chooser:
         plan = plan_for_micro_batch(self.batch, micro, **stage.flags())
         prediction = self.predict(plan)
         return (plan, prediction) if _fits(prediction, budget) else None
+
+    def fewest_blocks(
+        self, every: Plan, budget: int, tried: set[PlanKey]
+    ) -> tuple[Plan, Prediction] | None:
+        """The plan `every` (all blocks checkpointed, fitting) with the fewest checkpointed
+        blocks that fit instead, bisected as the micro-batch is: checkpointing more blocks
+        keeps fewer activations. Plans that ran out of memory here do not count as fitting."""
+        blocks = self.blocks or 1  # a selective stage exists only with blocks
+
+        def plan_with(k: int) -> Plan:  # k = all blocks is `every` itself, predicted already
+            return every.model_copy(update={"checkpoint_blocks": k if k < blocks else None})
+
+        def fits(k: int) -> bool:
+            plan = plan_with(k)
+            return plan_key(plan) not in tried and _fits(self.predict(plan), budget)
+
+        fewest = _smallest_true(blocks, fits)
+        if fewest is None:
+            return None
+        plan = plan_with(fewest)
+        return plan, self.predict(plan)
 
     def largest_micro_batch(self, stage: _Stage, budget: int) -> int | None:
         """Ask the predictor's solver when the runner has one, else bisect on predictions."""
@@ -309,23 +372,46 @@ class _Chooser:
         return HandBack(need, plan.model_copy(update={"reason": reason}), reason)
 
 
-def _stages(runner: TrialRunner, policy: MemoryPolicy) -> list[_Stage]:
-    """The ladder of allowed resizes, cumulative, in the policy's order."""
+def _stages(runner: TrialRunner, policy: MemoryPolicy, config: Config) -> list[_Stage]:
+    """The ladder of allowed resizes, cumulative, in the policy's order (a rung the runner
+    cannot take for this configuration is skipped)."""
     stage = _Stage(micro_batch=False, checkpointing=False, bf16=False)
     stages = [stage]
     if not policy.allow_resize:
         return stages
     for resize in policy.resizes:
         if resize == "micro_batch":
-            stage = _Stage(True, stage.checkpointing, stage.bf16)
+            stage = dataclasses.replace(stage, micro_batch=True)
         elif resize == "checkpointing" and runner.can_checkpoint:
-            stage = _Stage(stage.micro_batch, True, stage.bf16)
+            stage = dataclasses.replace(stage, checkpointing=True, selective=False)
+        elif resize == "selective_checkpointing" and _selective_allowed(runner, config, stage):
+            stage = dataclasses.replace(stage, checkpointing=True, selective=True)
+        elif resize == "chunked_cross_entropy" and _chunks_loss(runner, config):
+            stage = dataclasses.replace(stage, chunked_loss=True)
         elif resize == "bf16" and runner.can_bf16:
-            stage = _Stage(stage.micro_batch, stage.checkpointing, True)
+            stage = dataclasses.replace(stage, bf16=True)
         else:
             continue
         stages.append(stage)
     return stages
+
+
+def _block_count(runner: TrialRunner, config: Config) -> int | None:
+    """How many blocks selective checkpointing chooses among for `config` (None: it cannot)."""
+    if not runner.can_checkpoint or not isinstance(runner, PlanRungs):
+        return None
+    return runner.checkpoint_block_count(config)
+
+
+def _selective_allowed(runner: TrialRunner, config: Config, stage: _Stage) -> bool:
+    """Selective checkpointing needs blocks to choose from (more than one), and is no rung
+    above checkpointing every block."""
+    blocks = _block_count(runner, config)
+    return blocks is not None and blocks > 1 and not stage.checkpointing
+
+
+def _chunks_loss(runner: TrialRunner, config: Config) -> bool:
+    return isinstance(runner, PlanRungs) and runner.can_chunk_loss(config)
 
 
 def _fits(prediction: Prediction, budget: int) -> bool:
@@ -358,6 +444,20 @@ def _largest_true(high: int, fits: Callable[[int], bool]) -> int | None:
         else:
             high = middle - 1
     return low
+
+
+def _smallest_true(high: int, fits: Callable[[int], bool]) -> int | None:
+    """The smallest n in [1, high] with fits(n), for a fits that holds above some n."""
+    if not fits(high):
+        return None
+    low = 1
+    while low < high:
+        middle = (low + high) // 2
+        if fits(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return high
 
 
 def _blind_plan(
@@ -396,8 +496,13 @@ def describe(plan: Plan) -> str:
     parts = ["as asked" if plan.micro_batch is None else f"micro-batch {plan.micro_batch}"]
     if plan.accumulation > 1:
         parts[0] += f" x {plan.accumulation} accumulation"
+    if plan.checkpointing:
+        blocks = plan.checkpoint_blocks
+        parts.append("checkpointing" if blocks is None else f"checkpointing {blocks} blocks")
     parts += [
-        name for name, on in (("checkpointing", plan.checkpointing), ("bf16", plan.bf16)) if on
+        name
+        for name, on in (("chunked cross-entropy", plan.chunked_loss), ("bf16", plan.bf16))
+        if on
     ]
     return " + ".join(parts)
 
@@ -420,9 +525,10 @@ def _reason(
     room = f"({_gib(free_bytes)} free, margin {policy.margin:.0%})"
     if plan == Plan():
         return f"as asked: {fit} {room}"
-    slowdown = expected_slowdown(plan, chooser.batch, chooser.step_fit)
+    slowdown = expected_slowdown(plan, chooser.batch, chooser.step_fit, chooser.blocks)
     return (
-        f"resized to {describe(plan)}, effective batch {chooser.batch} unchanged: as asked needs "
+        f"resized to {describe(plan)} (rungs: {', '.join(rungs_of(plan))}), "
+        f"effective batch {chooser.batch} unchanged: as asked needs "
         f"{_gib(peak_of(as_asked))}; fastest plan that fits (predicted slowdown {slowdown:.2f}x),"
         f" {fit} {room}"
     )

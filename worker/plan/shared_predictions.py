@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from common.memory import peak_of
-from common.plans import PlanKey, plan_key, shape_of
+from common.plans import PlanKey, plan_flags, plan_key, shape_of
 from service.wire import Plan, Prediction, PredictionSource, SharedPrediction, TrainBudget
 from worker.plan.policy import MicroBatchSearch
 from worker.trial.runner import (
     CardSpec,
     Config,
+    PlanRungs,
     Reporter,
     RunResult,
     TrialRunner,
@@ -84,6 +86,15 @@ class SharedPredictions:
         """The configuration's effective batch size (the runner's)."""
         return self.runner.batch_size(config)
 
+    def checkpoint_block_count(self, config: Config) -> int | None:
+        """The runner's blocks for selective checkpointing (None: it has none)."""
+        runner = self.runner
+        return runner.checkpoint_block_count(config) if isinstance(runner, PlanRungs) else None
+
+    def can_chunk_loss(self, config: Config) -> bool:
+        """Whether the runner computes the loss in chunks when asked."""
+        return isinstance(self.runner, PlanRungs) and self.runner.can_chunk_loss(config)
+
     def predict(self, config: Config, plan: Plan, card: CardSpec) -> Prediction:
         """The fleet's prediction for the plan when it has one, else the runner's (kept)."""
         key = plan_key(plan)
@@ -141,7 +152,7 @@ class SharedPredictionsWithSolver(SharedPredictions):
         what is not known, over the even splits the policy runs.
         """
         batch = self.batch_size(config)
-        flags = {"checkpointing": plan.checkpointing, "bf16": plan.bf16}
+        flags = plan_flags(plan)
 
         def at(micro: int) -> Prediction:
             return self.predict(config, plan_for_micro_batch(batch, micro, **flags), card)
@@ -158,7 +169,7 @@ class SharedPredictionsWithSolver(SharedPredictions):
         peaks = {micro: peak_of(self._fleet[key].prediction) for micro, key in known.items()}
         return largest_fitting(at, batch, peaks, budget_bytes, even=True)
 
-    def _known_peaks(self, batch: int, flags: dict[str, bool]) -> dict[int, PlanKey]:
+    def _known_peaks(self, batch: int, flags: dict[str, Any]) -> dict[int, PlanKey]:
         """Micro-batches with a known prediction under these flags, and their plans' keys."""
         known = {}
         for key, shared in self._fleet.items():

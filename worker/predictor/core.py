@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from common.memory import apply_calibration, calibrated_bytes, raw_peaks
+from common.plans import plan_flags
 from service.wire import Calibration, CardConstants, Plan, Prediction
 from worker.device.memory import EVALUATION_PHASE
 from worker.predictor.allocator import replay
@@ -98,7 +99,7 @@ def largest_fitting_divisor(
     `budget_bytes` (bisected: the peak grows with the micro-batch), for loops that accumulate
     whole batches only (the Trainer's, Lightning's); None when none fits."""
     choices = divisors(batch)
-    flags = {"checkpointing": plan.checkpointing, "bf16": plan.bf16}
+    flags = plan_flags(plan)
     found: tuple[int, Prediction] | None = None
     low, high = 0, len(choices)
     while low < high:
@@ -139,7 +140,7 @@ def _batch_size(task: Task, config: Config) -> int:
 def _plan_key(task: Task, config: Config, plan: Plan) -> tuple[Hashable, ...]:
     batch = _batch_size(task, config)
     micro = micro_batch_sizes(batch, plan)[0]
-    return (batch, micro, plan.checkpointing, plan.bf16)
+    return (batch, micro, *sorted(plan_flags(plan).items()))
 
 
 def _prediction_key(
@@ -270,7 +271,8 @@ def _probe(
 ) -> Prediction:
     """Measure (or reuse) the points around the plan's micro-batch and extrapolate."""
     device = card.device if card is not None else "cpu"
-    key = (_task_key(task, config), plan.checkpointing, plan.bf16, device)
+    flags = plan_flags(plan)
+    key = (_task_key(task, config), *sorted(flags.items()), device)
     points: dict[int, PhasePeaks] = _PROBE_POINTS.get_fresh(key) or {}
     micro = micro_batch_sizes(_batch_size(task, config), plan)[0]
     wanted = list(probe_micro_batches(micro))
@@ -279,7 +281,7 @@ def _probe(
         if size in points:
             continue
         try:
-            points[size] = measure_point(task, config, size, plan.checkpointing, plan.bf16, card)
+            points[size] = measure_point(task, config, size, flags, card)
         except torch.OutOfMemoryError:
             if size == 1:
                 return _does_not_fit(card, reason, started)
@@ -351,7 +353,7 @@ def largest_micro_batch(
     so). None when not even a micro-batch of 1 fits.
     """
     batch = _batch_size(task, config)
-    flags = {"checkpointing": plan.checkpointing, "bf16": plan.bf16}
+    flags = plan_flags(plan)
 
     def at(micro: int) -> _Point:
         plan_at = plan_for_micro_batch(batch, micro, **flags)

@@ -13,10 +13,10 @@ smaller micro-batches.
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -121,11 +121,12 @@ PhasePeaks = list[Peaks]
 
 
 def measure_point(
-    task: Task, config: Config, micro: int, checkpointing: bool, bf16: bool, card: CardSpec | None
+    task: Task, config: Config, micro: int, flags: Mapping[str, Any], card: CardSpec | None
 ) -> PhasePeaks:
-    """Per-phase peaks of two real steps of two micro-batches of `micro` on the card."""
+    """Per-phase peaks of two real steps of two micro-batches of `micro` on the card, under a
+    plan's `flags` (common.plans.plan_flags)."""
     device = torch.device(card.device if card is not None else "cpu")
-    plan = plan_for_micro_batch(2 * micro, micro, checkpointing=checkpointing, bf16=bf16)
+    plan = plan_for_micro_batch(2 * micro, micro, **flags)
     return _measure(task, config, plan, device)
 
 

@@ -368,6 +368,15 @@ class TorchTaskRunner:
         """The configuration's effective batch size."""
         return int(config[self.task.batch_size_param])
 
+    def checkpoint_block_count(self, config: Config) -> int | None:
+        """The task's checkpointable blocks when it can checkpoint some of them, else None."""
+        count = getattr(self.task, "checkpoint_block_count", None)
+        return int(count(config)) if self.can_checkpoint and count is not None else None
+
+    def can_chunk_loss(self, config: Config) -> bool:
+        """Whether the task computes its loss in chunks when asked (`enable_chunked_loss`)."""
+        return getattr(self.task, "enable_chunked_loss", None) is not None
+
     def predict(self, config: Config, plan: Plan, card: CardSpec) -> Prediction:
         """The predictor's traced peak for `config` under `plan` on `card`."""
         from worker.predictor import predict

@@ -270,6 +270,10 @@ class CharTransformerTask:
             device,
         )
 
+    def checkpoint_block_count(self, config: Config) -> int:
+        """The Transformer blocks, the ones selective checkpointing chooses among."""
+        return self.settings(config).n_layers
+
     def checkpoint_modules(self, model: nn.Module) -> Sequence[nn.Module]:
         """The Transformer blocks."""
         blocks = model.get_submodule("blocks")

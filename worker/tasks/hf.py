@@ -20,6 +20,7 @@ TaskConfigError naming the extra.
 from __future__ import annotations
 
 import importlib.util
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Literal
@@ -29,6 +30,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 from common.task_rules import BYTE_VOCAB, LORA_OVERRIDES, hf_problems
 from worker.tasks.charlm import held_out_loss, training_windows
@@ -228,11 +230,23 @@ class HFCausalLMTask:
         )
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        """Mean cross-entropy per character (targets are the next codes, already shifted)."""
+        """Mean cross-entropy per character (targets are the next codes, already shifted); in
+        chunks of tokens when the plan's chunked_cross_entropy rung asked for it."""
         codes, targets = batch
+        if getattr(model, CHUNKED_LOSS, False):
+            return _chunked_loss(model, codes, targets)
         with _unpacked_sequences():
             logits = model(input_ids=codes).logits
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def enable_chunked_loss(self, model: nn.Module) -> bool:
+        """Compute this model's loss without its whole B x T x V logits (`_chunked_loss`)."""
+        setattr(model, CHUNKED_LOSS, True)
+        return True
+
+    def checkpoint_block_count(self, config: Config) -> int:
+        """The decoder layers, the blocks selective checkpointing chooses among."""
+        return self.settings(config).num_hidden_layers
 
     def evaluate(self, model: nn.Module, config: Config, device: torch.device) -> float:
         """Mean held-out loss over the first `eval_windows` windows."""
@@ -247,11 +261,13 @@ class HFCausalLMTask:
             device,
         )
 
-    def enable_checkpointing(self, model: nn.Module) -> bool:
-        """transformers' own activation checkpointing of every decoder layer (non-reentrant).
+    def enable_checkpointing(self, model: nn.Module, blocks: int | None = None) -> bool:
+        """transformers' own activation checkpointing (non-reentrant) of every decoder layer,
+        or of the first `blocks` of them (selective checkpointing).
 
         `gradient_checkpointing_enable`, named `activation_checkpointing_enable` since
-        transformers 5.2x (the old name warns).
+        transformers 5.2x (the old name warns). Each layer checks its own
+        `gradient_checkpointing` flag, so switching it off past `blocks` keeps the others'.
         """
         kwargs = {"use_reentrant": False}
         enable = getattr(model, "activation_checkpointing_enable", None)
@@ -259,6 +275,12 @@ class HFCausalLMTask:
             enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # type: ignore[operator]
+        if blocks is not None:
+            # The decoder model carries the flag too: only the layers are blocks.
+            layer_type = load(NAME, "hf", "transformers.modeling_layers").GradientCheckpointingLayer
+            layers = [m for m in model.modules() if isinstance(m, layer_type)]
+            for layer in layers[blocks:]:
+                layer.gradient_checkpointing = False
         return True
 
     def checkpoint_modules(self, model: nn.Module) -> Sequence[nn.Module]:
@@ -284,6 +306,38 @@ def _with_lora(model: nn.Module, lora: LoRASettings, conv1d: bool) -> nn.Module:
     )
     wrapped: nn.Module = peft.get_peft_model(model, adapters)
     return wrapped
+
+
+CHUNKED_LOSS = "_vramtune_chunked_loss"
+"""The attribute `enable_chunked_loss` sets on a model whose loss is computed in chunks."""
+
+
+def _chunked_loss(model: nn.Module, codes: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The same mean cross-entropy as `loss`, without the B x T x V logits and their gradient.
+
+    The decoder's hidden states go through the output layer a chunk of tokens at a time; each
+    chunk's logits are recomputed in backward (non-reentrant checkpointing) instead of kept, so
+    one chunk's logits and gradient are alive at a time. As Liger's fused linear cross-entropy
+    does, the chunks are as many as the vocabulary is times the width (at least 1): a chunk's
+    logits are then about the size of the hidden states.
+    """
+    unwrap = getattr(model, "get_base_model", None)  # peft's wrapper: its adapters stay in
+    causal: Any = model if unwrap is None else unwrap()
+    decoder: nn.Module = causal.base_model
+    head: nn.Linear = causal.get_output_embeddings()
+    with _unpacked_sequences():
+        hidden = decoder(input_ids=codes).last_hidden_state
+    flat, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    chunks = max(1, math.ceil(head.out_features / hidden.shape[-1]))
+    total = torch.zeros((), device=hidden.device)
+    for part, part_targets in zip(flat.chunk(chunks), flat_targets.chunk(chunks), strict=True):
+        total = total + checkpoint(_summed_loss, head, part, part_targets, use_reentrant=False)
+    return total / flat_targets.numel()
+
+
+def _summed_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The summed cross-entropy of one chunk of tokens (the mean is taken over all chunks)."""
+    return F.cross_entropy(head(hidden), targets, reduction="sum")
 
 
 def _unpacked_sequences() -> AbstractContextManager[Any]:

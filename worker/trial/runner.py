@@ -18,7 +18,7 @@ from service.wire import CardInfo, Measured, Plan, Prediction, StopReason, Train
 Config = Mapping[str, Any]
 
 
-def plan_for_micro_batch(batch_size: int, micro_batch: int, **flags: bool) -> Plan:
+def plan_for_micro_batch(batch_size: int, micro_batch: int, **flags: Any) -> Plan:
     """A plan that runs `batch_size` as micro-batches of at most `micro_batch`."""
     micro = max(1, min(micro_batch, batch_size))
     return Plan(
@@ -105,6 +105,22 @@ class CardSpec:
     info: CardInfo
     constants: dict[str, int] = field(default_factory=dict)
     device: str = "cpu"
+
+
+@runtime_checkable
+class PlanRungs(Protocol):
+    """A runner that offers the rungs past all-or-nothing checkpointing (worker/plan/policy.py).
+
+    Contract:
+        checkpoint_block_count(config): how many blocks selective checkpointing chooses among
+            (a plan's `checkpoint_blocks` = k checkpoints the first k); None when it cannot.
+        can_chunk_loss(config): whether the loss can be computed in chunks without changing it
+            (the chunked_cross_entropy rung).
+    """
+
+    def checkpoint_block_count(self, config: Config) -> int | None: ...
+
+    def can_chunk_loss(self, config: Config) -> bool: ...
 
 
 @runtime_checkable

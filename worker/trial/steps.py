@@ -50,19 +50,28 @@ def autocast_for(plan: Plan, device: torch.device) -> AbstractContextManager[obj
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
-def apply_checkpointing(task: Task, model: nn.Module) -> int:
-    """Recompute the task's checkpointable blocks in backward; returns how many were wrapped.
+def apply_checkpointing(task: Task, model: nn.Module, blocks: int | None = None) -> int:
+    """Recompute the task's checkpointable blocks in backward (the first `blocks` of them, all
+    when None: selective checkpointing); returns how many were wrapped.
 
     A task with its own `enable_checkpointing(model)` (transformers' and timm's built-in
-    checkpointing) uses that instead; it returns whether it could.
+    checkpointing) uses that instead, passed `blocks` when selective; it returns whether it
+    could.
     """
     enable = getattr(task, "enable_checkpointing", None)
     if enable is not None:
-        return int(bool(enable(model)))
-    modules = list(task.checkpoint_modules(model))
+        return int(bool(enable(model) if blocks is None else enable(model, blocks)))
+    modules = list(task.checkpoint_modules(model))[:blocks]
     for module in modules:
         checkpoint_forward(module)
     return len(modules)
+
+
+def enable_chunked_loss(task: Task, model: nn.Module) -> None:
+    """Let the task compute its loss in chunks on this model (the chunked_cross_entropy rung)."""
+    enable = getattr(task, "enable_chunked_loss", None)
+    if enable is None or not enable(model):
+        raise TaskConfigError(f"task {task.name!r} cannot compute its loss in chunks")
 
 
 def checkpoint_forward(module: nn.Module) -> None:
@@ -78,8 +87,10 @@ def build_for_plan(task: Task, config: Config, plan: Plan, device: torch.device)
         # Module.to swaps fake parameters, which FakeTensorMode's weakrefs forbid: the predictor
         # builds on the trace device already, so only real models move.
         model = model.to(device)
-    if plan.checkpointing and apply_checkpointing(task, model) == 0:
+    if plan.checkpointing and apply_checkpointing(task, model, plan.checkpoint_blocks) == 0:
         raise TaskConfigError(f"task {task.name!r} marks no modules for checkpointing")
+    if plan.chunked_loss:
+        enable_chunked_loss(task, model)
     return model
 
 

@@ -74,7 +74,15 @@ class Task(Protocol):
             cannot use activation checkpointing for this task.
         enable_checkpointing(model) (optional): turn on the model's own activation
             checkpointing instead (transformers' ``gradient_checkpointing_enable``, timm's
-            ``set_grad_checkpointing``); return False when this model has none.
+            ``set_grad_checkpointing``); return False when this model has none. Called as
+            ``enable_checkpointing(model, k)`` for selective checkpointing of the first k blocks
+            when the task also counts them.
+        checkpoint_block_count(config) (optional): how many blocks selective checkpointing
+            chooses among (``checkpoint_modules`` or the model's own); without it the
+            selective_checkpointing rung is skipped for this task.
+        enable_chunked_loss(model) (optional): make ``loss(model, batch)`` compute the same loss
+            without the whole batch's output at once (hf-causal-lm's chunked cross-entropy);
+            return whether it can. Without it the chunked_cross_entropy rung is skipped.
     """
 
     name: str
