@@ -797,7 +797,7 @@ def test_a_hand_back_naming_rank_needs_waits_for_a_node_with_enough_cards(env: E
     back = single.call(held, "handback", min_footprint_bytes=10 * GIB, rank_needs=needs)
     # 2 ranks need 5 GiB a card, more than the node's: the fewest it holds is 4.
     assert back.json()["resolution"] == "waiting"
-    assert "a node with 4 free cards of at least 3221225472 bytes" in back.json()["detail"]
+    assert "a node with 4 free cards of at least 3.00 GiB" in back.json()["detail"]
     other = single.next()  # the waiting trial is not for a one-card worker
     assert other is not None and other["trial_id"] != held["trial_id"]
     routed = node.next()
@@ -817,7 +817,7 @@ def test_a_hand_back_naming_rank_needs_waits_for_a_node_with_enough_cards(env: E
     # 8 ranks of 2 GiB: the node has 4 cards, and a one-card worker none to spare.
     back = single.call(other, "handback", min_footprint_bytes=10 * GIB, rank_needs=[_need(8, GIB)])
     assert back.json()["resolution"] == "infeasible"
-    assert "no live node has 8 cards of 1073741824 bytes" in back.json()["detail"]
+    assert "no live node has 8 cards of 1.00 GiB" in back.json()["detail"]
 
 
 def test_a_plan_names_a_strategy_with_more_than_one_rank_only(env: Env) -> None:
