@@ -364,7 +364,7 @@ class CardInfo(Wire):
     """The card a worker drives (a simulated one for --device cpu)."""
 
     model: str = Field(min_length=1, max_length=256, description="e.g. 'NVIDIA H200'.")
-    total_bytes: Annotated[Bytes, Field(gt=0, description="The card's memory, 1 to 10**18.")]
+    total_bytes: int = Field(gt=0, le=EXABYTE, description="The card's memory, 1 to 10**18.")
     free_bytes: Annotated[Bytes, Field(description="At most total_bytes.")]
     device_index: int = Field(0, ge=0, le=1024)
     uuid: str | None = Field(None, max_length=128)

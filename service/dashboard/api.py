@@ -174,7 +174,10 @@ def fleet(
     principal: PrincipalDep,
     offset: Annotated[int, Query(ge=0, le=2**31 - 1, description="Workers to skip.")] = 0,
     limit: Annotated[
-        int, Query(ge=1, le=fleet_view.MAX_PAGE_SIZE, description="Most workers in the page.")
+        int,
+        Query(
+            ge=1, le=fleet_view.MAX_PAGE_SIZE, description="Most workers in the page (1 to 500)."
+        ),
     ] = fleet_view.PAGE_SIZE,
 ) -> Fleet:
     """A page of workers, live first: card, memory, current trials, last heartbeat, stale or

@@ -86,7 +86,7 @@ def list_workers(
     ] = None,
     offset: Annotated[int, Query(ge=0, le=MAX_OFFSET, description="Workers to skip.")] = 0,
     limit: Annotated[
-        int, Query(ge=1, le=MAX_WORKERS_PAGE, description="Most workers in the page.")
+        int, Query(ge=1, le=MAX_WORKERS_PAGE, description="Most workers in the page (1 to 1000).")
     ] = DEFAULT_WORKERS_PAGE,
 ) -> WorkerList:
     """A page of the fleet, live workers first: cards, live / stale / stopped, trials held.
