@@ -1,11 +1,13 @@
 """Request limits: bodies over Settings.max_request_bytes get a 413 before the app runs, and
-JSON bodies holding NaN or an infinity (which Python's parser accepts) a 422 naming the field.
+JSON bodies holding NaN or an infinity (which Python's parser accepts), or nested deeper than
+MAX_JSON_DEPTH, a 422 naming the field.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 from starlette.responses import JSONResponse
@@ -45,9 +47,13 @@ class BodySizeLimit:
             detail = f"body: larger than the limit of {self.max_bytes} bytes"
             await _answer(413, detail, scope, receive, send)
             return
+        deep = too_deep(body)
+        if deep is not None:
+            await _refuse(_too_deep_error(deep), scope, receive, send)
+            return
         where = non_finite_number(body)
         if where is not None:
-            await _refuse_non_finite(where, scope, receive, send)
+            await _refuse(_non_finite_error(where), scope, receive, send)
             return
         await self.app(scope, _replay(body, receive), send)
 
@@ -103,16 +109,78 @@ def _path_to_marker(value: Any) -> list[str | int] | None:
     return None
 
 
-async def _refuse_non_finite(
-    where: list[str | int], scope: Scope, receive: Receive, send: Send
-) -> None:
-    """A 422 in FastAPI's own error shape, the field named by its location."""
-    error = {
+# Deeper than any wire model nests (a study spec reaches ~8 levels), shallow enough that
+# neither Python's parser nor pydantic's serializer hits its recursion limit (a 400 or a 500
+# naming no field).
+MAX_JSON_DEPTH = 64
+# A JSON string (escapes included) or a structural character: strings are skipped whole, so
+# brackets inside them do not count.
+_JSON_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{},]')
+
+
+def too_deep(body: bytes) -> list[str | int] | None:
+    """The path to the first container nested past MAX_JSON_DEPTH; None if none (or not JSON).
+
+    Scanned as tokens, not parsed: a body too deep for the parser still names its field.
+    """
+    if body.count(b"{") + body.count(b"[") <= MAX_JSON_DEPTH:  # cannot be that deep: no scan
+        return None
+    path: list[str | int] = []  # per open container: its current key or index
+    expecting_key: list[bool] = []  # per open container: an object awaiting its next key
+    for match in _JSON_TOKEN.finditer(body):
+        token = match.group()
+        if token in (b"{", b"["):
+            if len(path) == MAX_JSON_DEPTH:
+                return path
+            path.append(0 if token == b"[" else "")
+            expecting_key.append(token == b"{")
+        elif token in (b"}", b"]") and path:
+            path.pop()
+            expecting_key.pop()
+        elif token == b"," and path:
+            _next_item(path, expecting_key)
+        elif path and expecting_key[-1]:  # a string in key position names the field
+            path[-1] = _key_text(token)
+            expecting_key[-1] = False
+    return None
+
+
+def _next_item(path: list[str | int], expecting_key: list[bool]) -> None:
+    """After a comma: the next index of an array, the next key of an object."""
+    current = path[-1]
+    if isinstance(current, int):
+        path[-1] = current + 1
+    else:
+        expecting_key[-1] = True
+
+
+def _key_text(token: bytes) -> str:
+    try:
+        return str(json.loads(token))
+    except ValueError:  # a malformed string: the parser will answer the body
+        return token.decode("utf-8", "replace").strip('"')
+
+
+def _too_deep_error(where: list[str | int]) -> dict[str, Any]:
+    return {
+        "type": "too_deep",
+        "loc": ["body", *where],
+        "msg": f"JSON nested deeper than {MAX_JSON_DEPTH} levels",
+        "input": None,
+    }
+
+
+def _non_finite_error(where: list[str | int]) -> dict[str, Any]:
+    return {
         "type": "finite_number",
         "loc": ["body", *where],
         "msg": "Input should be a finite number (JSON has no NaN or Infinity)",
         "input": None,
     }
+
+
+async def _refuse(error: dict[str, Any], scope: Scope, receive: Receive, send: Send) -> None:
+    """A 422 in FastAPI's own error shape, the field named by its location."""
     await JSONResponse({"detail": [error]}, status_code=422)(scope, receive, send)
 
 

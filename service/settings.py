@@ -92,8 +92,18 @@ class Settings(BaseSettings):
     max_workers_per_token: int = Field(
         1024,
         ge=1,
-        description="Live workers (not stopped, heard from within worker_stale_s) one token "
-        "may have registered; a registration past it gets a 429.",
+        description="Workers one token may have registered. A registration past it retires "
+        "(deletes) the token's oldest stopped or stale workers that hold no lease; when every "
+        "one is live (heard from within worker_stale_s) or holds a lease, it gets a 429. So "
+        "register/stop loops cannot grow the table.",
+    )
+    worker_retention_s: float = Field(
+        7 * 24 * 3600.0,
+        gt=0,
+        le=10 * 365 * 24 * 3600.0,
+        description="Seconds a stopped or stale worker's row is kept after it was last heard "
+        "from; then the reaper deletes it with its ended leases (its trials keep their "
+        "results). A retired worker that calls again gets a 404 and must register anew.",
     )
     max_card_bytes: int = Field(
         512 * 1024**3,

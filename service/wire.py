@@ -438,14 +438,22 @@ class CardInfo(Wire):
     """The card a worker drives (a simulated one for --device cpu)."""
 
     model: str = Field(min_length=1, max_length=256, description="e.g. 'NVIDIA H200'.")
-    total_bytes: Bytes
-    free_bytes: Bytes
+    total_bytes: int = Field(gt=0, le=EXABYTE, description="The card's memory, 1 to 10**18.")
+    free_bytes: Annotated[Bytes, Field(description="At most total_bytes.")]
     device_index: int = Field(0, ge=0, le=1024)
     uuid: str | None = Field(None, max_length=128)
     driver_version: str | None = Field(None, max_length=64)
     cuda_version: str | None = Field(None, max_length=64)
     torch_version: str | None = Field(None, max_length=64)
     simulated: bool = False
+
+    @field_validator("free_bytes")
+    @classmethod
+    def _at_most_total(cls, free: int, info: ValidationInfo) -> int:
+        total = info.data.get("total_bytes")  # absent when total_bytes itself was refused
+        if total is not None and free > total:
+            raise ValueError(f"free_bytes ({free}) is more than total_bytes ({total})")
+        return free
 
 
 class CardConstants(Wire):
@@ -843,9 +851,12 @@ class WorkerOut(Wire):
 
 
 class WorkerList(Wire):
-    """The fleet."""
+    """A page of the fleet, live workers first (then stale, then stopped; by id within)."""
 
     workers: list[WorkerOut]
+    total: int = Field(description="Workers matching the query, on every page.")
+    offset: int
+    limit: int
 
 
 class Calibration(Wire):

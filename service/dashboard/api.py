@@ -190,11 +190,21 @@ def trial(
 
 @router.get("/fleet")
 def fleet(
-    session: SessionDep, settings: SettingsDep, now: NowDep, principal: PrincipalDep
+    session: SessionDep,
+    settings: SettingsDep,
+    now: NowDep,
+    principal: PrincipalDep,
+    offset: Annotated[int, Query(ge=0, le=2**31 - 1, description="Workers to skip.")] = 0,
+    limit: Annotated[
+        int,
+        Query(
+            ge=1, le=fleet_view.MAX_PAGE_SIZE, description="Most workers in the page (1 to 500)."
+        ),
+    ] = fleet_view.PAGE_SIZE,
 ) -> Fleet:
-    """Every worker: card, memory, current trials, last heartbeat, stale or lost (a token
-    limited to some studies: the workers running their trials only)."""
-    return fleet_view.fleet(session, settings, now, principal.studies)
+    """A page of workers, live first: card, memory, current trials, last heartbeat, stale or
+    lost (a token limited to some studies: the workers running their trials only)."""
+    return fleet_view.fleet(session, settings, now, principal.studies, (offset, limit))
 
 
 # Last: {name:path} also matches the suffixed paths above, which must win.

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
-from datetime import datetime
+from collections import defaultdict
+from datetime import datetime, timedelta
 
-from sqlalchemy import func, select
+from sqlalchemy import ColumnElement, case, func, select, true
 from sqlalchemy.orm import Session
 
 from service.dashboard import schema
@@ -13,7 +13,9 @@ from service.dashboard.models import CurrentTrial, Fleet, FleetTotals, FleetWork
 from service.db.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
 from service.settings import Settings
 
-MAX_WORKERS = 2000
+# Workers per page by default, and at most (the fleet of a large shared cluster on one page;
+# 2,139 rows were 750 KB unpaginated).
+PAGE_SIZE, MAX_PAGE_SIZE = 100, 500
 # Missing this many heartbeats in a row makes a worker stale (it may only be slow).
 STALE_HEARTBEATS = 2.5
 
@@ -36,29 +38,54 @@ def worker_state(stopped: bool, age_s: float, stale_s: float, lost_s: float) -> 
 
 
 def fleet(
-    session: Session, settings: Settings, now: datetime, allowed: frozenset[str] | None = None
+    session: Session,
+    settings: Settings,
+    now: datetime,
+    allowed: frozenset[str] | None = None,
+    page: tuple[int, int] = (0, PAGE_SIZE),
 ) -> Fleet:
-    """Every worker, newest heartbeat first, with the trials it holds leases on.
+    """A page of the workers, live first (then stale, lost, stopped; newest heartbeat first
+    within each), with the trials each holds leases on; the totals count every worker.
 
-    ``allowed``: the studies of a study-limited token, which sees only the workers running
-    their trials, and only those trials (as GET /api/v1/workers).
+    ``page``: (offset, limit). ``allowed``: the studies of a study-limited token, which sees
+    only the workers running their trials, and only those trials (as GET /api/v1/workers).
     """
     stale_s, lost_s = thresholds(settings)
     current = _current_trials(session, allowed)
-    query = select(WorkerRow).order_by(WorkerRow.last_heartbeat.desc()).limit(MAX_WORKERS)
-    if allowed is not None:
-        query = query.where(WorkerRow.id.in_(current))
-    rows = list(session.scalars(query))
+    shown = WorkerRow.id.in_(current) if allowed is not None else true()
+    rank = _state_rank(now, stale_s, lost_s)
+    offset, limit = page
+    query = select(WorkerRow).where(shown)
+    query = query.order_by(rank, WorkerRow.last_heartbeat.desc(), WorkerRow.id)
+    rows = list(session.scalars(query.offset(offset).limit(limit)))
     runs = _runs(session, [w.id for w in rows])
     workers = [
         _worker(w, current.get(w.id, []), runs.get(w.id, 0), now, stale_s, lost_s) for w in rows
     ]
+    totals = _totals(session, shown, rank, sum(len(held) for held in current.values()))
     return Fleet(
         workers=workers,
-        totals=_totals(workers),
+        totals=totals,
+        total=sum(totals.workers.values()),
+        offset=offset,
+        limit=limit,
         stale_after_s=stale_s,
         lost_after_s=lost_s,
         now=schema.utc(now),
+    )
+
+
+_RANKS: tuple[WorkerState, ...] = ("live", "stale", "lost", "stopped")
+
+
+def _state_rank(now: datetime, stale_s: float, lost_s: float) -> ColumnElement[int]:
+    """The index of a worker's state in _RANKS, in SQL (as worker_state): pages cut in order."""
+    heard = WorkerRow.last_heartbeat
+    return case(
+        (WorkerRow.stopped.is_(True), 3),
+        (heard < now - timedelta(seconds=lost_s), 2),
+        (heard < now - timedelta(seconds=stale_s), 1),
+        else_=0,
     )
 
 
@@ -124,15 +151,28 @@ def _current_trials(
     return found
 
 
-def _totals(workers: list[FleetWorker]) -> FleetTotals:
-    live = [w for w in workers if w.state == "live"]
+def _totals(
+    session: Session, shown: ColumnElement[bool], rank: ColumnElement[int], running: int
+) -> FleetTotals:
+    """Over every worker shown, not one page: counts by state, live memory and card models."""
+    # Grouped over a subquery: PostgreSQL would not match a CASE with bound parameters in
+    # GROUP BY to the same CASE in the select list.
+    ranked = select(rank.label("rank"), WorkerRow.total_bytes, WorkerRow.free_bytes).where(shown)
+    sub = ranked.subquery()
+    sums = (func.sum(sub.c.total_bytes), func.sum(sub.c.free_bytes))
+    by_rank = select(sub.c.rank, func.count(), *sums)
+    counts = {state: 0 for state in _RANKS}
+    total_bytes = free_bytes = 0
+    for index, count, total, free in session.execute(by_rank.group_by(sub.c.rank)):
+        counts[_RANKS[index]] = int(count)
+        if index == 0:  # memory of live workers only
+            total_bytes, free_bytes = int(total or 0), int(free or 0)
+    models = select(WorkerRow.card_model, func.count()).where(shown, rank == 0)
+    live_models = session.execute(models.group_by(WorkerRow.card_model))
     return FleetTotals(
-        workers={
-            state: sum(w.state == state for w in workers)
-            for state in ("live", "stale", "lost", "stopped")
-        },
-        total_bytes=sum(w.total_bytes for w in live),
-        free_bytes=sum(w.free_bytes for w in live),
-        running_trials=sum(len(w.current) for w in workers),
-        card_models=dict(Counter(w.card_model for w in live)),
+        workers=dict(counts),
+        total_bytes=total_bytes,
+        free_bytes=free_bytes,
+        running_trials=running,
+        card_models={model: int(n) for model, n in live_models},
     )

@@ -364,10 +364,13 @@ class FleetTotals(BaseModel):
 
 
 class Fleet(BaseModel):
-    """Every worker, newest heartbeat first, and how staleness is judged."""
+    """A page of workers, live first, the totals of every worker, how staleness is judged."""
 
     workers: list[FleetWorker]
     totals: FleetTotals
+    total: int  # workers on every page
+    offset: int
+    limit: int
     stale_after_s: float
     lost_after_s: float
     now: datetime

@@ -19,11 +19,15 @@ from sqlalchemy import bindparam, case, func, or_, select
 from sqlalchemy.orm import Session
 
 from service.db.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
-from service.errors import Invalid
 from service.fleet import predictions
 from service.fleet.leases import grant
 from service.fleet.routing import believed, largest_card, live_cards, plans_on
-from service.fleet.workers import fleet_transaction, heard_from, running_worker
+from service.fleet.workers import (
+    fleet_transaction,
+    free_bytes_error,
+    heard_from,
+    running_worker,
+)
 from service.metrics import phase
 from service.optuna import rows as optuna_rows
 from service.optuna.drafts import draft_trials
@@ -227,12 +231,9 @@ def holds_its_share(session: Session, worker: WorkerRow) -> bool:
 def check_free_bytes(worker: WorkerRow, free_bytes: int) -> None:
     """422 for free bytes beyond the worker's registered card: they would lease it trials
     that no card of its size can hold."""
-    if free_bytes > worker.total_bytes:
-        raise Invalid(
-            "free_bytes",
-            f"{free_bytes} is more than the {worker.total_bytes} bytes of the card "
-            "this worker registered",
-        )
+    refused = free_bytes_error(free_bytes, worker.total_bytes)
+    if refused is not None:
+        raise refused
 
 
 def _lease(

@@ -32,6 +32,7 @@ from service.errors import DomainError
 from service.fleet.workers import (
     fleet_transaction,
     foreign_error,
+    free_bytes_error,
     owns,
     stopped_error,
     unknown_error,
@@ -58,6 +59,7 @@ class _Worker:
     stopped: bool
     last_heartbeat: datetime
     token_id: int | None
+    total_bytes: int
 
 
 class HeartbeatBatcher:
@@ -131,13 +133,25 @@ def _answer_for(beat: _Beat, worker: _Worker | None) -> DomainError | None:
         return unknown_error(beat.worker_id)
     if not owns(worker.token_id, beat.token_id):
         return foreign_error(beat.worker_id)
-    return stopped_error(beat.worker_id) if worker.stopped else None
+    if worker.stopped:
+        return stopped_error(beat.worker_id)
+    free = beat.body.free_bytes
+    return None if free is None else free_bytes_error(free, worker.total_bytes)
 
 
 def _workers(session: Session, ids: set[int]) -> dict[int, _Worker]:
-    query = select(WorkerRow.id, WorkerRow.stopped, WorkerRow.last_heartbeat, WorkerRow.token_id)
+    query = select(
+        WorkerRow.id,
+        WorkerRow.stopped,
+        WorkerRow.last_heartbeat,
+        WorkerRow.token_id,
+        WorkerRow.total_bytes,
+    )
     rows = session.execute(query.where(WorkerRow.id.in_(ids)))
-    return {wid: _Worker(stopped, last, token) for wid, stopped, last, token in rows}
+    return {
+        wid: _Worker(stopped, last, token, total)
+        for wid, stopped, last, token, total in rows.tuples()
+    }
 
 
 def _listed(beats: Sequence[_Beat]) -> set[tuple[int, int]]:

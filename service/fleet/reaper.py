@@ -4,7 +4,8 @@ A worker that stops heartbeating loses its leases once they expire, in time the 
 see the database (reaper_loop). Its trial is offered again
 (same trial, number and parameters, attempt + 1) to the next worker that fits it, up to the
 study's ``max_attempts``; then it is told FAIL with the reason. A trial waiting for a larger
-card is ended as infeasible once no live worker can hold it (service.fleet.routing).
+card is ended as infeasible once no live worker can hold it (service.fleet.routing). Workers
+not heard from for ``worker_retention_s`` are retired (service.fleet.retirement).
 
 Safe with several replicas on one PostgreSQL: each lease and trial is taken ``FOR UPDATE SKIP
 LOCKED``, one per transaction, so two reapers never handle the same row and a trial call on
@@ -30,6 +31,7 @@ from common.units import human_bytes
 from service.db.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
 from service.fleet import events
 from service.fleet.leases import end, expired_lease, extend_for_outage, resolution
+from service.fleet.retirement import retire_expired
 from service.fleet.routing import (
     OptunaTell,
     attempts_left,
@@ -54,6 +56,7 @@ class Reaped:
     reoffered: int = 0
     failed: int = 0
     infeasible: int = 0
+    retired: int = 0  # workers whose rows were deleted
 
 
 @dataclass
@@ -78,6 +81,8 @@ def reap_once(
         pass
     for trial_id in _waiting_trial_ids(state) if route_waiting else []:
         _route_waiting(run, trial_id)
+    with fleet_transaction(state) as session:
+        run.reaped.retired = retire_expired(session, state.settings, run.now)
     _count(run.reaped)
     return run.reaped
 
@@ -197,7 +202,7 @@ def _route_waiting(run: _Pass, trial_id: int) -> None:
 
 def _count(reaped: Reaped) -> None:
     """Feed the reaper's counters of /metrics."""
-    for action in ("reoffered", "failed", "infeasible"):
+    for action in ("reoffered", "failed", "infeasible", "retired"):
         record_reaper_action(action, getattr(reaped, action))
 
 
@@ -254,7 +259,7 @@ def _reaper_pass(state: AppState, sight: Sight, now: datetime) -> None:
         since, extended = sight.failing_since, sight.extended
         log_event(log, "database_back", failing_since=since, outage_s=outage_s, leases=extended)
         sight.failing_since, sight.extended = None, 0
-    if reaped.leases or reaped.infeasible:
+    if reaped.leases or reaped.infeasible or reaped.retired:
         log_event(log, "reaper_pass", **asdict(reaped))
 
 

@@ -17,17 +17,19 @@ import logging
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Literal
 
-from sqlalchemy import bindparam, func, select, update
+from sqlalchemy import ColumnElement, bindparam, case, func, select, update
 from sqlalchemy.orm import Session
 
 from service.db.engine import is_sqlite
 from service.db.tables import LeaseRow, StudyRow, TokenRow, TrialRow, WorkerRow
 from service.db.writes import table_of
-from service.errors import Conflict, Forbidden, NotFound, TooMany
+from service.errors import Conflict, Forbidden, Invalid, NotFound, TooMany
 from service.fleet.leases import active_leases, end, resolution
+from service.fleet.retirement import make_room, owned_by
 from service.fleet.routing import reoffer
 from service.metrics import phase
 from service.settings import Settings
@@ -67,8 +69,10 @@ def register(
 ) -> WorkerRegistered:
     """Record a worker and its card, bound to the token registering it (None: auth off).
 
-    A token may hold ``settings.max_workers_per_token`` live workers: one leaked or looping
-    token cannot fill the fleet tables. The count reads one index (token_id, stopped).
+    A token may hold ``settings.max_workers_per_token`` workers: past it, its oldest stopped
+    or stale ones are retired (service.fleet.retirement), and a token whose workers are all
+    live gets a 429, so one leaked or looping token cannot fill the fleet tables. The live
+    count reads one index (token_id, stopped).
     """
     if token_id is not None:  # one token's registrations in turn (PostgreSQL): an exact count
         session.execute(select(TokenRow.id).where(TokenRow.id == token_id).with_for_update())
@@ -101,6 +105,7 @@ def register(
     )
     session.add(worker)
     session.flush()
+    make_room(session, settings, token_id, now, newest=worker.id)
     return WorkerRegistered(
         worker_id=worker.id,
         heartbeat_interval_s=settings.heartbeat_interval_s,
@@ -126,15 +131,25 @@ def foreign_error(worker_id: int) -> Forbidden:
     )
 
 
+def free_bytes_error(free_bytes: int, total_bytes: int) -> Invalid | None:
+    """The 422 for free bytes beyond the card the worker registered (None when within): they
+    would lease it trials no card of its size can hold."""
+    if free_bytes <= total_bytes:
+        return None
+    return Invalid(
+        "free_bytes",
+        f"{free_bytes} is more than the {total_bytes} bytes of the card this worker registered",
+    )
+
+
 def owns(owner: int | None, token_id: int | None) -> bool:
     """Whether the calling token (None: auth off, anyone) may act as a worker it registered."""
     return token_id is None or owner == token_id
 
 
 def _live_workers_of(session: Session, token_id: int | None, heard_since: datetime) -> int:
-    bound = WorkerRow.token_id.is_(None) if token_id is None else WorkerRow.token_id == token_id
     query = select(func.count()).where(
-        bound, WorkerRow.stopped.is_(False), WorkerRow.last_heartbeat >= heard_since
+        owned_by(token_id), WorkerRow.stopped.is_(False), WorkerRow.last_heartbeat >= heard_since
     )
     return int(session.scalar(query) or 0)
 
@@ -242,13 +257,48 @@ def _done_in(session: Session, studies: frozenset[str], worker_ids: list[int]) -
 
 
 def list_workers(
-    session: Session, settings: Settings, now: datetime, allowed: frozenset[str] | None = None
+    session: Session,
+    settings: Settings,
+    now: datetime,
+    allowed: frozenset[str] | None = None,
+    page: WorkerPage | None = None,
 ) -> WorkerList:
-    """The fleet: every worker with its card, state and the trials it holds now.
+    """A page of the fleet, live workers first: each with its card, state and the trials it
+    holds now.
 
     ``allowed``: the studies of a study-limited token; then only the workers running trials
     of those studies are listed, with those trials only (what others run is not its to see).
     """
+    page = page or WorkerPage()
+    current = _held_trials(session, allowed)
+    query = select(WorkerRow)
+    if allowed is not None:
+        query = query.where(WorkerRow.id.in_(current))
+    if page.states:
+        query = query.where(_in_states(page.states, now, settings.worker_stale_s))
+    total = int(session.scalar(select(func.count()).select_from(query.subquery())) or 0)
+    order = (_state_rank(now, settings.worker_stale_s), WorkerRow.id)
+    rows = list(session.scalars(query.order_by(*order).offset(page.offset).limit(page.limit)))
+    done = None if allowed is None else _done_in(session, allowed, [w.id for w in rows])
+    return WorkerList(
+        workers=[_worker_out(w, current.get(w.id, []), done, now, settings) for w in rows],
+        total=total,
+        offset=page.offset,
+        limit=page.limit,
+    )
+
+
+@dataclass(frozen=True)
+class WorkerPage:
+    """Which workers a listing shows: those in ``states`` (all when empty), a page of them."""
+
+    states: tuple[WorkerState, ...] = ()
+    offset: int = 0
+    limit: int = 100
+
+
+def _held_trials(session: Session, allowed: frozenset[str] | None) -> dict[int, list[int]]:
+    """Per worker, the trials it holds an active lease on (of the ``allowed`` studies only)."""
     current: dict[int, list[int]] = {}
     holding = select(LeaseRow.worker_id, LeaseRow.trial_id).where(LeaseRow.active.is_(True))
     if allowed is not None:
@@ -259,25 +309,37 @@ def list_workers(
         )
     for worker_id, trial_id in session.execute(holding.order_by(LeaseRow.id)):
         current.setdefault(worker_id, []).append(trial_id)
-    query = select(WorkerRow).order_by(WorkerRow.id)
-    done: dict[int, int] | None = None
-    if allowed is not None:
-        query = query.where(WorkerRow.id.in_(current))
-        done = _done_in(session, allowed, list(current))
-    workers = session.scalars(query)
-    return WorkerList(
-        workers=[
-            WorkerOut(
-                id=w.id,
-                name=w.name,
-                device=w.device,
-                card=CardInfo.model_validate({**w.card, "free_bytes": w.free_bytes}),
-                tasks=list(w.tasks),
-                state=worker_state(w, now, settings.worker_stale_s),
-                last_heartbeat=w.last_heartbeat,
-                current_trials=current.get(w.id, []),
-                trials_done=w.trials_done if done is None else done.get(w.id, 0),
-            )
-            for w in workers
-        ]
+    return current
+
+
+def _state_rank(now: datetime, stale_s: float) -> ColumnElement[int]:
+    """0 live, 1 stale, 2 stopped, in SQL (as worker_state), so a page is cut in that order."""
+    silent = WorkerRow.last_heartbeat < now - timedelta(seconds=stale_s)
+    return case((WorkerRow.stopped.is_(True), 2), (silent, 1), else_=0)
+
+
+def _in_states(states: Sequence[WorkerState], now: datetime, stale_s: float) -> ColumnElement[bool]:
+    ranks = {"live": 0, "stale": 1, "stopped": 2}
+    return _state_rank(now, stale_s).in_(sorted({ranks[state] for state in states}))
+
+
+def _worker_out(
+    w: WorkerRow,
+    current: list[int],
+    done: dict[int, int] | None,
+    now: datetime,
+    settings: Settings,
+) -> WorkerOut:
+    return WorkerOut(
+        id=w.id,
+        name=w.name,
+        device=w.device,
+        # Not re-validated: a row written before free_bytes was held to total_bytes must
+        # still list (the card was validated when it registered).
+        card=CardInfo.model_construct(**{**w.card, "free_bytes": w.free_bytes}),
+        tasks=list(w.tasks),
+        state=worker_state(w, now, settings.worker_stale_s),
+        last_heartbeat=w.last_heartbeat,
+        current_trials=current,
+        trials_done=w.trials_done if done is None else done.get(w.id, 0),
     )

@@ -351,6 +351,41 @@ def test_a_stopped_worker_is_greyed_out(live: Live, open_page: OpenPage) -> None
     assert page.errors == []
 
 
+def test_the_fleet_page_pages_workers_live_first(live: Live, open_page: OpenPage) -> None:
+    """Past a page of workers (100), the page shows 100 rows, live first, and Next shows the
+    rest; the summary still counts every worker."""
+    import httpx
+
+    card = {"model": "sim-paged", "total_bytes": 2**30, "free_bytes": 2**30, "simulated": True}
+    worker = {"name": "paged-worker", "device": "cpu", "card": card, "tasks": ["nothing"]}
+    headers = {"Authorization": f"Bearer {live.tokens['worker']}"}
+    with httpx.Client(base_url=f"{live.url}/api/v1", headers=headers, timeout=30) as http:
+        for _ in range(101):  # stopped: they sort after the live workers
+            worker_id = http.post("/workers", json=worker).json()["worker_id"]
+            assert http.post(f"/workers/{worker_id}/stop").status_code == 204
+    page = open_page(f"{live.url}/fleet")
+    info = page.page.locator("#page-info")
+    shows = "n => document.querySelector('#page-info').textContent.startsWith(`workers ${n}`)"
+    page.page.wait_for_function(shows, arg=1)
+    first, last, total = (int(n) for n in re.findall(r"\d+", info.inner_text().replace(",", "")))
+    assert (first, last) == (1, 100) and total >= 103, info.inner_text()
+    rows = page.page.locator("#workers tbody tr")
+    assert rows.count() == 100
+    states = rows.evaluate_all("rows => rows.map(r => r.dataset.state)")
+    assert states[0] == "live" and states[-1] == "stopped", states
+    assert page.page.locator("#prev-page").is_disabled()
+    page.page.locator("#next-page").click()
+    page.page.wait_for_function(shows, arg=101)
+    assert rows.count() == total - 100
+    assert set(rows.evaluate_all("rows => rows.map(r => r.dataset.state)")) == {"stopped"}
+    assert page.page.locator("#next-page").is_disabled()
+    assert not page.page.locator("#prev-page").is_disabled()
+    summary = page.page.locator("#fleet-summary").inner_text().replace(",", "")
+    stopped = re.search(r"(\d+) stopped", summary)
+    assert stopped is not None and int(stopped.group(1)) >= 101, summary  # every page counted
+    assert page.errors == []
+
+
 def test_pages_update_without_a_reload(live: Live, open_page: OpenPage) -> None:
     page = open_page(f"{live.url}/")
     page.page.locator(f"tr[data-study='{STUDY}']").wait_for(timeout=WAIT_MS)

@@ -195,8 +195,18 @@ def test_a_study_limited_token_sees_only_the_workers_of_its_studies(server: Serv
     assert api[on_mine.id] == [held["trial_id"]], "trials of other studies are not shown"
     assert dashboard[on_mine.id] == [mine]
     with server.http() as admin:  # an unlimited token sees the whole fleet
-        everyone = {w["id"] for w in admin.get("/workers").json()["workers"]}
+        everyone = {w["id"] for w in _every_worker(admin)}
     assert {busy_elsewhere.id, on_mine.id} <= everyone
+
+
+def _every_worker(http: httpx.Client) -> list[dict[str, Any]]:
+    """GET /workers page by page (1000 a page), until the total is listed."""
+    workers: list[dict[str, Any]] = []
+    while True:
+        page = http.get("/workers", params={"offset": len(workers), "limit": 1000}).json()
+        workers += page["workers"]
+        if not page["workers"] or len(workers) >= page["total"]:
+            return workers
 
 
 def _listed(http: httpx.Client) -> tuple[dict[int, list[int]], dict[int, list[str]]]:
@@ -317,7 +327,7 @@ def test_ten_thousand_registrations_from_one_token_hit_the_limit(server: Server)
     assert refused.status_code == 429
     assert "VRAMTUNE_MAX_WORKERS_PER_TOKEN" in refused.json()["detail"]
     with server.http() as admin:
-        workers = admin.get("/workers").json()["workers"]
+        workers = _every_worker(admin)
     assert sum(w["name"] == "flood" for w in workers) == WORKER_LIMIT
 
 

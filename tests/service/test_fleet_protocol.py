@@ -110,7 +110,7 @@ class SimWorker:
 
     def out(self) -> dict[str, Any]:
         """This worker as GET /workers lists it."""
-        workers = self.http.get("/workers").json()["workers"]
+        workers = self.http.get("/workers", params={"limit": 1000}).json()["workers"]
         return next(w for w in workers if w["id"] == self.id)
 
 
@@ -542,7 +542,8 @@ def test_stopped_worker_leaves_its_trial_to_the_next(env: Env) -> None:
     assert taken is not None and taken["trial_id"] == held["trial_id"]
     assert taken["attempt"] == 0  # leaving is not failing
     assert (leaving.out()["state"], staying.out()["state"]) == ("stopped", "live")
-    stopped = env.http.get("/workers", params={"state": "stopped"}).json()["workers"]
+    only_stopped = {"state": "stopped", "limit": 1000}
+    stopped = env.http.get("/workers", params=only_stopped).json()["workers"]
     assert leaving.id in {w["id"] for w in stopped} and staying.id not in {w["id"] for w in stopped}
     assert leaving.complete(held, 5.0).status_code == 409
     assert staying.complete(taken, 5.0).status_code == 200

@@ -26,6 +26,10 @@ from service.wire import (
 
 router = APIRouter(tags=["workers"])
 
+DEFAULT_WORKERS_PAGE, MAX_WORKERS_PAGE = 100, 1000
+# Beyond any fleet; bounded so that an absurd offset is a 422, never a database error.
+MAX_OFFSET = 2**31 - 1
+
 WorkerId = Annotated[int, Path(ge=1, le=2**63 - 1, description="The id registration gave.")]
 Text = Annotated[str, Query(min_length=1, max_length=256)]
 AskingWorker = Annotated[
@@ -88,16 +92,19 @@ def list_workers(
         list[fleet.WorkerState] | None,
         Query(alias="state", description="Keep workers in these states only."),
     ] = None,
+    offset: Annotated[int, Query(ge=0, le=MAX_OFFSET, description="Workers to skip.")] = 0,
+    limit: Annotated[
+        int, Query(ge=1, le=MAX_WORKERS_PAGE, description="Most workers in the page (1 to 1000).")
+    ] = DEFAULT_WORKERS_PAGE,
 ) -> WorkerList:
-    """Every worker: its card, live / stale / stopped, and the trials it holds.
+    """A page of the fleet, live workers first: cards, live / stale / stopped, trials held.
 
-    A token limited to some studies sees only the workers running their trials.
+    ``total`` counts every worker the query matches; ask again with ``offset`` for the next
+    page. A token limited to some studies sees only the workers running their trials.
     """
+    page = fleet.WorkerPage(tuple(only or ()), offset, limit)
     with state.sessions() as session:
-        listed = fleet.list_workers(session, state.settings, state.clock(), principal.studies)
-    if only:
-        listed.workers = [w for w in listed.workers if w.state in only]
-    return listed
+        return fleet.list_workers(session, state.settings, state.clock(), principal.studies, page)
 
 
 @router.get("/calibration")

@@ -3,6 +3,9 @@
 
 (() => {
   const { el, fill } = VT;
+  // Live workers come first; a page of PAGE at a time keeps a large fleet's page light.
+  const PAGE = 100;
+  const page = { offset: 0, total: 0 };
 
   function tile(label, value, sub) {
     return el("div", { class: "tile" }, el("div", { class: "label", text: label }), el("div", { class: "value", text: value }), sub ? el("div", { class: "sub", text: sub }) : null);
@@ -57,6 +60,7 @@
       ),
     );
     fill(document.querySelector("#workers tbody"), rows);
+    pager(data);
     document.getElementById("workers-empty").textContent = data.workers.length
       ? ""
       : "No workers yet: start one with `vramtune worker --server URL`.";
@@ -64,9 +68,35 @@
       `stale: no heartbeat for ${VT.duration(data.stale_after_s)}; lost: none for ${VT.duration(data.lost_after_s)}, its trials go back to the queue.`;
   }
 
+  function pager(data) {
+    page.total = data.total;
+    const last = Math.min(data.offset + data.workers.length, data.total);
+    document.getElementById("page-info").textContent = data.total
+      ? `workers ${(data.offset + 1).toLocaleString()}–${last.toLocaleString()} of ${data.total.toLocaleString()}`
+      : "";
+    document.getElementById("prev-page").disabled = data.offset === 0;
+    document.getElementById("next-page").disabled = last >= data.total;
+  }
+
+  async function load() {
+    const data = await VT.api(`/dashboard/fleet?offset=${page.offset}&limit=${PAGE}`);
+    if (data.offset > 0 && data.offset >= data.total) {
+      page.offset = Math.max(0, Math.floor((data.total - 1) / PAGE) * PAGE); // the fleet shrank under this page
+      return load();
+    }
+    render(data);
+  }
+
   async function main() {
     VT.start("fleet"); // the scopes only matter to write buttons, which this page has none of
-    const refresh = VT.poll(async () => render(await VT.api("/dashboard/fleet")), 3000);
+    const refresh = VT.poll(load, 3000);
+    const turns = { "prev-page": () => Math.max(0, page.offset - PAGE), "next-page": () => page.offset + PAGE };
+    for (const [id, offset] of Object.entries(turns)) {
+      document.getElementById(id).addEventListener("click", () => {
+        page.offset = offset();
+        refresh.now();
+      });
+    }
     VT.onAuthChange(() => refresh.now());
   }
 
