@@ -52,6 +52,10 @@ class AgentOptions:
     max_trials_per_card: int = 1
     # Where a packed trial's process finds the runners; None: the agent's own, pickled.
     runner_source: RunnerSource | None = None
+    # Waited for after registering, before the first lease: the predictor's warm-up
+    # (worker.predictor.wait_for_warm_up), passed in so that the loop never imports torch.
+    # Returns False when the stop event was set first. None: nothing to wait for.
+    warm_up: Callable[[threading.Event], bool] | None = None
 
 
 class RunsTrials(Protocol):
