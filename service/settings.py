@@ -35,7 +35,10 @@ class Settings(BaseSettings):
         "checked with auth on, where every call needs a token.",
     )
     lease_ttl_s: float = Field(
-        30.0, gt=0, description="Seconds a lease lives without a heartbeat renewing it."
+        30.0,
+        gt=0,
+        description="Seconds a lease lives without a heartbeat renewing it, counted only while "
+        "the server sees the database: a server that starts expires no lease for this long.",
     )
     heartbeat_interval_s: float = Field(
         5.0, gt=0, description="Seconds between worker heartbeats (told to workers)."
@@ -44,7 +47,10 @@ class Settings(BaseSettings):
         2.0, gt=0, description="Seconds between passes of the reaper of expired leases."
     )
     worker_stale_s: float = Field(
-        30.0, gt=0, description="Seconds without a heartbeat after which a worker is stale."
+        30.0,
+        gt=0,
+        description="Seconds without a heartbeat after which a worker is stale; a server that "
+        "starts ends no trial infeasible for want of a stale worker's card for this long.",
     )
     max_request_bytes: int = Field(
         MIB, ge=1024, description="Largest request body accepted; larger ones get a 413."

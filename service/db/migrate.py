@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, inspect
+from sqlalchemy import URL, Engine, inspect
 
 from service.db.engine import engine_kwargs
 
@@ -71,13 +72,34 @@ def upgrade(engine: Engine) -> None:
     command.upgrade(alembic_config(engine), "head")
 
 
+def missing_sqlite_file(url: URL) -> Path | None:
+    """The file of a SQLite URL when it does not exist; None for a file that does, an
+    in-memory database, a ``file:`` URI or another backend."""
+    if url.get_backend_name() != "sqlite" or url.query.get("uri") == "true":
+        return None
+    if url.database in (None, "", ":memory:"):
+        return None
+    path = Path(url.database)
+    return None if path.exists() else path
+
+
 def require_migrated(engine: Engine) -> None:
-    """Raise NotMigrated, naming the command to run, unless vramtune's tables are at head."""
+    """Raise NotMigrated, naming the command to run, unless vramtune's tables are at head.
+
+    A SQLite file that does not exist is not created: connecting would leave an empty database
+    behind a command that refused to use it.
+    """
+    url = engine.url.render_as_string(hide_password=True)
+    missing = missing_sqlite_file(engine.url)
+    if missing is not None:
+        raise NotMigrated(
+            f"database {url} is not migrated (no file at {missing}): "
+            "run `vramtune db upgrade --database-url URL`"
+        )
     current = current_revision(engine)
     head = head_revision()
     if current == head:
         return
-    url = engine.url.render_as_string(hide_password=True)
     found = "no vramtune tables" if current is None else f"revision {current}, head is {head}"
     raise NotMigrated(
         f"database {url} is not migrated ({found}): run `vramtune db upgrade --database-url URL`"

@@ -17,11 +17,12 @@ import asyncio
 import logging
 from contextlib import suppress
 from dataclasses import asdict, dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from optuna.trial import TrialState
 from sqlalchemy import select
+from sqlalchemy.exc import DBAPIError, TimeoutError as SQLAlchemyTimeout
 from sqlalchemy.orm import Session
 
 from common.logs import log_event
@@ -62,12 +63,18 @@ class _Pass:
     reaped: Reaped
 
 
-def reap_once(state: AppState, now: datetime | None = None) -> Reaped:
-    """One pass over expired leases and stranded waiting trials, each in its own transaction."""
+def reap_once(
+    state: AppState,
+    now: datetime | None = None,
+    expire_leases: bool = True,
+    route_waiting: bool = True,
+) -> Reaped:
+    """One pass over expired leases and stranded waiting trials (unless told to leave either
+    alone), each in its own transaction."""
     run = _Pass(state, now or state.clock(), Reaped())
-    while _reap_one_lease(run):
+    while expire_leases and _reap_one_lease(run):
         pass
-    for trial_id in _waiting_trial_ids(state):
+    for trial_id in _waiting_trial_ids(state) if route_waiting else []:
         _route_waiting(run, trial_id)
     _count(run.reaped)
     return run.reaped
@@ -174,37 +181,115 @@ def _count(reaped: Reaped) -> None:
         record_reaper_action(action, getattr(reaped, action))
 
 
-def extend_after_outage(state: AppState, since: datetime, now: datetime) -> None:
+def extend_after_outage(state: AppState, since: datetime, now: datetime) -> int:
     """The database is back after a pass failed: leases get the time it was away back."""
     with fleet_transaction(state) as session:
-        extended = extend_for_outage(session, since, now)
-    outage_s = round((now - since).total_seconds(), 1)
-    log_event(log, "leases_extended", leases=extended, outage_s=outage_s)
+        return extend_for_outage(session, since, now)
+
+
+@dataclass
+class Sight:
+    """What the reaper loop has seen of the database: when a pass first and last reached it,
+    since when passes have failed (None while they succeed) and how many leases the passes of
+    this outage extended."""
+
+    first: datetime | None = None
+    last: datetime | None = None
+    failing_since: datetime | None = None
+    extended: int = 0
+
+    def in_restart_grace(self, now: datetime, grace_s: float) -> bool:
+        """Whether ``now`` is within ``grace_s`` of the first pass that reached the database.
+
+        Workers could not heartbeat while this process was not running: however long the
+        server was down, each gets a lease TTL after it came back before its leases expire
+        (and ``worker_stale_s`` before it is judged gone).
+        """
+        return self.first is None or now < self.first + timedelta(seconds=grace_s)
+
+
+def _catch_up(state: AppState, sight: Sight, now: datetime) -> None:
+    """After failed passes: extend the leases by the time since the database was last seen."""
+    if sight.failing_since is None or sight.last is None:
+        return
+    sight.extended += extend_after_outage(state, sight.last, now)
+    sight.last = now  # extended up to now: a failure of the reap that follows adds only its own
+
+
+def _reaper_pass(state: AppState, sight: Sight, now: datetime) -> None:
+    """One pass of the loop: catch up after an outage, then reap (leases only past the grace)."""
+    _catch_up(state, sight, now)
+    settings = state.settings
+    # Nor is a worker judged stale, and its waiting trials ended infeasible, by heartbeats it
+    # could not send while this process was down.
+    reaped = reap_once(
+        state,
+        now,
+        expire_leases=not sight.in_restart_grace(now, settings.lease_ttl_s),
+        route_waiting=not sight.in_restart_grace(now, settings.worker_stale_s),
+    )
+    sight.first, sight.last = sight.first or now, now
+    if sight.failing_since is not None:  # one line for the whole outage's end
+        outage_s = round((now - sight.failing_since).total_seconds(), 1)
+        since, extended = sight.failing_since, sight.extended
+        log_event(log, "database_back", failing_since=since, outage_s=outage_s, leases=extended)
+        sight.failing_since, sight.extended = None, 0
+    if reaped.leases or reaped.infeasible:
+        log_event(log, "reaper_pass", **asdict(reaped))
+
+
+def _pass_failed(sight: Sight, now: datetime, error: Exception) -> None:
+    """One line per failed pass: what failed and since when (an outage is not a bug to trace).
+
+    An error that is not the database's shows its traceback once, when the failures begin.
+    """
+    first = sight.failing_since is None
+    sight.failing_since = sight.failing_since or now
+    if first and not _is_database_error(error):
+        log.exception("reaper pass failed")
+        return
+    log_event(
+        log,
+        "reaper_pass_failed",
+        level=logging.WARNING,
+        error=_one_line(error),
+        failing_since=sight.failing_since,
+        database_last_seen=sight.last,
+    )
+
+
+def _one_line(error: Exception) -> str:
+    """The error's type and the first line of its message (a driver's runs to many lines)."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:200] if lines else ''}"
+
+
+def _is_database_error(error: BaseException | None) -> bool:
+    """Whether the error, or one it was raised from, is the database driver's."""
+    while error is not None:
+        if isinstance(error, DBAPIError | SQLAlchemyTimeout):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 async def reaper_loop(state: AppState, stop: asyncio.Event) -> None:
     """Run until ``stop`` is set; every ``state.settings.reaper_interval_s`` reap expired leases.
 
-    Expiry counts only time the database could be seen: after failed passes, the first pass
-    that reaches it extends the leases by the time since the last good pass, before it reaps.
-    With several replicas each extends by the outage it saw: a lease of a dead worker may live
-    that much longer, a result finished during the outage is not refused.
+    Expiry counts only time the database could be seen, from this process: no lease expires
+    within a lease TTL of the first pass that reached the database (a restart), and after failed
+    passes the first pass that reaches it again extends the leases by the time since the last
+    good pass, before it reaps. With several replicas each extends by the outage it saw: a lease
+    of a dead worker may live that much longer, a result finished during the outage or while the
+    server was down is not refused.
     """
     interval = state.settings.reaper_interval_s
-    seen: datetime | None = None  # when a pass last reached the database
-    blind = False  # a pass failed since
+    sight = Sight()
     while not stop.is_set():
         now = state.clock()
         try:
-            if blind and seen is not None:
-                await asyncio.to_thread(extend_after_outage, state, seen, now)
-                seen = now  # extended up to now: a failure of the reap below adds only its own
-            reaped = await asyncio.to_thread(reap_once, state, now)
-            seen, blind = now, False
-            if reaped.leases or reaped.infeasible:
-                log_event(log, "reaper_pass", **asdict(reaped))
-        except Exception:  # a database outage must not end the loop; the next pass retries
-            blind = True
-            log.exception("reaper pass failed")
+            await asyncio.to_thread(_reaper_pass, state, sight, now)
+        except Exception as error:  # a database outage must not end the loop; the next retries
+            _pass_failed(sight, now, error)
         with suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=interval)

@@ -7,23 +7,26 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 from reliability_helpers import (
     FAST_FLEET,
+    PATIENCE_S,
     Fleet,
     LeaseAuditor,
     TcpProxy,
     assert_accounted,
     completed_by_workers,
     create_study,
+    json_events,
     read_outcome,
     wait_for_budget,
     wait_for_finished,
 )
 from sqlalchemy import make_url
 
-from service.testing import ServerFactory, sqlite_url, upgrade_database
+from service.testing import ServerFactory, ServerProcess, sqlite_url, upgrade_database
 from service.wire import API_PREFIX
 
 # A lease outlives the server's restart below, so a worker's result is delivered, not re-run.
@@ -61,6 +64,43 @@ def test_server_killed_and_restarted_loses_nothing(
             assert after[trial._trial_id].values == trial.values
             assert outcome.rows[trial._trial_id].attempt == 0
     assert set(completed_by_workers(fleet.events()).values()) == {1}
+
+
+def test_results_finished_while_the_server_was_down_are_accepted_after_a_restart(
+    postgres_url: str, start_server: ServerFactory, fleet: Fleet
+) -> None:
+    """kill -9 the server while workers run trials, start it again after 1.5 lease TTLs: the
+    leases expired meanwhile, yet every result finished during the downtime is accepted once
+    and no trial runs twice (the reaper expires no lease within a TTL of the restart)."""
+    url = upgrade_database(postgres_url)
+    server = start_server(url, **FAST_FLEET)
+    n_trials = 24
+    # No intermediate reports: a worker whose run ends while the server is down holds its result.
+    study = create_study(server.url, n_trials, step_seconds=0.05, reports=False)
+    fleet.start(server.url, 6)
+    wait_for_finished(url, study, 6)
+    fleet.wait_for_busy(3)  # killed while runs are under way, each ends within the downtime
+
+    server.kill()
+    time.sleep(1.5 * FAST_FLEET["lease_ttl_s"])
+    server.start()
+    outcome = wait_for_budget(url, study, n_trials)
+    fleet.stop_all()
+
+    events = fleet.events()
+    queued = {e["trial_id"] for e in events if e["event"] == "result_queued"}
+    assert queued, "no worker held a result while the server was down: the test tested nothing"
+    delivered = {e["trial_id"]: e["resolution"] for e in events if e["event"] == "delivered"}
+    assert {t: delivered.get(t) for t in queued} == dict.fromkeys(queued, "complete")
+    leased = Counter(e["trial_id"] for e in events if e["event"] == "leased")
+    assert set(leased.values()) == {1}, f"re-run: {[t for t, n in leased.items() if n > 1]}"
+    for trial_id in queued:  # one lease, ended by the result it held, never by the reaper
+        ends = [(lease.resolution or {}).get("call") for lease in outcome.leases[trial_id]]
+        assert ends == ["complete"], f"trial {trial_id}: leases ended {ends}"
+    assert all(row.attempt == 0 for row in outcome.rows.values()), "a result was re-run"
+    assert_accounted(outcome, n_trials)
+    assert outcome.states() == {"COMPLETE": n_trials}
+    assert set(completed_by_workers(events).values()) == {1}
 
 
 def test_two_replicas_never_assign_a_trial_twice(
@@ -169,6 +209,48 @@ def test_database_outage_is_503_and_results_wait_for_its_return(
     metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
     assert 'status="503"' in metrics
     assert 'status="500"' not in metrics
+
+
+def test_a_database_outage_logs_one_line_a_pass_and_one_when_it_is_back(
+    postgres_url: str,
+    tcp_proxy: Callable[[str, int], TcpProxy],
+    start_server: ServerFactory,
+) -> None:
+    """While the database is away each reaper pass logs one line (what failed, since when),
+    no traceback; its return is one line."""
+    url = upgrade_database(postgres_url)
+    target = make_url(url)
+    proxy = tcp_proxy(target.host or "127.0.0.1", target.port or 5432)
+    proxied = target.set(port=proxy.port).render_as_string(hide_password=False)
+    server = start_server(proxied, log_format="json", reaper_interval_s=0.3)
+
+    proxy.cut()
+    time.sleep(3.0)
+    proxy.restore()
+    back = wait_for_log_event(server, "database_back")
+    server.stop()
+
+    lines = server.logs().splitlines()
+    assert not any("Traceback" in line for line in lines), server.logs()[-4000:]
+    events = json_events(server.log_path)
+    names = [e["event"] for e in events]
+    first_failure = names.index("reaper_pass_failed")
+    during = events[first_failure : names.index("database_back")]
+    assert len(during) >= 2, names  # several passes failed, each said so
+    assert {e["event"] for e in during} == {"reaper_pass_failed"}, names
+    assert len({e["failing_since"] for e in during}) == 1  # since when: the outage's start
+    assert all(e["error"].startswith("OperationalError: ") for e in during), during[0]
+    assert back["failing_since"] == during[0]["failing_since"] and back["outage_s"] > 0
+    assert names.count("database_back") == 1
+
+
+def wait_for_log_event(server: ServerProcess, name: str) -> dict[str, Any]:
+    """The first event of that name in the server's JSON log, waiting for it."""
+    deadline = time.monotonic() + PATIENCE_S
+    while not (found := [e for e in json_events(server.log_path) if e["event"] == name]):
+        assert time.monotonic() < deadline, f"no {name!r} logged:\n{server.logs()[-4000:]}"
+        time.sleep(0.2)
+    return found[0]
 
 
 def test_a_lease_whose_answer_was_lost_is_not_held_forever(

@@ -573,6 +573,35 @@ def test_the_servers_own_reaper_reoffers_an_abandoned_trial(
         assert [t.state for t in env.trials()] == [TrialState.COMPLETE]
 
 
+def test_a_restarted_server_routes_a_waiting_trial_to_the_card_it_waits_for(
+    migrated_url: str, start_server: ServerFactory
+) -> None:
+    """The server killed while a trial waits for a larger card, started again after that
+    card's worker would count as stale: the trial still goes to it, not ended infeasible by
+    heartbeats the worker could not send meanwhile."""
+    stale_s = 6.0
+    server = start_server(migrated_url, worker_stale_s=stale_s, reaper_interval_s=0.2)
+    http = httpx.Client(base_url=f"{server.url}/api/v1", timeout=60)
+    with http, client_side_state(migrated_url) as state:
+        env = Env(http, state, "restart-routing", "quadratic")
+        env.create_study(n_trials=1)
+        small = env.worker("small", 4 * GIB, "Sim 4G")
+        large = env.worker("large", 16 * GIB, "Sim 16G")
+        held = small.next()
+        assert held is not None
+        back = small.call(held, "handback", min_footprint_bytes=6 * GIB, plan=HALVED, reason="big")
+        assert back.json()["resolution"] == "waiting"
+
+        server.kill()
+        time.sleep(1.5 * stale_s)
+        server.start()
+        routed = large.next()
+
+        assert routed is not None and routed["trial_id"] == held["trial_id"], env.page()
+        assert large.complete(routed, 0.25, peak=6 * GIB).status_code == 200
+        assert [t.state for t in env.trials()] == [TrialState.COMPLETE]
+
+
 # ---------------------------------------------------------------- routing
 
 

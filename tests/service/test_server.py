@@ -41,6 +41,18 @@ def test_serve_refuses_an_unmigrated_database(database_url: str) -> None:
         pass
 
 
+def test_refusing_an_unmigrated_sqlite_file_leaves_nothing_behind(tmp_path: Path) -> None:
+    """No database file, nor its -wal / -shm, is created by a serve or a token command that
+    refuses to use it."""
+    url = sqlite_url(tmp_path / "data")
+    (tmp_path / "data").mkdir()
+    serve = run_vramtune("serve", "--database-url", url, "--port", str(free_port()))
+    token = run_vramtune("token", "list", "--database-url", url)
+    assert serve.returncode == 2 and "no file at" in serve.stderr, serve.stderr
+    assert token.returncode != 0 and "vramtune db upgrade" in token.stderr, token.stderr
+    assert list((tmp_path / "data").iterdir()) == []
+
+
 def test_db_upgrade_creates_both_schemas_and_is_idempotent(database_url: str) -> None:
     upgrade_database(database_url)
     upgrade_database(database_url)  # a second run changes nothing and does not fail
