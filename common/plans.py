@@ -25,6 +25,37 @@ def ran_as(plan: Plan | PlanOut, routed: bool) -> str:
     return "resized" if resized else "as_asked"
 
 
+# Outcomes that already say how the trial ran (a completed run's ``ran_as``, or no run at all).
+HOW_IT_RAN = frozenset({"as_asked", "resized", "routed", "infeasible"})
+
+
+def told_outcome(
+    outcome: str | None, plan: Mapping[str, Any] | None, handed_back: bool
+) -> str | None:
+    """The most informative outcome of a trial: how it ran, then how it ended when that differs.
+
+    A stored outcome keeps the last thing that happened ("pruned", "oom", "failed"), which
+    hides that the trial was routed to a larger card or resized first: those are shown both
+    ("routed, pruned"). ``handed_back``: the trial waited for a larger card (its row's
+    ``min_bytes`` > 0). The dashboard's table, the study list and ``vramtune study trials``
+    all show this, so they agree.
+    """
+    if outcome is None or outcome in HOW_IT_RAN:
+        return outcome
+    how = "routed" if handed_back else _resized_or_not(plan)
+    return outcome if how == "as_asked" else f"{how}, {outcome}"
+
+
+def _resized_or_not(plan: Mapping[str, Any] | None) -> str:
+    """ran_as of a stored plan (a JSON dict); "as_asked" without one."""
+    if not plan:
+        return "as_asked"
+    resized = (
+        int(plan.get("accumulation") or 1) > 1 or plan.get("checkpointing") or plan.get("bf16")
+    )
+    return "resized" if resized else "as_asked"
+
+
 def shape_of(config: Mapping[str, Any], keys: Sequence[str] | None) -> dict[str, ParamValue]:
     """What a shared prediction is keyed by: the values of the task's shape keys in a trial's
     configuration (task_config overlaid with params); the whole configuration when the task

@@ -15,6 +15,7 @@ from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
+from common.plans import told_outcome
 from common.task_rules import study_problem
 from service.auth.audit import AuditEvent
 from service.auth.tokens import Principal, audited
@@ -227,6 +228,9 @@ def trial_out(trial: FrozenTrial, row: TrialRow | None, worker: WorkerRow | None
         predicted_peak_bytes=known("predicted_peak_bytes"),
         measured_peak_bytes=known("measured_peak_bytes"),
         outcome=known("outcome"),
+        told_outcome=told_outcome(
+            known("outcome"), plan, handed_back=row is not None and row.min_bytes > 0
+        ),
         planning_s=attrs.get("vramtune.planning_s"),
         prediction_source=attrs.get("vramtune.prediction_source"),
         user_attrs=attrs,

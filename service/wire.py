@@ -341,6 +341,11 @@ class TrialOut(Wire):
     outcome: str | None = Field(
         None, description="as_asked, resized, routed, infeasible, oom, failed, pruned."
     )
+    told_outcome: str | None = Field(
+        None,
+        description="The most informative outcome: how it ran and how it ended when they differ "
+        "('routed, pruned', 'resized, oom').",
+    )
     planning_s: float | None = Field(None, description="Seconds the worker took to choose a plan.")
     prediction_source: PredictionSource | None = None
     user_attrs: dict[str, Any] = Field(default_factory=dict)

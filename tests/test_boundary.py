@@ -53,7 +53,7 @@ SERVICE_TIERS: list[set[str]] = [
     {"__main__"},
 ]
 COMMON_TIERS: list[set[str]] = [
-    {"logs", "durations", "plans", "memory", "step_time", "task_rules", "stopping"},
+    {"logs", "durations", "plans", "memory", "step_time", "task_rules", "stopping", "units"},
 ]
 TIERS = {"worker": WORKER_TIERS, "service": SERVICE_TIERS, "common": COMMON_TIERS}
 

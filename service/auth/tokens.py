@@ -166,6 +166,7 @@ POLICY: dict[tuple[str, str], Rule] = {
     ("GET", f"{V}/dashboard/studies/{{name:path}}/regions"): needs("read"),
     ("GET", f"{V}/dashboard/studies/{{name:path}}/importances"): needs("read"),
     ("GET", f"{V}/dashboard/studies/{{name:path}}/pareto"): needs("read"),
+    ("GET", f"{V}/dashboard/studies/{{name:path}}/advice"): needs("read"),
     ("GET", f"{V}/dashboard/studies/{{name:path}}/trials"): needs("read"),
     ("GET", f"{V}/dashboard/studies/{{name:path}}/trials/{{number}}"): needs("read"),
     ("GET", f"{V}/dashboard/fleet"): needs("read", studies="none"),

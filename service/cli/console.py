@@ -56,7 +56,15 @@ def trial_rows(trials: Sequence[TrialOut]) -> str:
     """The `study trials` and `study best` table."""
     headers = ["NUMBER", "STATE", "VALUES", "ATTEMPT", "OUTCOME", "WORKER", "PARAMS"]
     rows = [
-        [t.number, t.state, t.values, t.attempt, t.outcome, t.worker, json.dumps(t.params)]
+        [
+            t.number,
+            t.state,
+            t.values,
+            t.attempt,
+            t.told_outcome or t.outcome,
+            t.worker,
+            json.dumps(t.params),
+        ]
         for t in trials
     ]
     return table(headers, rows)

@@ -9,8 +9,16 @@ from optuna.trial import TrialState
 
 from service.api.deps import NowDep, SessionDep, SettingsDep
 from service.auth.tokens import PrincipalDep
-from service.dashboard import fleet as fleet_view, importance, plots, studies_view, trial_table
+from service.dashboard import (
+    advice as advice_view,
+    fleet as fleet_view,
+    importance,
+    plots,
+    studies_view,
+    trial_table,
+)
 from service.dashboard.models import (
+    Advice,
     Calibration,
     Fleet,
     History,
@@ -24,6 +32,7 @@ from service.dashboard.models import (
     TrialTable,
 )
 from service.dashboard.series import MAX_POINTS
+from service.db.tables import StudyRow
 from service.wire import API_PREFIX
 
 PREFIX = f"{API_PREFIX}/dashboard"
@@ -117,10 +126,19 @@ def importances(
     return importance.importances(session, name, objective, now)
 
 
+@router.get("/studies/{name:path}/advice")
+def advice(name: StudyName, session: SessionDep, settings: SettingsDep, now: NowDep) -> Advice:
+    """What to do next: infeasible configurations and what would make them fit, a biased
+    calibration and its likely cause, a task no live worker offers, OOMs prediction missed."""
+    return advice_view.advice(session, name, settings, now)
+
+
 @router.get("/studies/{name:path}/trials")
 def trials(
     name: StudyName,
     session: SessionDep,
+    settings: SettingsDep,
+    now: NowDep,
     sort: Annotated[
         str,
         Query(
@@ -152,7 +170,11 @@ def trials(
         offset=offset,
         limit=limit,
     )
-    return trial_table.trial_table(session, name, query)
+
+    def waiting_note(row: StudyRow | None) -> str | None:
+        return advice_view.no_worker_note(session, row, settings, now)
+
+    return trial_table.trial_table(session, name, query, waiting_note)
 
 
 @router.get("/studies/{name:path}/trials/{number}")

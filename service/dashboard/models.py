@@ -17,7 +17,10 @@ class MemoryCounts(BaseModel):
     """A vramtune study's trials by what memory did to them."""
 
     resized: int = Field(0, description="Completed smaller: micro-batch, checkpointing or bf16.")
-    routed: int = Field(0, description="Completed on a larger card after a hand-back.")
+    routed: int = Field(
+        0, description="Ran on a larger card after a hand-back (completed, pruned or failed there)."
+    )
+    routed_pruned: int = Field(0, description="Of the routed ones, those pruned there.")
     infeasible: int = Field(0, description="Fit no card of the fleet.")
     oom: int = Field(0, description="Ran out of memory at least once (retried or failed).")
 
@@ -219,7 +222,16 @@ class TrialRowOut(BaseModel):
         description="False when a constraint is violated: values are placeholders."
     )
     params: dict[str, ParamValue]
-    outcome: str | None
+    outcome: str | None = Field(description="The last outcome stored (what the filter matches).")
+    told_outcome: str | None = Field(
+        None,
+        description="The most informative outcome: how it ran and how it ended when they differ "
+        "('routed, pruned'); common.plans.told_outcome.",
+    )
+    waiting: bool = Field(False, description="Waits for a worker (pending or handed back).")
+    note: str | None = Field(
+        None, description="Why a trial that waits is not running (no live worker offers the task)."
+    )
     attempt: int
     plan: PlanOut | None
     predicted_bytes: int | None
@@ -242,6 +254,10 @@ class TrialTable(BaseModel):
     rows: list[TrialRowOut]
     workers: list[str]
     outcomes: list[str]
+    note: str | None = Field(
+        None,
+        description="Why the study's trials wait, when they do (no live worker offers its task).",
+    )
 
 
 class Observation(BaseModel):
@@ -254,6 +270,15 @@ class Observation(BaseModel):
     measured_allocated: int
     measured_reserved: int | None
     created_at: datetime
+
+
+class TrialEvent(BaseModel):
+    """One thing that happened to a trial, as the call that made it happen recorded it."""
+
+    at: datetime
+    kind: str = Field(description="leased, routed, planned, resized, handed_back, oom, pruned...")
+    text: str = Field(description="The event in words, bytes in human units.")
+    detail: dict[str, Any]
 
 
 class TrialDetail(TrialRowOut):
@@ -270,6 +295,31 @@ class TrialDetail(TrialRowOut):
     )
     user_attrs: dict[str, Any]
     observations: list[Observation]
+    events: list[TrialEvent] = Field(
+        default_factory=list, description="The trial's story, oldest first."
+    )
+
+
+class AdviceItem(BaseModel):
+    """One piece of advice: what the trials and the fleet show, and what would change it."""
+
+    kind: Literal["infeasible", "calibration", "no_worker", "missed_oom"]
+    title: str
+    text: str
+    actions: list[str] = Field(description="Changes that would help, the likeliest first.")
+    trials: list[int] = Field(default_factory=list, description="Trial numbers it is about.")
+    footprint_bytes: int | None = Field(
+        None, description="Infeasible: the closest configuration's smallest footprint."
+    )
+    largest_card_bytes: int | None = Field(
+        None, description="Infeasible: the largest card of the fleet for the task."
+    )
+
+
+class Advice(BaseModel):
+    """A study's "what to do next", computed from its trials and the fleet."""
+
+    items: list[AdviceItem]
 
 
 class CurrentTrial(BaseModel):

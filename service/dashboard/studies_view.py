@@ -107,6 +107,14 @@ def _memory_counts(session: Session, ids: list[int]) -> dict[int, MemoryCounts]:
     VT, OBS = schema.vt_trials, schema.vt_observations
     oomed = select(OBS.c.trial_id).where(OBS.c.outcome == "oom")
     ran_out = or_(VT.c.outcome == "oom", VT.c.trial_id.in_(oomed.scalar_subquery()))
+    # Routed: ended on a larger card after a hand-back, however it ended there (a pruned one
+    # keeps "pruned" as its outcome, and min_bytes > 0 from the hand-back: common.plans).
+    routed = and_(
+        VT.c.min_bytes > 0,
+        VT.c.status == "done",
+        VT.c.outcome.is_not(None),
+        VT.c.outcome != "infeasible",
+    )
 
     def count(condition: ColumnElement[bool]) -> ColumnElement[int]:
         return func.sum(case((condition, 1), else_=0))
@@ -115,14 +123,15 @@ def _memory_counts(session: Session, ids: list[int]) -> dict[int, MemoryCounts]:
         select(
             VT.c.study_id,
             count(VT.c.outcome == "resized"),
-            count(VT.c.outcome == "routed"),
+            count(routed),
+            count(and_(routed, VT.c.outcome == "pruned")),
             count(VT.c.outcome == "infeasible"),
             count(ran_out),
         )
         .where(VT.c.study_id.in_(ids))
         .group_by(VT.c.study_id)
     )
-    fields = ("resized", "routed", "infeasible", "oom")
+    fields = ("resized", "routed", "routed_pruned", "infeasible", "oom")
     return {
         sid: MemoryCounts.model_validate(
             {name: int(n or 0) for name, n in zip(fields, counts, strict=True)}

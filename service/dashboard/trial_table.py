@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
@@ -14,11 +14,12 @@ from optuna.trial import TrialState
 from sqlalchemy import ColumnElement, Select, and_, func, select
 from sqlalchemy.orm import Session
 
-from service.dashboard import cache, schema, series
+from common.plans import told_outcome
+from service.dashboard import cache, schema, series, story
 from service.dashboard.errors import invalid_query
 from service.dashboard.models import Observation, TrialDetail, TrialRowOut, TrialTable
 from service.dashboard.studies_view import StudyFacts, infeasible, study_facts, trial_params
-from service.db.tables import MemoryObservationRow, TrialRow, WorkerRow
+from service.db.tables import MemoryObservationRow, StudyRow, TrialRow, WorkerRow
 from service.errors import NotFound
 from service.wire import PlanOut
 
@@ -37,6 +38,8 @@ SORT_COLUMNS = (
 PARAM_SORT_PREFIX = "param:"
 VALUE_SORT = re.compile(r"value:(\d{1,2})")  # objective i of a multi-objective study
 Order = Literal["asc", "desc"]
+WaitingNote = Callable[[StudyRow | None], str | None] | None
+WAITING = ("pending", "waiting")  # vramtune statuses of trials that wait for a worker
 
 
 @dataclass(frozen=True)
@@ -57,13 +60,24 @@ class TableQuery:
         return ("table", *page, tuple(s.name for s in self.states), tuple(self.outcomes))
 
 
-def trial_table(session: Session, name: str, query: TableQuery) -> TrialTable:
-    """One page of the study's trials, sorted and filtered in the database."""
+def trial_table(
+    session: Session, name: str, query: TableQuery, waiting_note: WaitingNote = None
+) -> TrialTable:
+    """One page of the study's trials, sorted and filtered in the database.
+
+    ``waiting_note``: why trials that wait do not run (no live worker offers the task); read
+    per visit, since workers come and go without the study changing its revision.
+    """
     check_sort(query.sort)
     facts = study_facts(session, name)
-    return cache.by_revision(
+    table = cache.by_revision(
         session, facts.study_id, query.key(), lambda: _table(session, facts, query)
     )
+    note = waiting_note(facts.row) if waiting_note else None
+    if note is None:
+        return table
+    rows = [r.model_copy(update={"note": note}) if r.waiting else r for r in table.rows]
+    return table.model_copy(update={"rows": rows, "note": note})
 
 
 def _table(session: Session, facts: StudyFacts, query: TableQuery) -> TrialTable:
@@ -95,6 +109,8 @@ def _row_columns(duration: ColumnElement[Any]) -> Select[Any]:
         T.c.datetime_complete,
         duration.label("duration_s"),
         TrialRow.outcome,
+        TrialRow.status.label("vt_status"),
+        TrialRow.min_bytes,
         TrialRow.attempt,
         TrialRow.plan,
         TrialRow.predicted_peak_bytes,
@@ -197,6 +213,7 @@ def _rows_out(session: Session, rows: list[Any], infeasible: set[int]) -> list[T
             feasible=r.trial_id not in infeasible,
             params=params[r.trial_id],
             outcome=r.outcome,
+            told_outcome=told_outcome(r.outcome, r.plan, handed_back=(r.min_bytes or 0) > 0),
             attempt=r.attempt or 0,
             plan=plan_out(r.plan),
             predicted_bytes=r.predicted_peak_bytes,
@@ -208,6 +225,7 @@ def _rows_out(session: Session, rows: list[Any], infeasible: set[int]) -> list[T
             # The duration the table sorts by, from SQL: in Python it would differ below SQLite's
             # millisecond date precision, and a page could look out of order.
             duration_s=None if r.duration_s is None else float(r.duration_s),
+            waiting=r.vt_status in WAITING,
         )
         for r in rows
     ]
@@ -287,6 +305,7 @@ def trial_detail(session: Session, name: str, number: int, max_points: int) -> T
         prediction_source=attrs.get("vramtune.prediction_source"),
         user_attrs=attrs,
         observations=_observations(session, found.trial_id, found.datetime_start),
+        events=story.trial_events(session, found.trial_id, found.datetime_start),
     )
 
 

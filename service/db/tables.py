@@ -104,6 +104,25 @@ class TrialRow(Base):
     __table_args__ = (Index("ix_vramtune_trials_offer", "status", "study_id", "min_bytes"),)
 
 
+class TrialEventRow(Base):
+    """One thing that happened to a trial (leased, planned, handed back, routed, OOM, pruned,
+    completed...), written by the call that made it happen: a trial's story, in order.
+
+    Insert-only, one row per call, no foreign key (as leases): the hot path pays one INSERT.
+    ``detail`` holds the call's facts (card, plan, footprint...) as JSON.
+    """
+
+    __tablename__ = "vramtune_trial_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    trial_id: Mapped[int] = mapped_column(Integer)
+    at: Mapped[datetime] = mapped_column(DateTime)
+    kind: Mapped[str] = mapped_column(String(32))
+    detail: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+    __table_args__ = (Index("ix_vramtune_trial_events_trial", "trial_id", "id"),)
+
+
 class LeaseRow(Base):
     """One assignment of a trial to a worker, fenced by its token."""
 

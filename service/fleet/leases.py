@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session
 from service.db.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
 from service.db.writes import insert_row, set_columns
 from service.errors import Conflict, LeaseLost, NotFound
+from service.fleet import events
 from service.wire import StopReason, TrialAck
 
 TOKEN_BYTES = 32  # 256 bits: a lease cannot be guessed
@@ -63,6 +64,10 @@ def grant(
         expires_at=granted.expires_at,
         created_at=now,
     )
+    # A trial that waited for a larger card is routed by this lease: its story says so.
+    kind: events.EventKind = "routed" if trial.status == "waiting" else "leased"
+    facts = {"worker": worker.name, "card_bytes": worker.total_bytes, "attempt": trial.attempt}
+    events.record(session, trial.trial_id, kind, now, **facts)
     held = {"status": "leased", "worker_id": worker.id, "updated_at": now}
     if inspect(trial).persistent:
         set_columns(session, trial, **held)

@@ -26,7 +26,9 @@ from sqlalchemy.exc import DBAPIError, TimeoutError as SQLAlchemyTimeout
 from sqlalchemy.orm import Session
 
 from common.logs import log_event
+from common.units import human_bytes
 from service.db.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
+from service.fleet import events
 from service.fleet.leases import end, expired_lease, extend_for_outage, resolution
 from service.fleet.routing import (
     OptunaTell,
@@ -115,8 +117,10 @@ def _retry_or_fail(session: Session, run: _Pass, lease: LeaseRow, trial: TrialRo
         reoffer(trial, run.now, next_attempt=True)
         trial.message = f"lease lost: {who} stopped heartbeating; offered again"
         run.reaped.reoffered += 1
+        events.record(session, trial.trial_id, "lease_lost", run.now, worker=who, then="offered")
         return
     reason = f"lease lost {trial.attempt + 1} times; last: {who} stopped heartbeating"
+    events.record(session, trial.trial_id, "lease_lost", run.now, worker=who, then="failed")
     tell_failed(OptunaTell(session, run.state.storage, study_row, run.now), trial, reason)
     trial.status, trial.outcome, trial.message = "done", "failed", reason
     trial.attempt += 1
@@ -164,12 +168,22 @@ def _route_waiting(run: _Pass, trial_id: int) -> None:
         )
         if capacity >= trial.min_bytes or _settled_in_optuna(run, trial):
             return
-        reason = f"needs {trial.min_bytes} bytes; no live card holds it (largest: {capacity})"
+        needs, largest = human_bytes(trial.min_bytes), human_bytes(capacity)
+        reason = f"needs {needs}; no live card holds it (largest: {largest})"
         telling = OptunaTell(session, run.state.storage, study_row, run.now)
         tell_infeasible(telling, trial, trial.min_bytes, capacity, reason)
         trial.status, trial.outcome, trial.message = "done", "infeasible", reason
         trial.updated_at = run.now
         run.reaped.infeasible += 1
+        footprint = trial.min_bytes
+        events.record(
+            session,
+            trial_id,
+            "infeasible",
+            run.now,
+            footprint_bytes=footprint,
+            largest_card_bytes=capacity,
+        )
         log_event(
             log, "infeasible", trial_id=trial_id, study=study_row.name, min_bytes=trial.min_bytes
         )

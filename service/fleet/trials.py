@@ -23,10 +23,11 @@ from sqlalchemy.orm import Session
 
 from common.memory import held_peak, peak_of, raw_peaks
 from common.plans import ran_as
+from common.units import human_bytes
 from service.db.tables import MemoryObservationRow, StepTimeObservationRow
 from service.db.writes import insert_row, set_columns
 from service.errors import Invalid
-from service.fleet import predictions, trust
+from service.fleet import events, predictions, trust
 from service.fleet.leases import Fenced, end, fence, resolution
 from service.fleet.routing import (
     MAX_OOM_RETRIES,
@@ -100,6 +101,20 @@ class TrialCall:
         return OptunaTell(self.session, self.storage, fenced.study, self.now)
 
 
+def _story(call: TrialCall, fenced: Fenced, kind: events.EventKind, **detail: Any) -> None:
+    """One event of the fenced trial's story, by the worker that made it happen."""
+    worker = fenced.worker
+    detail |= {"worker": worker.name, "card_bytes": worker.total_bytes}
+    events.record(call.session, fenced.trial.trial_id, kind, call.now, **detail)
+
+
+def _plan_facts(plan: Plan | dict[str, Any] | None) -> dict[str, Any] | None:
+    """A plan as the story keeps it: its knobs and reason."""
+    if isinstance(plan, Plan):
+        return plan.model_dump(mode="json")
+    return plan or None
+
+
 def _ack(fenced: Fenced, what: TrialResolution, detail: str = "") -> TrialAck:
     return TrialAck(trial_id=fenced.trial.trial_id, resolution=what, detail=detail)
 
@@ -152,6 +167,8 @@ def start(call: TrialCall, trial_id: int, body: StartRequest) -> TrialAck:
     set_columns(
         call.session, fenced.trial, plan=plan, predicted_peak_bytes=predicted, updated_at=call.now
     )
+    resized = ran_as(body.plan, routed=False) == "resized"
+    _story(call, fenced, "resized" if resized else "planned", plan=plan, predicted_bytes=predicted)
     return _ack(fenced, "started", f"running as planned: {body.plan.reason}".strip(": "))
 
 
@@ -179,6 +196,7 @@ def report(call: TrialCall, trial_id: int, body: ReportRequest) -> ReportReply:
     # Told now, so a worker that ignores the answer cannot keep the trial; its fail(pruned)
     # replays this answer and its heartbeat carries the stop order.
     _tell_pruned(call, fenced)
+    _story(call, fenced, "pruned", step=body.step, value=body.value)
     ack = _ack(fenced, "pruned", f"pruned at step {body.step} by the study's pruner")
     _finish(call, fenced, ack, "fail", "pruned", stop="pruned")
     return ReportReply(prune=True)
@@ -243,6 +261,14 @@ def _complete(call: TrialCall, fenced: Fenced, body: CompleteRequest) -> TrialAc
     observe(call, fenced, body.plan, body.prediction, body.measured, "complete")
     observe_step_time(call, fenced, body.step_time)
     count_done(call.session, worker)
+    _story(
+        call,
+        fenced,
+        "completed",
+        outcome=outcome,
+        predicted_bytes=attrs["predicted_peak_bytes"],
+        measured_bytes=peak,
+    )
     ack = _ack(fenced, "complete", f"told Optuna {values}")
     return _finish(
         call,
@@ -341,14 +367,17 @@ def fail(call: TrialCall, trial_id: int, body: FailRequest) -> TrialAck:
     elif body.kind == "interrupted":
         reoffer(fenced.trial, call.now, next_attempt=False)
         ack = _ack(fenced, "retry", f"interrupted ({body.message}); offered again".strip())
+        _story(call, fenced, "interrupted", message=body.message or None)
     elif body.kind == "pruned":
         _tell_pruned(call, fenced)
         ack = _ack(fenced, "pruned", body.message)
+        _story(call, fenced, "pruned", message=body.message or None)
     else:
         reason = body.message or "the worker reported an error"
         tell_failed(call.telling(fenced), fenced.trial, reason)
         fenced.trial.outcome = "failed"
         ack = _ack(fenced, "failed", reason)
+        _story(call, fenced, "failed", message=reason[:512])
     _finish(call, fenced, ack, "fail", body.kind)
     if body.kind != "oom":  # an OOM is observed as such, with the plan it ran out under
         _keep_measured(call, fenced, body)
@@ -394,6 +423,9 @@ def _out_of_memory(call: TrialCall, fenced: Fenced, body: FailRequest) -> TrialA
     if retry:
         reoffer(trial, call.now, next_attempt=True)
     observe(call, fenced, body.plan or plan, body.prediction, body.measured, "oom")
+    measured = None if body.measured is None else peak_of(body.measured)
+    then = "retried smaller" if retry else "failed"
+    _story(call, fenced, "oom", plan=plan, measured_bytes=measured, then=then)
     return ack
 
 
@@ -425,17 +457,21 @@ def hand_back(call: TrialCall, trial_id: int, body: HandBackRequest) -> TrialAck
         exclude=worker.id,
     )
     _plan_chosen(call, fenced, body, {"handback": handback})
+    plan = _plan_facts(body.plan)
     if body.fits_here and capacity < footprint:  # the larger card left: it runs where it fits
         reoffer(trial, call.now, next_attempt=False)
         ack = _ack(fenced, "retry", "no larger card is live: offered again as it fits")
+        _story(call, fenced, "handed_back", footprint_bytes=footprint, plan=plan, then="here")
         return _finish(call, fenced, ack, "handback")
     trial.min_bytes = footprint
     if capacity >= footprint:
         trial.status = "waiting"
         trial.updated_at = call.now
-        ack = _ack(fenced, "waiting", f"waits for a card of at least {footprint} bytes")
+        ack = _ack(fenced, "waiting", f"waits for a card of at least {human_bytes(footprint)}")
+        _story(call, fenced, "handed_back", footprint_bytes=footprint, plan=plan, then="waits")
         return _finish(call, fenced, ack, "handback")
     largest = max(capacity, worker.total_bytes)
-    reason = f"needs {footprint} bytes; the largest live card has {largest}"
+    reason = f"needs {human_bytes(footprint)}; the largest live card has {human_bytes(largest)}"
     tell_infeasible(call.telling(fenced), trial, footprint, largest, reason)
+    _story(call, fenced, "infeasible", footprint_bytes=footprint, largest_card_bytes=largest)
     return _finish(call, fenced, _ack(fenced, "infeasible", reason), "handback")

@@ -112,7 +112,13 @@ def test_studies_list_counts_and_best_feasible_value(client: TestClient) -> None
     # numbers 3, 7, 11 were handed back (infeasible): their placeholder values never count
     assert study["best_value"] == 0.0
     # 1, 5, 9 resized; 2, 6, 10 ran out of memory once (then ran again); one card: none routed
-    assert study["memory"] == {"resized": 3, "routed": 0, "infeasible": 3, "oom": 3}
+    assert study["memory"] == {
+        "resized": 3,
+        "routed": 0,
+        "routed_pruned": 0,
+        "infeasible": 3,
+        "oom": 3,
+    }
 
 
 def test_metric_names_name_the_objectives(client: TestClient) -> None:

@@ -497,6 +497,15 @@ def test_lost_lease_reoffers_the_trial_and_refuses_the_late_complete(env: Env) -
     assert [(t.state, t.value) for t in env.trials()] == [(TrialState.COMPLETE, 1.0)]
     assert env.observations() == 1
     assert env.page()[lost["trial_id"]]["attempt"] == 1
+    detail = env.http.get(f"/dashboard/studies/{env.study}/trials/{lost['number']}").json()
+    story = [(e["kind"], e["detail"].get("worker")) for e in detail["events"]]
+    assert story == [
+        ("leased", "slow"),
+        ("lease_lost", "slow"),
+        ("leased", "other"),
+        ("completed", "other"),
+    ]
+    assert detail["events"][1]["text"] == "lease lost: slow stopped heartbeating; offered again"
 
 
 def test_trial_fails_after_max_attempts(env: Env) -> None:
@@ -625,6 +634,126 @@ def test_handed_back_trial_waits_for_a_larger_card(env: Env) -> None:
     told = env.trials()[held["number"]]
     assert told.state == TrialState.COMPLETE and told.constraints["memory"] <= 0
     assert told.user_attrs["vramtune.handback"]["min_footprint_bytes"] == 6 * GIB
+
+
+def test_a_routed_then_pruned_trial_keeps_its_story_and_shows_both(env: Env) -> None:
+    env.create_study(pruner={"name": "threshold", "args": {"upper": 1.0}})
+    small = env.worker("small", 4 * GIB, "Sim 4G")
+    large = env.worker("large", 16 * GIB, "Sim 16G")
+    held = small.next()
+    assert held is not None
+    small.call(held, "handback", min_footprint_bytes=6 * GIB, plan=HALVED, reason="big")
+    routed = large.next()
+    assert routed is not None and routed["trial_id"] == held["trial_id"]
+    started = large.call(routed, "start", plan=PLAN, prediction=_prediction(6 * GIB))
+    assert started.status_code == 200, started.text
+    assert large.call(routed, "report", step=3, value=5.0).json() == {"prune": True}
+    shown = env.page()[held["trial_id"]]
+    assert (shown["outcome"], shown["told_outcome"]) == ("pruned", "routed, pruned")
+    detail = env.http.get(f"/dashboard/studies/{env.study}/trials/{held['number']}").json()
+    assert detail["told_outcome"] == "routed, pruned"
+    story = [(e["kind"], e["detail"].get("worker")) for e in detail["events"]]
+    assert story == [
+        ("leased", "small"),
+        ("handed_back", "small"),
+        ("routed", "large"),
+        ("planned", "large"),
+        ("pruned", "large"),
+    ]
+    texts = [e["text"] for e in detail["events"]]
+    assert "needs 6.00 GiB at its smallest plan; waits for a larger card" in texts[1]
+    assert texts[2] == "routed to the larger card of large (16.0 GiB)"
+    listed = env.http.get("/dashboard/studies").json()["studies"]
+    memory = next(s["memory"] for s in listed if s["name"] == env.study)
+    assert (memory["routed"], memory["routed_pruned"]) == (1, 1)
+
+
+def test_infeasible_trials_get_advice_in_human_units(env: Env) -> None:
+    space = {"width": {"type": "categorical", "choices": [64, 4096]}}
+    env.create_study(n_trials=2, search_space=space, sampler={"name": "grid"})
+    small = env.worker("small", 4 * GIB, "Sim 4G")
+    first, second = small.next(), small.next()
+    assert first is not None and second is not None
+    narrow, wide = sorted((first, second), key=lambda a: a["params"]["width"])
+    assert small.complete(narrow, 1.0, peak=GIB).status_code == 200
+    back = small.call(wide, "handback", min_footprint_bytes=6 * GIB, reason="too wide")
+    assert back.json()["detail"] == "needs 6.00 GiB; the largest live card has 4.00 GiB"
+    advice = env.http.get(f"/dashboard/studies/{env.study}/advice").json()["items"]
+    infeasible = next(a for a in advice if a["kind"] == "infeasible")
+    assert infeasible["trials"] == [wide["number"]]
+    assert "needs 6.00 GiB" in infeasible["text"]
+    assert "The largest live card has 4.00 GiB: 2.00 GiB short (+50 %)" in infeasible["text"]
+    actions = " | ".join(infeasible["actions"])
+    assert "add 'bf16' to memory_policy.resizes" in actions
+    assert "drop 4096 from search_space.width.choices" in actions
+    assert "add a card of at least 6.67 GiB" in actions  # the footprint and the 10 % margin
+
+
+def test_an_oom_the_prediction_missed_is_advice_and_story(env: Env) -> None:
+    env.create_study()
+    worker = env.worker("w1", 4 * GIB, "Sim 4G")
+    held = worker.next()
+    assert held is not None
+    worker.call(held, "start", plan=PLAN, prediction=_prediction(3 * GIB))
+    measured = {"peak_allocated_bytes": 5 * GIB}
+    body = {"plan": PLAN, "measured": measured, "prediction": _prediction(3 * GIB)}
+    oom = worker.call(held, "fail", kind="oom", message="CUDA out of memory", **body)
+    assert oom.json()["resolution"] == "retry"
+    advice = env.http.get(f"/dashboard/studies/{env.study}/advice").json()["items"]
+    missed = next(a for a in advice if a["kind"] == "missed_oom")
+    assert missed["title"] == "1 run ran out of memory though predicted to fit"
+    assert "predicted at 3.00 GiB on Sim 4G and ran out of memory at 5.00 GiB" in missed["text"]
+    assert missed["trials"] == [held["number"]]
+    detail = env.http.get(f"/dashboard/studies/{env.study}/trials/{held['number']}").json()
+    assert [e["kind"] for e in detail["events"]] == ["leased", "planned", "oom"]
+    assert detail["events"][-1]["text"] == (
+        "out of memory at 5.00 GiB on w1 (4.00 GiB) running as asked; retried smaller"
+    )
+    retried = worker.next()
+    assert retried is not None and retried["trial_id"] == held["trial_id"]
+    assert worker.complete(retried, 1.0, peak=GIB).status_code == 200
+    detail = env.http.get(f"/dashboard/studies/{env.study}/trials/{held['number']}").json()
+    assert [e["kind"] for e in detail["events"]][3:] == ["leased", "completed"]
+
+
+def test_a_constant_excess_over_prediction_is_advised_as_unchunked_evaluation(env: Env) -> None:
+    env.create_study(n_trials=4)
+    worker = env.worker("w1", 16 * GIB, "Sim 16G")
+    for predicted in (GIB, 2 * GIB, 3 * GIB, 4 * GIB):  # each run holds 512 MiB more
+        assignment = worker.next()
+        assert assignment is not None
+        done = worker.call(
+            assignment,
+            "complete",
+            values=[1.0],
+            plan=PLAN,
+            prediction=_prediction(predicted),
+            measured={"peak_allocated_bytes": predicted + GIB // 2},
+            duration_s=1.0,
+        )
+        assert done.status_code == 200, done.text
+    advice = env.http.get(f"/dashboard/studies/{env.study}/advice").json()["items"]
+    (bias,) = [a for a in advice if a["kind"] == "calibration"]
+    assert bias["title"] == "Predictions on Sim 16G are too low (+21 %)"
+    assert "512 MiB on the smaller, 512 MiB on the larger" in bias["text"]
+    assert "evaluation" in bias["text"] and "chunk" in bias["actions"][0]
+
+
+def test_a_task_no_live_worker_offers_is_advice_and_a_note_on_waiting_trials(env: Env) -> None:
+    env.create_study(n_trials=2)
+    advice = env.http.get(f"/dashboard/studies/{env.study}/advice").json()["items"]
+    assert [a["kind"] for a in advice] == ["no_worker"]
+    assert advice[0]["title"] == f"No live worker offers task '{env.task}'"
+    leaving = env.worker("leaving")
+    held = leaving.next()
+    assert held is not None
+    table = env.http.get(f"/dashboard/studies/{env.study}/trials").json()
+    assert table["note"] is None and table["rows"][0]["note"] is None  # a live worker has it
+    assert env.http.post(f"/workers/{leaving.id}/stop").status_code == 204
+    table = env.http.get(f"/dashboard/studies/{env.study}/trials").json()
+    note = f"no live worker offers task '{env.task}'"
+    assert table["note"] == note
+    assert [(r["waiting"], r["note"]) for r in table["rows"]] == [(True, note)]
 
 
 def test_trial_no_card_can_hold_is_infeasible_with_its_constraint(env: Env) -> None:

@@ -7,7 +7,7 @@
   const MEMORY_ORDER = [["resized", "resized"], ["routed", "routed"], ["infeasible", "infeasible"], ["oom", "OOM"]];
   const MEMORY_TITLES = {
     resized: "completed with a smaller micro-batch, checkpointing or bf16",
-    routed: "completed on a larger card after a hand-back",
+    routed: "ran on a larger card after a hand-back (completed or pruned there)",
     infeasible: "fit no card of the fleet",
     oom: "ran out of memory at least once",
   };
@@ -36,6 +36,11 @@
   }
 
   /** What memory did to the study's trials: resized, routed, infeasible, OOM (nonzero ones). */
+  /** A chip's words: routed ones pruned there say so ("routed (1 pruned)", common.plans.told_outcome). */
+  function memoryLabel(counts, key, label) {
+    return key === "routed" && counts.routed_pruned ? `${label} (${counts.routed_pruned} pruned)` : label;
+  }
+
   function memory(study) {
     if (!study.memory) return null; // a plain Optuna study: vramtune ran none of its trials
     const shown = MEMORY_ORDER.filter(([key]) => study.memory[key]);
@@ -44,7 +49,7 @@
       "div",
       { class: "chips" },
       shown.map(([key, label]) =>
-        el("span", { class: `chip chip-mem-${key}`, "data-memory": key, title: MEMORY_TITLES[key] }, el("b", { text: study.memory[key] }), ` ${label}`),
+        el("span", { class: `chip chip-mem-${key}`, "data-memory": key, title: MEMORY_TITLES[key] }, el("b", { text: study.memory[key] }), ` ${memoryLabel(study.memory, key, label)}`),
       ),
     );
   }

@@ -458,7 +458,37 @@
       ];
       if (t.message) pairs.push(["message", t.message]);
       fill(document.getElementById("curve-details"), pairs.flatMap(([k, v]) => [el("dt", { text: k }), el("dd", { text: v })]));
+      renderTimeline(t.events || []);
     }, "card-curve");
+  }
+
+  /** The trial's story, oldest first: what each call did to it (service/fleet/events.py). */
+  function renderTimeline(events) {
+    const time = (at) => new Date(at).toLocaleTimeString();
+    fill(
+      document.getElementById("trial-timeline"),
+      events.map((e) => el("li", { "data-event": e.kind }, el("time", { datetime: e.at, text: time(e.at) }), e.text)),
+    );
+  }
+
+  // ------------------------------------------------------------------ advice
+
+  /** What to do next: each advice with its changes (service/dashboard/advice.py). */
+  async function loadAdvice() {
+    await latestOnly("advice", () => VT.api(`${BASE}/advice`), (d) => {
+      document.getElementById("card-advice").classList.toggle("hidden", !d.items.length);
+      const items = d.items.map((a) =>
+        el(
+          "li",
+          { "data-advice": a.kind },
+          el("h3", { text: a.title }),
+          el("p", { text: a.text }),
+          el("ul", {}, a.actions.map((action) => el("li", { text: action }))),
+        ),
+      );
+      fill(document.getElementById("advice-list"), items);
+      document.body.dataset.advice = revision;
+    }, null);
   }
 
   // ------------------------------------------------------------------ trial table
@@ -499,7 +529,7 @@
       cols.push({ label: p.name, sort: `param:${p.name}`, num: p.kind !== "categorical", cell: (r) => (p.name in r.params ? VT.num(r.params[p.name]) : "–") });
     }
     cols.push(
-      { label: "Outcome", sort: "outcome", cell: (r) => (r.outcome ? outcomeText(r.outcome) : "–") },
+      { label: "Outcome", sort: "outcome", cell: outcomeCell },
       { label: "Plan", cell: (r) => el("span", { class: "plan", title: r.plan ? r.plan.reason : "", text: planText(r.plan) }) },
       { label: "Predicted", sort: "predicted", num: true, cell: (r) => VT.bytes(r.predicted_bytes) },
       { label: "Measured", sort: "measured", num: true, cell: (r) => VT.bytes(r.measured_bytes) },
@@ -536,6 +566,13 @@
   /** vramtune's outcome names as words ("as_asked": "as asked"), as the region map names them. */
   const outcomeText = (outcome) => outcome.replace(/_/g, " ");
 
+  /** The most informative outcome ("routed, pruned"); a waiting trial says why it waits. */
+  function outcomeCell(r) {
+    if (r.note) return el("span", { class: "waiting-note", text: r.note });
+    const told = r.told_outcome || r.outcome;
+    return told ? outcomeText(told) : "–";
+  }
+
   function syncOptions(select, values, extra, label = (v) => v) {
     const wanted = ["", ...values, ...extra];
     const have = [...select.options].map((o) => o.value);
@@ -565,6 +602,7 @@
         ),
       );
       fill(document.querySelector("#trials tbody"), rows.length ? rows : el("tr", {}, el("td", { colspan: cols.length, class: "muted", text: "No trial matches the filters." })));
+      document.getElementById("trials-note").textContent = d.note ? `Trials wait: ${d.note}.` : "";
       syncOptions(document.getElementById("outcome-filter"), d.outcomes, ["none"], outcomeText);
       syncOptions(document.getElementById("worker-filter"), d.workers, []);
       const last = Math.min(d.offset + d.rows.length, d.total);
@@ -646,7 +684,10 @@
       throw error;
     }
     renderHeader(overview);
-    if (overview.revision === revision) return refreshImportances();
+    if (overview.revision === revision) {
+      await loadAdvice(); // the fleet changes without the study: a worker may come or go
+      return refreshImportances();
+    }
     // A large running study changes on every poll: its plots are redrawn every 10 s at most.
     const large = overview.finished + overview.running > LARGE_STUDY;
     if (revision !== null && large && Date.now() - plotsAt < LARGE_REDRAW_MS) {
@@ -659,7 +700,7 @@
     setupObjectiveSelectors(overview);
     if (!selectedByUser && overview.best) selected = overview.best.number;
     const jobs = [loadHistory(early.history), loadMemory(early.memory), loadCalibration(early.calibration)];
-    jobs.push(loadRegions(early.regions), loadTable(early.table), loadCurve(), loadPareto());
+    jobs.push(loadRegions(early.regions), loadTable(early.table), loadCurve(), loadPareto(), loadAdvice());
     const results = await Promise.allSettled(jobs);
     const failed = results.find((r) => r.status === "rejected");
     if (failed) throw failed.reason;

@@ -1,0 +1,58 @@
+"""The shared outcome rule (common.plans.told_outcome) and human byte units (common.units)."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.plans import told_outcome
+from common.units import GIB, MIB, human_bytes
+from service.cli.console import trial_rows
+from service.wire import TrialOut
+
+AS_ASKED = {"micro_batch": None, "accumulation": 1, "checkpointing": False, "bf16": False}
+HALVED = {"micro_batch": 8, "accumulation": 2, "checkpointing": False, "bf16": False}
+
+
+@pytest.mark.parametrize(
+    ("outcome", "plan", "handed_back", "told"),
+    [
+        ("pruned", AS_ASKED, True, "routed, pruned"),  # the case the table used to hide
+        ("pruned", HALVED, False, "resized, pruned"),
+        ("pruned", AS_ASKED, False, "pruned"),
+        ("oom", HALVED, True, "routed, oom"),
+        ("failed", None, False, "failed"),
+        ("routed", AS_ASKED, True, "routed"),
+        ("infeasible", None, True, "infeasible"),  # handed back, but it never ran
+        ("resized", HALVED, False, "resized"),
+        (None, None, True, None),
+    ],
+)
+def test_the_most_informative_outcome(
+    outcome: str | None, plan: dict[str, object] | None, handed_back: bool, told: str | None
+) -> None:
+    assert told_outcome(outcome, plan, handed_back) == told
+
+
+@pytest.mark.parametrize(
+    ("count", "shown"),
+    [
+        (154_372_163, "147 MiB"),
+        (64 * MIB, "64.0 MiB"),
+        (6 * GIB, "6.00 GiB"),
+        (-2 * GIB, "-2.00 GiB"),
+        (512, "512 B"),
+        (None, "\u2013"),
+    ],
+)
+def test_bytes_in_human_units(count: int | None, shown: str) -> None:
+    assert human_bytes(count) == shown
+
+
+def test_study_trials_shows_the_told_outcome() -> None:
+    """`vramtune study trials` prints the same outcome as the dashboard's table."""
+    trial = TrialOut(
+        id=1, number=0, state="PRUNED", params={}, outcome="pruned", told_outcome="routed, pruned"
+    )
+    lines = trial_rows([trial]).splitlines()
+    assert "OUTCOME" in lines[0]
+    assert "routed, pruned" in lines[-1]
