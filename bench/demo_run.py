@@ -53,7 +53,6 @@ def run_demo(trials: int, workdir: Path) -> dict[str, Any]:
         str(workdir / "demo.db"),
         "--log-dir",
         str(workdir / "logs"),
-        "--exit-when-done",
     ]
     load_before = os.getloadavg()
     began, children = time.perf_counter(), os.times()

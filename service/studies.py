@@ -220,7 +220,8 @@ def trial_out(trial: FrozenTrial, row: TrialRow | None, worker: WorkerRow | None
         id=trial._trial_id,
         number=trial.number,
         state=trial.state.name,
-        values=trial.values,
+        # An infeasible trial's values are placeholders (service.fleet.routing), not results.
+        values=None if attrs.get("vramtune.placeholder_values") else trial.values,
         params=trial.params,
         intermediate=dict(trial.intermediate_values),
         datetime_start=trial.datetime_start,

@@ -384,7 +384,11 @@ class TrialOut(Wire):
     id: int
     number: int
     state: str
-    values: list[float] | None = None
+    values: list[float] | None = Field(
+        None,
+        description="The objective values; none for a trial not finished, and for an infeasible "
+        "one (no card of the fleet could hold it: Optuna keeps placeholder values for it).",
+    )
     params: dict[str, ParamValue]
     intermediate: dict[int, float] = Field(default_factory=dict)
     datetime_start: UtcDatetime | None = None

@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -222,15 +222,19 @@ def _run_one(args: argparse.Namespace) -> int:
     if not found.runners:
         print("vramtune worker: no task to advertise", file=sys.stderr)
         return 2
-    warming = None
+    warming: threading.Thread | None = None
+    warm_up: Callable[[threading.Event], bool] | None = None
     if "worker.run.training" in sys.modules:  # a torch task turned up (the registry imported it)
-        from worker.predictor import warm_up_in_background
+        from worker.predictor import wait_for_warm_up, warm_up_in_background
         from worker.tasks.warm import warm_up_workloads
 
-        # The first trace in a process costs ~2 s more: pay it now, not in a trial's plan choice.
+        # The first trace in a process costs ~2 s more (10-15 s at load 5): pay it while the
+        # agent registers, and let the agent wait for it before its first lease, so that no
+        # trial's plan choice pays it.
         warming = warm_up_in_background(warm_up_workloads())
+        warm_up = wait_for_warm_up
     try:
-        return _run_agent(args, found.runners, info, stop)
+        return _run_agent(args, found.runners, info, stop, warm_up)
     finally:
         if warming is not None:
             # A worker that needed no trace (its predictions came from the fleet) may finish
@@ -243,6 +247,7 @@ def _run_agent(
     runners: Mapping[str, TrialRunner],
     info: CardInfo,
     stop: threading.Event,
+    warm_up: Callable[[threading.Event], bool] | None = None,
 ) -> int:
     from worker.loop.agent import Agent
     from worker.loop.api import Rejected, ServerClient, ServerUnavailable
@@ -263,6 +268,7 @@ def _run_agent(
         max_trials_per_card=args.max_trials_per_card,
         runner_source=Discovered(tuple(args.tasks), entry_points=not args.no_entry_points),
         devices=tuple(getattr(args, "node_devices", ())),
+        warm_up=warm_up,
     )
     if stop.is_set():
         return 0

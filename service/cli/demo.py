@@ -2,9 +2,10 @@
 
 Starts a service (auth off, loopback), two CPU workers with simulated cards of different sizes,
 submits an example study (the character Transformer by default), and prints progress until the
-study is done or Ctrl-C. Every piece is a real process talking REST, as in production. Stopping
-sends SIGTERM to the workers (they hand their trials back) and the server; the study stays in
-the database file, so running the demo again continues it.
+study's trials (its budget, or ``--trials``) are done, then exits 0; ``--keep-serving`` keeps the
+dashboard up after that until Ctrl-C. Every piece is a real process talking REST, as in
+production. Stopping sends SIGTERM to the workers (they hand their trials back) and the server;
+the study stays in the database file, so running the demo again continues it.
 """
 
 from __future__ import annotations
@@ -159,8 +160,9 @@ def progress_line(summary: StudySummary, trials: Sequence[TrialOut]) -> str:
     )
 
 
-def _watch(client: Client, name: str, stop: threading.Event, exit_when_done: bool) -> bool:
-    """Print progress until the study is done (or forever if not exit_when_done)."""
+def _watch(client: Client, name: str, stop: threading.Event, keep_serving: bool) -> bool:
+    """Print progress until the study is done (then until Ctrl-C if keep_serving); whether it
+    was done."""
     last = ""
     announced_done = False
     while not stop.is_set():
@@ -171,9 +173,9 @@ def _watch(client: Client, name: str, stop: threading.Event, exit_when_done: boo
             last = line
         if summary.state == "done" and not announced_done:
             announced_done = True
-            if exit_when_done:
+            if not keep_serving:
                 return True
-            print("study done; the dashboard stays up until Ctrl-C", flush=True)
+            print("study done; the dashboard stays up until Ctrl-C (--keep-serving)", flush=True)
         stop.wait(2.0)
     return announced_done
 
@@ -194,12 +196,13 @@ def run_demo(args: argparse.Namespace) -> int:
             summary = _submit(client, spec, args.trials)
             print(f"vramtune demo: study {summary.name!r} on {database_url}")
             print(f"dashboard: {url}/studies/{summary.name}   fleet: {url}/fleet   logs: {log_dir}")
-            done = _watch(client, summary.name, stop, args.exit_when_done)
+            done = _watch(client, summary.name, stop, args.keep_serving)
     finally:
         print("stopping workers and server ...", flush=True)
         fleet.stop()
     print(f"the study is kept in {args.database}; run the demo again to continue it")
-    return 0 if done or not args.exit_when_done else 1
+    # Ctrl-C before the trials are done is a stop the user asked for, but not a finished demo.
+    return 0 if done or args.keep_serving else 1
 
 
 def add_demo_command(subparsers: Any) -> None:
@@ -214,6 +217,15 @@ def add_demo_command(subparsers: Any) -> None:
     demo.add_argument("--tasks", action="append", default=[], help="extra task module(s)")
     demo.add_argument("--log-dir", default="vramtune-demo-logs", help="where process logs go")
     demo.add_argument(
-        "--exit-when-done", action="store_true", help="exit once the study is done (CI)"
+        "--keep-serving",
+        action="store_true",
+        help="keep the server, workers and dashboard up after the trials are done, until Ctrl-C",
     )
-    demo.set_defaults(func=run_demo)
+    # The default since issue 35; kept so that existing scripts and CI commands still run.
+    demo.add_argument(
+        "--exit-when-done",
+        action="store_false",
+        dest="keep_serving",
+        help="exit once the trials are done (the default; undoes --keep-serving)",
+    )
+    demo.set_defaults(func=run_demo, keep_serving=False)

@@ -17,13 +17,21 @@ Every COMPLETE trial carries it (feasible ones with the negative headroom on the
 because GP requires the same number of constraints on all trials.
 
 An infeasible trial's objective values are placeholders, marked by the user attribute
-``vramtune.placeholder_values``: the worst value of the feasible trials so far (0.0 before any),
-and for a peak-memory objective the footprint the worker reached, a true lower bound.
-Optuna's ``best_trial`` and Pareto front skip infeasible trials.
+``vramtune.placeholder_values``: just worse than the worst value of the feasible trials so far
+(one float step), infinitely bad before any (+inf when minimized, -inf when maximized), and for
+a peak-memory objective the footprint the worker reached, a true lower bound. Optuna's
+``best_trial`` and Pareto front skip infeasible trials by their constraint; readers that rank
+COMPLETE trials by value alone do not: optuna-dashboard 0.21's "Best Trial" is
+``RDBStorage.get_best_trial``, an SQL min/max (optuna-dashboard issue 772), and it draws its
+Pareto front from values only. A placeholder so never beats, nor ties, a feasible trial there
+(0.0, the placeholder before any feasible trial until issue 35, stayed the best of a minimized
+study for good). Samplers do not mind: TPE and NSGA-II rank infeasible trials by their
+violation, not their values, and GP replaces infinite values by the worst finite one.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -154,17 +162,25 @@ def _feasible(trial: FrozenTrial) -> bool:
 
 
 def placeholder_values(study: optuna.Study, spec: StudyCreate, footprint: int) -> list[float]:
-    """Objective values of an infeasible trial: the worst feasible ones, then its footprint."""
+    """Objective values of an infeasible trial: worse than every feasible one, then its
+    footprint."""
     done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     feasible = [t.values for t in done if t.values is not None and _feasible(t)]
     values = []
     for index, direction in enumerate(study.directions[: len(spec.directions)]):
-        seen = [v[index] for v in feasible]
-        worst = max if direction == StudyDirection.MINIMIZE else min
-        values.append(float(worst(seen)) if seen else 0.0)
+        values.append(worse_than_all([v[index] for v in feasible], direction))
     if spec.minimize_peak_memory:
         values.append(float(footprint))
     return values
+
+
+def worse_than_all(seen: Sequence[float], direction: StudyDirection) -> float:
+    """One float step worse than the worst of `seen`; the worst there is when none was seen."""
+    away = math.inf if direction == StudyDirection.MINIMIZE else -math.inf
+    if not seen:
+        return away
+    worst = max(seen) if direction == StudyDirection.MINIMIZE else min(seen)
+    return math.nextafter(float(worst), away)
 
 
 def tell_infeasible(

@@ -2,19 +2,26 @@
 
 The default demo (the char-transformer study, six trials) must show what the memory policy
 does: trials resized to fit, handed back by the small card and routed to the large one, and
-ended as infeasible when no card holds them, each plan choice's time on the trial record.
+ended as infeasible when no card holds them, each plan choice's time on the trial record. A demo
+exits by itself (rc 0) once its trials are done; `--keep-serving` keeps it up until Ctrl-C.
 """
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import time
 from collections import Counter
 from pathlib import Path
 
+import httpx
 import optuna
 import yaml
 from optuna.trial import TrialState
 
 from service.cli.demo import DEFAULT_STUDY, progress_line
+from service.cli.parser import build_parser
 from service.testing import run_vramtune
 from service.wire import StudyCreate, StudySummary, TrialOut
 
@@ -52,22 +59,18 @@ def test_the_progress_line_counts_outcomes_and_the_plan_choice_median() -> None:
     assert "plan choice median 1.50 s" in line
 
 
+def _places(tmp_path: Path) -> list[str]:
+    """The demo's database, logs and port, inside the test's directory."""
+    database, logs = str(tmp_path / "demo.db"), str(tmp_path / "logs")
+    return ["--port", "0", "--database", database, "--log-dir", logs]
+
+
 def _demo(tmp_path: Path, study_name: str, *args: str) -> optuna.Study:
-    """Run `vramtune demo ARGS` to its end; the study it kept."""
+    """Run `vramtune demo ARGS` until it exits by itself (no flag asks it to); the study kept."""
     database = tmp_path / "demo.db"
-    result = run_vramtune(
-        "demo",
-        *args,
-        "--exit-when-done",
-        "--port",
-        "0",
-        "--database",
-        str(database),
-        "--log-dir",
-        str(tmp_path / "logs"),
-        timeout=900,
-    )
+    result = run_vramtune("demo", *args, *_places(tmp_path), timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
+    assert "study done; the dashboard stays up" not in result.stdout
     assert "dashboard: http://127.0.0.1:" in result.stdout
     study = optuna.load_study(study_name=study_name, storage=f"sqlite:///{database}")
     assert not [t for t in study.trials if t.state == TrialState.RUNNING]
@@ -105,3 +108,47 @@ def test_the_readmes_own_code_demo_runs_the_users_task_file(tmp_path: Path) -> N
     finished = [t for t in study.trials if t.state == TrialState.COMPLETE]
     assert len(finished) >= 3, [t.state for t in study.trials]
     assert study.best_value < 2.5  # a held-out loss: ten classes' chance is ln 10 = 2.3
+
+
+def test_exit_when_done_is_the_default_and_keep_serving_undoes_it() -> None:
+    parse = build_parser().parse_args
+    assert parse(["demo"]).keep_serving is False
+    assert parse(["demo", "--keep-serving"]).keep_serving is True
+    assert parse(["demo", "--exit-when-done"]).keep_serving is False  # the old flag still parses
+    assert parse(["demo", "--keep-serving", "--exit-when-done"]).keep_serving is False
+
+
+def test_keep_serving_keeps_the_dashboard_up_after_the_trials_until_ctrl_c(
+    tmp_path: Path,
+) -> None:
+    digits = str(ROOT / "examples" / "digits-mlp.yaml")
+    command = [sys.executable, "-m", "service", "demo", "--study", digits, "--trials", "1"]
+    demo = subprocess.Popen(
+        [*command, "--keep-serving", *_places(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        lines = _lines_until(demo, "study done; the dashboard stays up")
+        url = next(line for line in lines if line.startswith("dashboard: ")).split()[1]
+        time.sleep(3.0)  # past the next progress poll: a demo that exits would be gone by now
+        assert demo.poll() is None
+        assert httpx.get(url, timeout=30).status_code == 200
+        demo.send_signal(signal.SIGINT)
+        assert demo.wait(120) == 0
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+
+
+def _lines_until(process: subprocess.Popen[str], wanted: str) -> list[str]:
+    """The process's output lines up to the first holding `wanted` (fails if it exits first)."""
+    assert process.stdout is not None
+    lines: list[str] = []
+    for line in process.stdout:
+        lines.append(line)
+        if wanted in line:
+            return lines
+    raise AssertionError(f"exited with {process.wait()} before {wanted!r}:\n{''.join(lines)}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import math
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -776,11 +777,14 @@ def test_trial_no_card_can_hold_is_infeasible_with_its_constraint(env: Env) -> N
     assert infeasible.system_attrs["constraints:memory"] == pytest.approx(0.5)  # 6 GiB on 4
     assert infeasible.system_attrs["constraints"] == [pytest.approx(0.5)]
     assert infeasible.user_attrs["vramtune.placeholder_values"] is True
-    assert infeasible.value == 2.0  # the worst feasible value: a placeholder
+    # A placeholder: one float step worse than the worst feasible value, so that no reader
+    # ranking by value alone ties it with the only feasible trial.
+    assert infeasible.value == math.nextafter(2.0, math.inf)
     assert feasible.system_attrs["constraints:memory"] == pytest.approx(-0.75)
     study = env.optuna_study()
     assert study.best_trial.number == feasible.number  # Optuna skips the infeasible one
     assert env.page()[too_big["trial_id"]]["outcome"] == "infeasible"
+    assert env.page()[too_big["trial_id"]]["values"] is None  # not a result
     assert small.complete(too_big, 1.0).status_code == 409
 
 
@@ -832,6 +836,23 @@ def test_a_plan_names_a_strategy_with_more_than_one_rank_only(env: Env) -> None:
     body = {"name": "huge", "device": "cpu", "card": card, "tasks": [env.task]}
     response = env.http.post("/workers", json={**body, "cards": [card] * 65})
     assert response.status_code == 422 and "cards" in response.text  # 64 cards at most
+
+
+def test_an_infeasible_trial_before_any_feasible_one_never_ranks_best_by_value(env: Env) -> None:
+    """optuna-dashboard's "Best Trial" is `RDBStorage.get_best_trial`: values, no constraints."""
+    env.create_study(n_trials=2)
+    small = env.worker("small", 4 * GIB, "Sim 4G")
+    too_big, fits = small.next(), small.next()
+    assert too_big is not None and fits is not None
+    back = small.call(too_big, "handback", min_footprint_bytes=6 * GIB, reason="too big")
+    assert back.json()["resolution"] == "infeasible"
+    assert small.complete(fits, 5.0, peak=GIB).status_code == 200
+    infeasible, feasible = env.trials()
+    assert infeasible.value == math.inf  # no feasible value known yet: the worst there is
+    study = env.optuna_study()
+    ranked_by_value = study._storage.get_best_trial(study._study_id)
+    assert ranked_by_value.number == study.best_trial.number == feasible.number
+    assert env.page()[too_big["trial_id"]]["values"] is None
 
 
 def test_waiting_trial_is_infeasible_once_the_larger_card_leaves(env: Env) -> None:

@@ -199,6 +199,8 @@ class Agent:
             self.stop = stop
         try:
             self.start()
+            if not self._warmed_up():
+                return
             if self.options.max_trials_per_card > 1:
                 Packer(self).run()
             else:
@@ -211,6 +213,17 @@ class Agent:
             self.close()
         if self.refused is not None:
             raise self.refused
+
+    def _warmed_up(self) -> bool:
+        """Wait for `options.warm_up` (the predictor's, started as the worker starts) before the
+        first lease: its one-time cost, 10-15 s at load 5, would otherwise land in the first
+        trial's plan choice while that trial's lease runs. False when stopped meanwhile."""
+        if self.options.warm_up is None:
+            return True
+        began = time.monotonic()
+        warmed = self.options.warm_up(self.stop)
+        self.event("warmed_up", waited_s=round(time.monotonic() - began, 3), stopped=not warmed)
+        return warmed
 
     def _run_one_at_a_time(self) -> None:
         idle_since = time.monotonic()

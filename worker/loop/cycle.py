@@ -55,6 +55,10 @@ class AgentOptions:
     # A node worker's cards, one per rank ("cpu" for each simulated card): a trial of a study
     # with a distributed policy may run on several at once (worker/run/ranks.py). Empty: one.
     devices: tuple[str, ...] = ()
+    # Waited for after registering, before the first lease: the predictor's warm-up
+    # (worker.predictor.wait_for_warm_up), passed in so that the loop never imports torch.
+    # Returns False when the stop event was set first. None: nothing to wait for.
+    warm_up: Callable[[threading.Event], bool] | None = None
 
 
 class RunsTrials(Protocol):

@@ -7,6 +7,7 @@ Public API:
     footprint(prediction) -> int: the bytes a card must hold (reserved, or allocated if larger)
     clear_cache(): forget cached predictions and probes
     warm_up(workloads) / warm_up_in_background(workloads): pay the first trace's one-time cost
+    wait_for_warm_up(stop=None) -> bool: return once a warm-up asked for has finished
 """
 
 from worker.predictor.card import measure_card_constants
@@ -26,7 +27,7 @@ from worker.predictor.trace import (
     target_for,
     trace_training,
 )
-from worker.predictor.warmup import warm_up, warm_up_in_background
+from worker.predictor.warmup import wait_for_warm_up, warm_up, warm_up_in_background
 
 __all__ = [
     "CPU_TARGET",
@@ -42,6 +43,7 @@ __all__ = [
     "predict",
     "target_for",
     "trace_training",
+    "wait_for_warm_up",
     "warm_up",
     "warm_up_in_background",
 ]
