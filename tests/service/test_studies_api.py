@@ -489,6 +489,8 @@ def test_trials_carry_vramtune_fields(api: httpx.Client, plain: RDBStorage, engi
         "micro_batch": 4,
         "accumulation": 8,
         "checkpointing": True,
+        "checkpoint_blocks": None,  # every block (selective checkpointing: the first k)
+        "chunked_loss": False,
         "bf16": False,
         "reason": "fit",
     }
