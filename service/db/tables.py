@@ -141,6 +141,8 @@ class LeaseRow(Base):
     expires_at: Mapped[datetime] = mapped_column(DateTime, index=True)
     created_at: Mapped[datetime] = mapped_column(DateTime)
     ended_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    # Set by the worker's ``start``: results for a lease that never started are refused.
+    started_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
     # The answer given when the lease ended, so that a repeated call gets the same answer.
     resolution: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
@@ -230,6 +232,8 @@ class StepTimeObservationRow(Base):
     predicted_step_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     measured_step_s: Mapped[float] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(DateTime)
+    # The reporting worker: the fit weighs workers equally and waits for a quorum of them.
+    worker_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     # Where it counts (service.fleet.trust): "fleet", or "study:<id>" for a study-limited token.
     scope: Mapped[str] = mapped_column(String(32), default="fleet", server_default="fleet")
 
