@@ -193,7 +193,7 @@ def _plan(plan: dict[str, object] | None) -> PlanOut | None:
     return PlanOut.model_validate({k: v for k, v in plan.items() if k in PlanOut.model_fields})
 
 
-def _rank_peaks(measured: object) -> list[int] | None:
+def rank_peaks(measured: object) -> list[int] | None:
     """Each rank's measured peak of a distributed run, from the stored `Measured`."""
     peaks = measured.get("rank_peak_bytes") if isinstance(measured, dict) else None
     return [int(peak) for peak in peaks] if isinstance(peaks, list) else None
@@ -233,7 +233,7 @@ def trial_out(trial: FrozenTrial, row: TrialRow | None, worker: WorkerRow | None
         card_model=worker.card_model if worker else attrs.get("vramtune.card_model"),
         predicted_peak_bytes=known("predicted_peak_bytes"),
         measured_peak_bytes=known("measured_peak_bytes"),
-        rank_peak_bytes=_rank_peaks(attrs.get("vramtune.measured")),
+        rank_peak_bytes=rank_peaks(attrs.get("vramtune.measured")),
         outcome=known("outcome"),
         told_outcome=told_outcome(
             known("outcome"), plan, handed_back=row is not None and row.min_bytes > 0

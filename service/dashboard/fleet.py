@@ -106,6 +106,8 @@ def _worker(
         simulated=bool((row.card or {}).get("simulated", False)),
         total_bytes=row.total_bytes,
         free_bytes=row.free_bytes,
+        cards=row.cards,
+        busy_cards=sum(trial.world_size for trial in current),
         tasks=list(row.tasks or []),
         state=worker_state(row.stopped, age, stale_s, lost_s),
         last_heartbeat=schema.utc(row.last_heartbeat),
@@ -131,10 +133,15 @@ def _runs(session: Session, worker_ids: list[int]) -> dict[int, int]:
 def _current_trials(
     session: Session, allowed: frozenset[str] | None
 ) -> dict[int, list[CurrentTrial]]:
-    """Active leases by worker, with the study and number of each leased trial."""
+    """Active leases by worker, with the study, number and world size of each leased trial."""
     query = (
         select(
-            LeaseRow.worker_id, LeaseRow.trial_id, LeaseRow.attempt, TrialRow.number, StudyRow.name
+            LeaseRow.worker_id,
+            LeaseRow.trial_id,
+            LeaseRow.attempt,
+            TrialRow.number,
+            StudyRow.name,
+            TrialRow.plan,
         )
         .outerjoin(TrialRow, TrialRow.trial_id == LeaseRow.trial_id)
         .outerjoin(StudyRow, StudyRow.study_id == TrialRow.study_id)
@@ -144,11 +151,23 @@ def _current_trials(
     if allowed is not None:
         query = query.where(StudyRow.name.in_(allowed))
     found: dict[int, list[CurrentTrial]] = defaultdict(list)
-    for worker_id, trial_id, attempt, number, study in session.execute(query):
+    for worker_id, trial_id, attempt, number, study, plan in session.execute(query):
         found[worker_id].append(
-            CurrentTrial(study=study, number=number, trial_id=trial_id, attempt=attempt)
+            CurrentTrial(
+                study=study,
+                number=number,
+                trial_id=trial_id,
+                attempt=attempt,
+                world_size=_world_size(plan),
+            )
         )
     return found
+
+
+def _world_size(plan: object) -> int:
+    """A stored plan's world size; 1 before a plan is started (or on rows from before ranks)."""
+    size = plan.get("world_size", 1) if isinstance(plan, dict) else 1
+    return size if isinstance(size, int) and size >= 1 else 1
 
 
 def _totals(

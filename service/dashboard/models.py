@@ -294,6 +294,9 @@ class TrialDetail(TrialRowOut):
         None, description="Where the plan's predictions came from: fleet, worker or mixed."
     )
     user_attrs: dict[str, Any]
+    rank_peak_bytes: list[int] | None = Field(
+        None, description="A distributed run's measured peak on each rank, rank 0 first."
+    )
     observations: list[Observation]
     events: list[TrialEvent] = Field(
         default_factory=list, description="The trial's story, oldest first."
@@ -329,6 +332,9 @@ class CurrentTrial(BaseModel):
     number: int | None
     trial_id: int
     attempt: int
+    world_size: int = Field(
+        1, description="Cards it runs on: its plan's world size (1 until a plan is started)."
+    )
 
 
 class FleetWorker(BaseModel):
@@ -339,8 +345,10 @@ class FleetWorker(BaseModel):
     device: str
     card_model: str
     simulated: bool
-    total_bytes: int
+    total_bytes: int = Field(description="One card's bytes (each card's, on a node worker).")
     free_bytes: int
+    cards: int = Field(1, description="Cards it runs trials on: above 1 for a node worker.")
+    busy_cards: int = Field(0, description="Cards its current trials use (their world sizes).")
     tasks: list[str]
     state: WorkerState
     last_heartbeat: datetime

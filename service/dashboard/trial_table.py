@@ -21,6 +21,7 @@ from service.dashboard.models import Observation, TrialDetail, TrialRowOut, Tria
 from service.dashboard.studies_view import StudyFacts, infeasible, study_facts, trial_params
 from service.db.tables import MemoryObservationRow, StudyRow, TrialRow, WorkerRow
 from service.errors import NotFound
+from service.studies import rank_peaks
 from service.wire import PlanOut
 
 T, V, P = schema.trials, schema.values, schema.params
@@ -304,6 +305,7 @@ def trial_detail(session: Session, name: str, number: int, max_points: int) -> T
         planning_s=attrs.get("vramtune.planning_s"),
         prediction_source=attrs.get("vramtune.prediction_source"),
         user_attrs=attrs,
+        rank_peak_bytes=rank_peaks(attrs.get("vramtune.measured")),
         observations=_observations(session, found.trial_id, found.datetime_start),
         events=story.trial_events(session, found.trial_id, found.datetime_start),
     )

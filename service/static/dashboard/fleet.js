@@ -18,6 +18,15 @@
     return el("span", {}, bar, `${VT.bytes(worker.free_bytes)} / ${VT.bytes(worker.total_bytes)}`);
   }
 
+  // A node worker's cards (one per rank of a distributed trial): a square each, filled while a
+  // trial runs on it, then how many are busy. A one-card worker shows "1".
+  function cards(worker) {
+    if (worker.cards <= 1) return el("span", { text: "1" });
+    const busy = Math.min(worker.busy_cards, worker.cards);
+    const squares = Array.from({ length: worker.cards }, (_, i) => el("span", { class: i < busy ? "cardsq busy" : "cardsq" }));
+    return el("span", { title: `${busy} of ${worker.cards} cards busy, ${VT.bytes(worker.total_bytes)} each` }, el("span", { class: "cardsqs" }, squares), `${busy} of ${worker.cards} busy`);
+  }
+
   function current(worker) {
     if (!worker.current.length) return el("span", { class: "muted", text: "idle" });
     // A packing worker (--max-trials-per-card) holds several leases: say how many run at once.
@@ -28,7 +37,7 @@
       together,
       worker.current.map((t) =>
         t.study
-          ? el("a", { class: "chip", href: `/studies/${encodeURIComponent(t.study)}`, title: `trial id ${t.trial_id}, attempt ${t.attempt}` }, `${t.study} #${t.number}`)
+          ? el("a", { class: "chip", href: `/studies/${encodeURIComponent(t.study)}`, title: `trial id ${t.trial_id}, attempt ${t.attempt}` }, `${t.study} #${t.number}`, t.world_size > 1 ? ` · ${t.world_size} cards` : "")
           : el("span", { class: "chip", text: `trial id ${t.trial_id}` }),
       ),
     );
@@ -52,6 +61,7 @@
         el("td", {}, VT.badge(w.state)),
         el("td", { text: w.device }),
         el("td", {}, w.card_model, w.simulated ? el("span", { class: "muted", text: " (simulated)" }) : null),
+        el("td", { class: "nowrap", "data-col": "cards" }, cards(w)),
         el("td", { class: "nowrap" }, memory(w)),
         el("td", {}, current(w)),
         el("td", { class: w.state === "live" ? "" : "muted", text: VT.ago(w.last_heartbeat, data.now) }),

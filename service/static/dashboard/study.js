@@ -456,6 +456,7 @@
         ["step time predicted / measured", stepTimeText((t.user_attrs || {})["vramtune.step_time"])],
         ["attempts", String(t.attempt + 1)],
       ];
+      if (t.rank_peak_bytes && t.rank_peak_bytes.length > 1) pairs.splice(4, 0, ["per rank predicted / measured", rankText(t)]);
       if (t.message) pairs.push(["message", t.message]);
       fill(document.getElementById("curve-details"), pairs.flatMap(([k, v]) => [el("dt", { text: k }), el("dd", { text: v })]));
       renderTimeline(t.events || []);
@@ -508,9 +509,16 @@
     return `${seconds(step.predicted_step_s)} / ${seconds(step.measured_step_s)}`;
   }
 
+  // A distributed run's peaks: every rank was predicted alike (rank 0 is traced), each measured.
+  function rankText(t) {
+    const predicted = VT.bytes(t.predicted_bytes);
+    return t.rank_peak_bytes.map((peak, rank) => `rank ${rank}: ${predicted} / ${VT.bytes(peak)}`).join(" · ");
+  }
+
   function planText(plan) {
     if (!plan) return "–";
     const parts = [];
+    if (plan.world_size > 1) parts.push(`${plan.world_size} ranks, ${plan.strategy}`);
     if (plan.micro_batch) parts.push(`micro-batch ${plan.micro_batch} × ${plan.accumulation}`);
     if (plan.checkpointing) parts.push("checkpointing");
     if (plan.bf16) parts.push("bf16");
