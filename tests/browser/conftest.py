@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -22,7 +23,13 @@ from service.auth import tokens as auth
 from service.client import Client
 from service.db.engine import make_engine
 from service.state import utcnow
-from service.testing import ServerProcess, server_factory, sqlite_url, upgrade_database
+from service.testing import (
+    ServerProcess,
+    fresh_postgres_database,
+    server_factory,
+    sqlite_url,
+    upgrade_database,
+)
 from tests.browser.chromium import CHROMIUM, launch
 from tests.e2e.conftest import WorkerProcess
 
@@ -104,6 +111,21 @@ def make_tokens(url: str) -> dict[str, str]:
             }
     finally:
         engine.dispose()
+
+
+def auth_server(
+    stack: ExitStack, database: str, directory: Path
+) -> tuple[ServerProcess, dict[str, str]]:
+    """A server with auth on over a fresh migrated database ("sqlite" or "postgresql"), and a
+    token per scope; both go when `stack` closes."""
+    url = (
+        sqlite_url(directory)
+        if database == "sqlite"
+        else stack.enter_context(fresh_postgres_database())
+    )
+    upgrade_database(url)
+    tokens = make_tokens(url)
+    return stack.enter_context(server_factory(directory))(url, auth="on", **FLEET), tokens
 
 
 def wait_for(check: Callable[[], bool], what: str, timeout: float = PATIENCE_S) -> None:

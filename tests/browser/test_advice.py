@@ -25,12 +25,10 @@ from urllib.parse import quote
 import pytest
 
 from service.client import Client
-from service.testing import fresh_postgres_database, server_factory, sqlite_url, upgrade_database
 from tests.browser.conftest import (
-    FLEET,
     Page,
+    auth_server,
     finished,
-    make_tokens,
     quadratic_spec,
     wait_for,
 )
@@ -86,14 +84,7 @@ def advice_server(
     teaches the fleet does not change the plans of the memory study."""
     directory = tmp_path_factory.mktemp(f"advice-{request.param}")
     with ExitStack() as stack:
-        url = (
-            sqlite_url(directory)
-            if request.param == "sqlite"
-            else stack.enter_context(fresh_postgres_database())
-        )
-        upgrade_database(url)
-        tokens = make_tokens(url)
-        server = stack.enter_context(server_factory(directory))(url, auth="on", **FLEET)
+        server, tokens = auth_server(stack, request.param, directory)
         client = stack.enter_context(Client(server.url, token=tokens["admin"]))
         worker_token = ("--token", tokens["worker"])
         workers = [

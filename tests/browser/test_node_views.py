@@ -19,8 +19,7 @@ from urllib.parse import quote
 import httpx
 import pytest
 
-from service.testing import fresh_postgres_database, server_factory, sqlite_url, upgrade_database
-from tests.browser.conftest import FLEET, Page, make_tokens, quadratic_spec
+from tests.browser.conftest import Page, auth_server, quadratic_spec
 
 pytestmark = pytest.mark.browser
 WAIT_MS = 60_000
@@ -62,14 +61,7 @@ def node(
 ) -> Iterator[Node]:
     directory = tmp_path_factory.mktemp(f"node-{request.param}")
     with ExitStack() as stack:
-        url = (
-            sqlite_url(directory)
-            if request.param == "sqlite"
-            else stack.enter_context(fresh_postgres_database())
-        )
-        upgrade_database(url)
-        tokens = make_tokens(url)
-        server = stack.enter_context(server_factory(directory))(url, auth="on", **FLEET)
+        server, tokens = auth_server(stack, request.param, directory)
         admin = {"Authorization": f"Bearer {tokens['admin']}"}
         worker = {"Authorization": f"Bearer {tokens['worker']}"}
         api = f"{server.url}/api/v1"
