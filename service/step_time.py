@@ -25,6 +25,7 @@ slowdown) is in the wire contract (service/wire.py), which the worker imports; t
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections import Counter
@@ -77,7 +78,9 @@ def fit_step_time(
     more than OUTLIER_FACTOR off it are dropped, and the rest are fitted again; every run is
     judged again by that fit, until the runs kept no longer change (at most MAX_REFITS fits
     more). A minority of workers reporting absurd times is dropped whole, and honest runs that
-    the first, pulled fit misjudged come back. With nothing to drop, the first fit is the fit.
+    the first, pulled fit misjudged come back. With nothing to drop, the first fit is the fit;
+    with workers split evenly between times more than 4x apart, nothing is kept and the fit is
+    the fixed model.
     """
     measured = list(observations)
     reporters = [None] * len(measured) if workers is None else list(workers)
@@ -88,6 +91,8 @@ def fit_step_time(
     kept, fit = runs, _weighted_fit(card_model, task, runs)
     for _ in range(MAX_REFITS):
         trimmed = _within_bound(fit, runs)
+        if not trimmed:  # no majority, and its halves too far apart: believe neither
+            return default_step_time_fit(card_model, task)
         if trimmed == kept:
             break
         kept, fit = trimmed, _weighted_fit(card_model, task, trimmed)
@@ -146,12 +151,16 @@ def _log_errors(fit: StepTimeFit, runs: Sequence[StepTimeObservation]) -> list[f
 
 
 def _weighted_median(values: Sequence[float], weights: Sequence[float]) -> float:
-    """The value at which half the weight lies on either side (the lower one on a tie)."""
+    """The value at which half the weight lies on either side; halfway between the two middle
+    values when the weight splits exactly in two (two workers who disagree: neither wins)."""
     ordered = sorted(zip(values, weights, strict=True))
-    half, running = sum(weights) / 2, 0.0
-    for value, weight in ordered:
+    total = sum(weights)
+    running = 0.0
+    for (value, weight), (after, _) in itertools.pairwise([*ordered, ordered[-1]]):
         running += weight
-        if running >= half:
+        if math.isclose(running, total / 2, rel_tol=1e-9):
+            return (value + after) / 2
+        if running > total / 2:
             return value
     return ordered[-1][0]
 

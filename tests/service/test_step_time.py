@@ -130,3 +130,11 @@ def test_one_workers_runs_are_fitted_as_before() -> None:
     """Every run of one reporter weighs 1, nothing honest is dropped: the same fit as unnamed."""
     runs = history(50, seed=10)
     assert fit_step_time("c", "t", runs, [7] * 50) == fit_step_time("c", "t", runs)
+
+
+def test_two_workers_far_apart_teach_nothing() -> None:
+    """One honest worker and one reporting 10^4 times slower, run for run: no majority to
+    re-centre on, both halves more than 2x off the middle: the fixed model, not either."""
+    honest = history(20, seed=11)
+    fit = fit_step_time("c", "t", honest + slower(honest, 1e4), [1] * 20 + [2] * 20)
+    assert fit == default_step_time_fit("c", "t")
