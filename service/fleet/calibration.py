@@ -61,12 +61,19 @@ def observed_pairs(
         .limit(MAX_OBSERVATIONS)
     )
     rows = session.execute(query).all()
-    fleet_workers = {worker for *_, scope, worker in rows if scope == FLEET and worker is not None}
+    counted = counted_rows([(scope, worker) for *_, scope, worker in rows], own_worker)
+    return [_pair(*row[:6]) for row, counts in zip(rows, counted, strict=True) if counts]
+
+
+def counted_rows(reporters: Sequence[tuple[str, int | None]], own_worker: int | None) -> list[bool]:
+    """Which of the rows reported by (scope, worker) a fit for ``own_worker`` uses: all of them
+    once the fleet's come from `MIN_FLEET_WORKERS` distinct workers; before, a study's own
+    rows and the asking worker's own, never another lone worker's fleet-wide ones."""
+    fleet_workers = {w for scope, w in reporters if scope == FLEET and w is not None}
     quorum = len(fleet_workers) >= MIN_FLEET_WORKERS
     return [
-        _pair(*row[:6])
-        for row in rows
-        if quorum or row[6] != FLEET or (own_worker is not None and row[7] == own_worker)
+        quorum or scope != FLEET or (own_worker is not None and worker == own_worker)
+        for scope, worker in reporters
     ]
 
 
@@ -99,16 +106,26 @@ def calibration_for(
 
 
 def step_time_for(
-    session: Session, card_model: str, task: str, scopes: Sequence[str] = (FLEET,)
+    session: Session,
+    card_model: str,
+    task: str,
+    scopes: Sequence[str] = (FLEET,),
+    own_worker: int | None = None,
 ) -> StepTimeFit:
     """The step-time model fitted to this card model's and task's newest measured runs in
-    ``scopes``."""
+    ``scopes``, for ``own_worker`` when a worker asks: the same quorum as the calibration
+    (`counted_rows`), then each worker's runs weigh alike and outliers are dropped
+    (service.step_time.fit_step_time)."""
     row = StepTimeObservationRow
     query = (
-        select(row.features)
+        select(row.features, row.scope, row.worker_id)
         .where(row.card_model == card_model, row.task == task, row.scope.in_(scopes))
         .order_by(row.id.desc())
         .limit(MAX_STEP_TIMES)
     )
-    observations = [StepTimeObservation.model_validate(f) for f in session.scalars(query)]
-    return fit_step_time(card_model, task, observations)
+    rows = session.execute(query).all()
+    counted = counted_rows([(scope, worker) for _, scope, worker in rows], own_worker)
+    used = [r for r, counts in zip(rows, counted, strict=True) if counts]
+    observations = [StepTimeObservation.model_validate(features) for features, *_ in used]
+    # Rows stored before worker ids were (migration 0011) share one reporter: None.
+    return fit_step_time(card_model, task, observations, [worker for *_, worker in used])

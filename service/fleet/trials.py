@@ -352,6 +352,7 @@ def observe_step_time(
         predicted_step_s=step_time.predicted_step_s,
         measured_step_s=step_time.measured_step_s,
         created_at=call.now,
+        worker_id=fenced.worker.id,
         scope=trust.scope_of(call.session, fenced.worker, fenced.trial.study_id),
     )
 

@@ -55,8 +55,9 @@ def test_a_completed_trial_carries_its_value_plan_and_peaks(agent: Agent, studie
     )
     assert trial.worker == "in-process"
     assert trial.outcome == "as_asked"
-    # Its time per step is a step-time observation of this card model and task.
-    query = {"card_model": agent.card.info.model, "task": "quadratic"}
+    # Its time per step is a step-time observation of this card model and task, which counts
+    # for this worker at once (for the fleet once a second worker reported).
+    query = {"card_model": agent.card.info.model, "task": "quadratic", "worker_id": agent.worker_id}
     fit = studies.client._get(StepTimeFit, "/step-time", params=query)
     assert fit.n_observations >= 1
 

@@ -22,7 +22,9 @@ import httpx
 import pytest
 from security_fixtures import first_token
 
+from common.step_time import default_step_time_fit, predicted_step_s
 from service.testing import fresh_postgres_database, run_vramtune, server_factory, sqlite_url
+from service.wire import StepTimeFit, StepTimeObservation
 
 GIB = 2**30
 MIB = 2**20
@@ -263,6 +265,49 @@ def test_a_study_limited_tokens_completes_do_not_move_the_fleets_calibration(
     assert timing["n_observations"] == 0, timing
     mine = attacker.http.get("/calibration", params=query).json()
     assert mine["n_observations"] == 14 and mine["scale"] > 3.9, "its own study learns from it"
+
+
+def _step(seconds: float) -> dict[str, Any]:
+    """A run's step-time report: the study as asked, ``seconds`` a step."""
+    return {"batch_size": 64, "micro_batch": 64, "micro_batches": 1, "measured_step_s": seconds}
+
+
+def _timing(asker: Worker, task: str, worker_id: int) -> httpx.Response:
+    """GET step-time for the H100 and ``task`` as ``asker``'s token, naming ``worker_id``."""
+    query = {"card_model": "H100", "task": task, "worker_id": worker_id}
+    return asker.http.get("/step-time", params=query)
+
+
+def test_one_fleet_worker_cannot_move_the_step_time_served_to_others(server: Server) -> None:
+    """Attack 2, step time, from a token valid for every study (trusted to teach the fleet):
+    its one worker completes 10 trials claiming an hour a step. Another worker is served the
+    fixed model; so it still is beside one honest worker (no majority, an hour against a
+    tenth of a second); two honest workers' 3 runs each teach it their tenth of a second, and
+    the hour is dropped. A worker's own id is not another token's to name."""
+    task = _task()
+    server.study(task, n_trials=16)
+    attacker = Worker(server, server.token("worker"), task)
+    for _ in range(10):
+        attacker.run(attacker.lease(), predicted=GIB, peak=GIB, step_time=_step(3600.0))
+    victim = Worker(server, server.token("worker"), task)
+    assert _timing(attacker, task, attacker.id).json()["n_observations"] == 10, "its own"
+    assert _timing(victim, task, victim.id).json() == _default_timing(task)
+    assert _timing(attacker, task, victim.id).status_code == 403
+    honest = [Worker(server, server.token("worker"), task) for _ in range(2)]
+    for number, seconds in enumerate([0.1, 0.11, 0.09] * 2):
+        worker = honest[number // 3]
+        worker.run(worker.lease(), predicted=GIB, peak=GIB, step_time=_step(seconds))
+        if number == 2:
+            assert _timing(victim, task, victim.id).json() == _default_timing(task)
+    taught = StepTimeFit.model_validate(_timing(victim, task, victim.id).json())
+    assert taught.n_observations == 6, "the hour-long steps were dropped"
+    as_asked = StepTimeObservation.model_validate(_step(0.0))
+    assert predicted_step_s(taught, as_asked) == pytest.approx(0.1, rel=0.1)
+
+
+def _default_timing(task: str) -> dict[str, Any]:
+    """The fixed model for the H100 and ``task``, as served."""
+    return default_step_time_fit("H100", task).model_dump(mode="json")
 
 
 # ---------------------------------------------------------------- 3. fair dispatch

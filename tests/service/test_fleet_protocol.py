@@ -1050,6 +1050,7 @@ def test_step_time_model_is_fitted_from_the_times_runs_reported(env: Env) -> Non
     model = f"Timed {env.task}"  # a card model of this test only
     worker = env.worker("w1", model=model)
     query = {"card_model": model, "task": env.task}
+    own = {**query, "worker_id": worker.id}
     assert env.http.get("/step-time", params=query).json()["n_observations"] == 0
     micro_batches = iter([1, 2, 4, 8])
     while (assignment := worker.next()) is not None:
@@ -1062,6 +1063,7 @@ def test_step_time_model_is_fitted_from_the_times_runs_reported(env: Env) -> Non
             "predicted_step_s": 0.1,
             "measured_step_s": 0.1 * n,  # every micro-batch costs a full step on this card
         }
+        assert worker.call(assignment, "start", plan=PLAN).status_code == 200
         done = worker.call(
             assignment,
             "complete",
@@ -1073,13 +1075,18 @@ def test_step_time_model_is_fitted_from_the_times_runs_reported(env: Env) -> Non
             step_time=step_time,
         )
         assert done.status_code == 200, done.text
-    fit = env.http.get("/step-time", params=query).json()
+    # One worker alone does not teach the fleet (a quorum of two) ...
+    assert env.http.get("/step-time", params=query).json()["n_observations"] == 0
+    # ... but its own runs time its own plans.
+    fit = env.http.get("/step-time", params=own).json()
     assert fit["n_observations"] == 4
     assert fit["overhead_samples"] > 8  # learned: a micro-batch costs more than the fixed model
     attrs = env.trials()[0].user_attrs["vramtune.step_time"]
     assert (attrs["predicted_step_s"], attrs["measured_step_s"]) == (0.1, 0.1)
     bad = env.http.get("/step-time", params={"card_model": model})
     assert bad.status_code == 422 and "task" in bad.text
+    unknown = env.http.get("/step-time", params={**query, "worker_id": 2**30})
+    assert unknown.status_code == 404, unknown.text
 
 
 def test_next_offers_only_the_studies_a_limited_token_allows(env: Env) -> None:

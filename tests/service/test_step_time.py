@@ -14,7 +14,7 @@ from common.step_time import (
     step_time_slowdown as slowdown,
 )
 from service.step_time import fit_step_time, relative_error
-from service.wire import StepTimeObservation
+from service.wire import StepTimeFit, StepTimeObservation
 
 
 def run(
@@ -87,3 +87,54 @@ def test_more_runs_predict_better_and_a_few_already_give_seconds() -> None:
 def test_runs_without_a_measured_time_are_ignored() -> None:
     fit = fit_step_time("card", "task", [run(64, 64), run(64, 32)])
     assert fit == default_step_time_fit("card", "task")
+
+
+def slower(runs: list[StepTimeObservation], factor: float) -> list[StepTimeObservation]:
+    """The same runs measured ``factor`` times slower (another card of the model, or a lie)."""
+    return [
+        x.model_copy(update={"measured_step_s": factor * (x.measured_step_s or 0)}) for x in runs
+    ]
+
+
+def test_each_workers_runs_weigh_alike_however_many_it_reported() -> None:
+    """100 runs of one configuration by a worker and 3 by one 1.5x slower (within the outlier
+    bound): the fit sits halfway between them in log time, not at the prolific worker's."""
+    rng = random.Random(3)
+    config = run(64, 16)
+    prolific = [measured(config, 32.0, 1.6, 0.01, rng) for _ in range(100)]
+    sparse = slower([measured(config, 32.0, 1.6, 0.01, rng) for _ in range(3)], 1.5)
+    base = measured(config, 32.0, 1.6, 0.0, rng).measured_step_s or 0
+
+    def ratio(fit: StepTimeFit) -> float:
+        return (predicted_step_s(fit, config) or 0) / base
+
+    weighed = fit_step_time("card", "task", prolific + sparse, ["a"] * 100 + ["b"] * 3)
+    assert weighed.n_observations == 103
+    assert ratio(weighed) == pytest.approx(1.5**0.5, rel=0.02)
+    assert ratio(fit_step_time("card", "task", prolific + sparse)) < 1.03  # counted by runs
+
+
+def test_a_minority_of_absurd_runs_is_dropped_and_honest_ones_are_kept() -> None:
+    """Two honest workers and one reporting every step as 10^4 times slower, with more runs
+    than both: its runs are dropped whole, the fit is the honest one."""
+    honest = history(20, seed=6) + history(20, seed=7)
+    absurd = slower(history(60, seed=8), 1e4)
+    fit = fit_step_time("card", "task", honest + absurd, [1] * 20 + [2] * 20 + [3] * 60)
+    assert fit.n_observations == 40
+    assert fit.overhead_samples == 32.0
+    fresh = history(50, seed=9)
+    assert sorted(relative_error(fit, x) for x in fresh)[25] < 0.05
+
+
+def test_one_workers_runs_are_fitted_as_before() -> None:
+    """Every run of one reporter weighs 1, nothing honest is dropped: the same fit as unnamed."""
+    runs = history(50, seed=10)
+    assert fit_step_time("c", "t", runs, [7] * 50) == fit_step_time("c", "t", runs)
+
+
+def test_two_workers_far_apart_teach_nothing() -> None:
+    """One honest worker and one reporting 10^4 times slower, run for run: no majority to
+    re-centre on, both halves more than 2x off the middle: the fixed model, not either."""
+    honest = history(20, seed=11)
+    fit = fit_step_time("c", "t", honest + slower(honest, 1e4), [1] * 20 + [2] * 20)
+    assert fit == default_step_time_fit("c", "t")

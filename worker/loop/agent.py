@@ -576,7 +576,7 @@ class Agent:
     def _step_fit(self, task: str) -> StepTimeFit | None:
         """The fleet's step-time model for this card model and task, when the server has one."""
         try:
-            return self.client.step_time(self.card.info.model, task)
+            return self.client.step_time(self.card.info.model, task, self.worker_id)
         except (ServerUnavailable, Rejected, LeaseLost):
             return None
 

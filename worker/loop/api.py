@@ -147,10 +147,17 @@ class ServerClient:
         return Calibration.model_validate_json(response.content)
 
     def step_time(
-        self, card_model: str, task: str, retry_for_s: float | None = 10.0
+        self,
+        card_model: str,
+        task: str,
+        worker_id: int | None = None,
+        retry_for_s: float | None = 10.0,
     ) -> StepTimeFit:
-        """The fleet's step-time model for this card model and task (service.step_time)."""
+        """The fleet's step-time model for this card model and task (service.step_time; with
+        ``worker_id``, this worker's own runs count before the fleet's quorum)."""
         query = {"card_model": card_model, "task": task}
+        if worker_id is not None:
+            query["worker_id"] = str(worker_id)
         response = self._send("GET", "/step-time", None, params=query, retry_for_s=retry_for_s)
         return StepTimeFit.model_validate_json(response.content)
 

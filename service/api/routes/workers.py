@@ -122,28 +122,39 @@ def calibration(
     `worker_id` (a worker the calling token registered), that worker's own runs always count.
     """
     with state.sessions() as session:
-        scopes = _fit_scopes(session, principal, card_model, task)
-        if worker_id is not None:
-            fleet.get_worker(session, worker_id, principal.token_id)  # 404 / 403 otherwise
+        scopes = _fit_scopes(session, principal, card_model, task, worker_id)
         return calibration_for(session, card_model, torch_version, task, scopes, worker_id)
 
 
 @router.get("/step-time")
 def step_time(
-    card_model: Text, task: Text, state: StateDep, principal: PrincipalDep
+    card_model: Text,
+    task: Text,
+    state: StateDep,
+    principal: PrincipalDep,
+    worker_id: AskingWorker = None,
 ) -> StepTimeFit:
     """The step-time model for a card model and task, fitted from the fleet's measured runs
-    (and a study-limited token's own studies' ones)."""
+    (and a study-limited token's own studies' ones).
+
+    The fleet's runs count once two workers reported them, each worker's weighing alike,
+    runs more than 2x off the fit dropped; with `worker_id` (a worker the calling token
+    registered), that worker's own runs always count.
+    """
     with state.sessions() as session:
-        return step_time_for(
-            session, card_model, task, _fit_scopes(session, principal, card_model, task)
-        )
+        scopes = _fit_scopes(session, principal, card_model, task, worker_id)
+        return step_time_for(session, card_model, task, scopes, worker_id)
 
 
-def _fit_scopes(session: Session, principal: Principal, card_model: str, task: str) -> list[str]:
+def _fit_scopes(
+    session: Session, principal: Principal, card_model: str, task: str, worker_id: int | None
+) -> list[str]:
     """The scopes of knowledge the caller reads (service.fleet.trust); 403 for a study-limited
-    token asking about a task or card outside its studies."""
+    token asking about a task or card outside its studies, or for a worker it did not
+    register (404 for one that does not exist)."""
     denial = trust.fit_denial(session, principal.studies, principal.token_id, card_model, task)
     if denial is not None:
         raise Forbidden(denial)
+    if worker_id is not None:
+        fleet.get_worker(session, worker_id, principal.token_id)
     return trust.visible_to(session, principal.studies)
