@@ -24,9 +24,12 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    """Apply this revision: two nullable columns; existing rows keep NULL."""
+    """Apply this revision: two nullable columns. Leases granted before it count as started
+    (at their grant): a trial running across the upgrade keeps its result; step-time rows keep
+    NULL."""
     with op.batch_alter_table("vramtune_leases", schema=None) as batch_op:
         batch_op.add_column(sa.Column("started_at", sa.DateTime(), nullable=True))
+    op.execute("UPDATE vramtune_leases SET started_at = created_at")
     with op.batch_alter_table("vramtune_step_times", schema=None) as batch_op:
         batch_op.add_column(sa.Column("worker_id", sa.Integer(), nullable=True))
 

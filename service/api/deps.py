@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from datetime import datetime
-from typing import Annotated, cast
+from typing import Annotated, Any, cast
 
-from fastapi import Depends, Request
+from fastapi import Depends, Path, Query, Request
 from optuna.storages import BaseStorage
 from sqlalchemy.orm import Session
 
+from service.db.tables import MAX_ROW_ID
 from service.settings import Settings
 from service.state import AppState
 
@@ -54,3 +55,18 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 StorageDep = Annotated[BaseStorage, Depends(get_storage)]
 NowDep = Annotated[datetime, Depends(get_now)]
+
+
+def path_id(description: str, low: int = 1) -> Any:
+    """A path parameter naming a row by its id: ``low`` to MAX_ROW_ID, so that a larger one is
+    a 422 naming the parameter, never a database error (PostgreSQL's INTEGER overflows)."""
+    return Path(ge=low, le=MAX_ROW_ID, description=_bounded(description, low))
+
+
+def query_id(description: str, low: int = 1) -> Any:
+    """A query parameter naming a row by its id, bounded as ``path_id``."""
+    return Query(ge=low, le=MAX_ROW_ID, description=_bounded(description, low))
+
+
+def _bounded(description: str, low: int) -> str:
+    return f"{description} ({low} to 2**31 - 1, else 422)"

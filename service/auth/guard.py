@@ -35,7 +35,7 @@ from service.auth.tokens import (
     rule_for,
     touch,
 )
-from service.db.tables import StudyRow, TrialRow
+from service.db.tables import MAX_ROW_ID, StudyRow, TrialRow
 from service.settings import Settings
 from service.state import AppState
 
@@ -46,7 +46,6 @@ ANONYMOUS = Principal(name="anonymous", scopes=frozenset())
 STUDY_NAME_PARAMS = ("name", "study_name", "study")
 STUDY_ID_PARAMS = ("study_id",)
 TRIAL_ID_PARAMS = ("trial_id",)
-MAX_ID = 2**63 - 1
 REALM = 'Bearer realm="vramtune"'
 
 
@@ -221,7 +220,7 @@ def resolve_study(sessions: sessionmaker[Session], path_params: Mapping[str, Any
 
 def _as_id(value: Any) -> int | None:
     text = str(value)
-    if not text.isdigit() or len(text) > 19 or int(text) > MAX_ID:
+    if not text.isdigit() or len(text) > 19 or int(text) > MAX_ROW_ID:
         return None
     return int(text)
 

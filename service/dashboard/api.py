@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Path, Query
 from optuna.trial import TrialState
 
-from service.api.deps import NowDep, SessionDep, SettingsDep
+from service.api.deps import NowDep, SessionDep, SettingsDep, path_id
 from service.auth.tokens import PrincipalDep
 from service.dashboard import (
     advice as advice_view,
@@ -180,7 +180,7 @@ def trials(
 @router.get("/studies/{name:path}/trials/{number}")
 def trial(
     name: StudyName,
-    number: Annotated[int, Path(ge=0, le=2**31 - 1, description="The trial number.")],
+    number: Annotated[int, path_id("The trial number.", low=0)],
     session: SessionDep,
     max_points: MaxPoints = MAX_POINTS,
 ) -> TrialDetail:

@@ -24,6 +24,11 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+# The largest id an Integer column holds on PostgreSQL (INTEGER, 4 bytes): a larger id names no
+# row, and PostgreSQL refuses to compare with it (an error, not a miss). Ids from a request are
+# bounded to it (service.api.deps.path_id), Optuna's trial ids included (its columns are alike).
+MAX_ROW_ID = 2**31 - 1
+
 
 class Base(DeclarativeBase):
     """Declarative base of vramtune's tables only."""

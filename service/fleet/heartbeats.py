@@ -27,7 +27,7 @@ from sqlalchemy.exc import OperationalError, TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import ColumnElement
 
-from service.db.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
+from service.db.tables import MAX_ROW_ID, LeaseRow, StudyRow, TrialRow, WorkerRow
 from service.errors import DomainError
 from service.fleet.workers import (
     fleet_transaction,
@@ -44,7 +44,6 @@ from service.wire import Heartbeat, HeartbeatReply, StopOrder, StopReason
 # later (workers send one every few seconds; nothing waits on the answer), and 256 workers
 # every 5 s share one transaction per ~2.5 heartbeats.
 BATCH_WINDOW_S = 0.5
-MAX_ID = 2**31 - 1  # ids are INTEGER columns: a larger one names no row (and PostgreSQL refuses it)
 
 
 @dataclass(frozen=True)
@@ -116,7 +115,7 @@ def write_batch(
 ) -> list[HeartbeatReply | DomainError]:
     """One transaction for a batch of heartbeats; each gets its reply or its 404 / 409."""
     with fleet_transaction(state) as session:
-        workers = _workers(session, {b.worker_id for b in beats if b.worker_id <= MAX_ID})
+        workers = _workers(session, {b.worker_id for b in beats if b.worker_id <= MAX_ROW_ID})
         running = [b for b in beats if _answer_for(b, workers.get(b.worker_id)) is None]
         _renew(session, running, now + timedelta(seconds=state.settings.lease_ttl_s))
         stops = _stop_orders(session, running, workers)
@@ -157,7 +156,7 @@ def _workers(session: Session, ids: set[int]) -> dict[int, _Worker]:
 def _listed(beats: Sequence[_Beat]) -> set[tuple[int, int]]:
     """(worker, trial) of every trial the workers list as running (that may exist)."""
     trials = [(b.worker_id, b.body.trials or []) for b in beats]
-    return {(w, t) for w, listed in trials for t in listed if t <= MAX_ID}
+    return {(w, t) for w, listed in trials for t in listed if t <= MAX_ROW_ID}
 
 
 def _renew(session: Session, beats: Sequence[_Beat], expires_at: datetime) -> None:

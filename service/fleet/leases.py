@@ -2,7 +2,10 @@
 
 Every trial call presents its lease token. A call under an unknown, foreign or ended lease
 changes nothing and gets a 409, except that the call which ended the lease may be repeated and
-gets the answer it got the first time (stored on the lease as its resolution).
+gets the answer it got the first time (stored on the lease as its resolution). A result of
+running the trial (complete, report, an OOM, a prune, any fail carrying a measured peak) needs
+the lease ``start``ed first (``check_started``, else 409); a hand-back, or a fail with no
+measurement, may come before.
 
 A lease is lost when the reaper ends it (service.fleet.reaper), not at the instant it expires: until
 then nobody else holds its trial, so a call under it is admitted (and a heartbeat renews it).
@@ -138,6 +141,17 @@ def fence(
         return fenced
     fenced.replay = _replay(lease, trial_id, call, kind)
     return fenced
+
+
+def check_started(lease: LeaseRow, trial_id: int, call: str) -> None:
+    """Refuse (409) a result of running a trial under a lease whose worker never said it
+    started it: the ``start`` call is where the worker names the plan it runs, so a result
+    without one is not a run vramtune dispatched, and must not reach Optuna or the fleet."""
+    if lease.started_at is None:
+        raise Conflict(
+            f"trial {trial_id}: not started under this lease: call start (with the plan it "
+            f"runs) before {call}"
+        )
 
 
 def _replay(lease: LeaseRow, trial_id: int, call: str, kind: str | None) -> TrialAck:

@@ -28,7 +28,7 @@ from service.db.tables import MemoryObservationRow, StepTimeObservationRow
 from service.db.writes import insert_row, set_columns
 from service.errors import Invalid
 from service.fleet import events, predictions, trust
-from service.fleet.leases import Fenced, end, fence, resolution
+from service.fleet.leases import Fenced, check_started, end, fence, resolution
 from service.fleet.routing import (
     MAX_OOM_RETRIES,
     OptunaTell,
@@ -75,13 +75,24 @@ class TrialCall:
     now: datetime
     token_id: int | None = None
 
-    def fence(self, trial_id: int, lease: str, call: str, kind: str | None = None) -> Fenced:
+    def fence(
+        self,
+        trial_id: int,
+        lease: str,
+        call: str,
+        kind: str | None = None,
+        ran: bool = False,
+    ) -> Fenced:
         """The call admitted under its lease (service.fleet.leases.fence), by the worker's token.
 
         Checked before a replay too: a lease token is no use to another token's worker.
+        ``ran``: the call reports what running the trial gave, which a lease that never
+        started cannot have (service.fleet.leases.check_started); a replay is answered as is.
         """
         fenced = fence(self.session, trial_id, lease, self.now, call, kind)
         check_owner(fenced.worker, self.token_id)
+        if ran and fenced.replay is None:
+            check_started(fenced.lease, trial_id, call)
         heard_from(fenced.worker, self.now, self.settings.worker_stale_s)
         return fenced
 
@@ -167,6 +178,8 @@ def start(call: TrialCall, trial_id: int, body: StartRequest) -> TrialAck:
     set_columns(
         call.session, fenced.trial, plan=plan, predicted_peak_bytes=predicted, updated_at=call.now
     )
+    if fenced.lease.started_at is None:  # a second start keeps the first one's time
+        set_columns(call.session, fenced.lease, started_at=call.now)
     resized = ran_as(body.plan, routed=False) == "resized"
     _story(call, fenced, "resized" if resized else "planned", plan=plan, predicted_bytes=predicted)
     return _ack(fenced, "started", f"running as planned: {body.plan.reason}".strip(": "))
@@ -182,7 +195,7 @@ def _plan_chosen(call: TrialCall, fenced: Fenced, body: PlanChoice, attrs: dict[
 
 def report(call: TrialCall, trial_id: int, body: ReportRequest) -> ReportReply:
     """An intermediate value; the study's pruner decides on it (single-objective studies)."""
-    fenced = call.fence(trial_id, body.lease, "report")
+    fenced = call.fence(trial_id, body.lease, "report", ran=True)
     frozen = call.storage.get_trial(trial_id)  # the values reported before, as committed
     if body.step in frozen.intermediate_values:
         return ReportReply(prune=False)  # as Optuna's Trial.report: a step is reported once
@@ -229,7 +242,7 @@ def complete(call: TrialCall, trial_id: int, body: CompleteRequest) -> TrialAck:
 
 def complete_by(call: TrialCall, trial_id: int, body: CompleteRequest) -> tuple[TrialAck, int]:
     """``complete``, and the id of the worker whose lease it was (it may ask for its next)."""
-    fenced = call.fence(trial_id, body.lease, "complete")
+    fenced = call.fence(trial_id, body.lease, "complete", ran=True)
     if fenced.replay is not None:
         return fenced.replay, fenced.worker.id
     return _complete(call, fenced, body), fenced.worker.id
@@ -362,7 +375,7 @@ def observe_step_time(
 
 def fail(call: TrialCall, trial_id: int, body: FailRequest) -> TrialAck:
     """OOM: retry once with a smaller plan; error: FAIL; interrupted: offer again; pruned."""
-    fenced = call.fence(trial_id, body.lease, "fail", body.kind)
+    fenced = call.fence(trial_id, body.lease, "fail", body.kind, ran=ran_first(body))
     if fenced.replay is not None:
         if body.kind == "pruned":  # pruned by its report: the peak comes with this call
             _keep_measured(call, fenced, body)
@@ -387,6 +400,14 @@ def fail(call: TrialCall, trial_id: int, body: FailRequest) -> TrialAck:
     if body.kind != "oom":  # an OOM is observed as such, with the plan it ran out under
         _keep_measured(call, fenced, body)
     return ack
+
+
+def ran_first(body: FailRequest) -> bool:
+    """Whether a fail reports a run, and so needs its lease started: an OOM or a prune is one,
+    and so is any fail that carries a measured peak. An error or an interruption without a
+    measurement may come before running (the task is not installed, the configuration is
+    refused, the worker stopped with the trial leased ahead) and needs no start."""
+    return body.kind in ("oom", "pruned") or body.measured is not None
 
 
 def _keep_measured(call: TrialCall, fenced: Fenced, body: FailRequest) -> None:

@@ -11,9 +11,10 @@ from fastapi.testclient import TestClient
 from security_fixtures import Live, migrated_sqlite, study_spec
 from sqlalchemy import func, select
 
-from service.db.tables import StudyRow
+from service.db.tables import MAX_ROW_ID, StudyRow
 from service.limits import non_finite_number
 from service.settings import Settings
+from service.testing import ServerFactory
 
 HEADERS = {"content-type": "application/json"}
 
@@ -131,6 +132,39 @@ def test_out_of_range_ids_are_4xx(client: TestClient, path: str) -> None:
     method = "DELETE" if "tokens" in path else "POST"
     response = client.request(method, path, json={})
     assert 400 <= response.status_code < 500, response.text
+
+
+# Every path or query parameter that is a row's id, with a body the route takes.
+ROW_ID_PARAMETERS = [
+    ("POST", "/api/v1/trials/{id}/start", {"lease": "x" * 16, "plan": {}}, ("path", "trial_id")),
+    ("POST", "/api/v1/workers/{id}/heartbeat", {}, ("path", "worker_id")),
+    ("POST", "/api/v1/workers/{id}/next", {"free_bytes": 1}, ("path", "worker_id")),
+    ("POST", "/api/v1/workers/{id}/stop", None, ("path", "worker_id")),
+    ("DELETE", "/api/v1/tokens/{id}", None, ("path", "token_id")),
+    ("GET", "/api/v1/audit?before={id}", None, ("query", "before")),
+    (
+        "GET",
+        "/api/v1/calibration?card_model=m&torch_version=t&task=q&worker_id={id}",
+        None,
+        ("query", "worker_id"),
+    ),
+    ("GET", "/api/v1/dashboard/studies/s/trials/{id}", None, ("path", "number")),
+]
+
+
+def test_row_ids_past_postgresqls_integer_are_422_naming_the_parameter(
+    migrated_url: str, start_server: ServerFactory
+) -> None:
+    """2**31 and 2**63 are a 422 naming the parameter on both databases (PostgreSQL's INTEGER
+    overflowed into a 500); the largest id it holds is an ordinary miss."""
+    server = start_server(migrated_url)
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for method, path, body, loc in ROW_ID_PARAMETERS:
+            for huge in (MAX_ROW_ID + 1, 2**63):
+                response = http.request(method, path.format(id=huge), json=body)
+                assert_names(response, 422, *loc)
+            largest = http.request(method, path.format(id=MAX_ROW_ID), json=body)
+            assert largest.status_code in (200, 404), (path, largest.text)
 
 
 def test_body_over_the_limit_is_413_and_writes_nothing(client: TestClient) -> None:

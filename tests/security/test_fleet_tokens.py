@@ -266,6 +266,7 @@ def test_revoking_a_token_mid_trial_stops_its_workers_and_reoffers_the_trial(
     successor = Worker(server, server.token("worker")["token"], task)
     again = successor.lease()
     assert again["trial_id"] == assignment["trial_id"] and again["attempt"] == assignment["attempt"]
+    assert successor.trial_call(again, "start").status_code == 200
     assert successor.trial_call(again, "complete").status_code == 200
     assert server.trial_states(study) == Counter({"COMPLETE": 1})
     with server.http() as admin:
@@ -411,6 +412,7 @@ def test_a_real_worker_whose_token_is_revoked_mid_trial_stops_cleanly(
     successor = Worker(server, server.token("worker")["token"], "quadratic")
     again = successor.lease()
     assert again["study"] == name
+    assert successor.trial_call(again, "start").status_code == 200
     assert successor.trial_call(again, "complete").status_code == 200
     assert server.trial_states(name) == Counter({"COMPLETE": 1})
 

@@ -28,7 +28,14 @@ from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy import func, select
 
 from service.app import build_state
-from service.db.tables import LeaseRow, MemoryObservationRow, TrialRow, WorkerRow
+from service.db.tables import (
+    MAX_ROW_ID,
+    LeaseRow,
+    MemoryObservationRow,
+    TrialEventRow,
+    TrialRow,
+    WorkerRow,
+)
 from service.fleet import dispatch, predictions
 from service.fleet.dispatch import next_assignment
 from service.fleet.reaper import reap_once
@@ -77,6 +84,7 @@ class SimWorker:
         response = http.post("/workers", json=body)
         assert response.status_code == 201, response.text
         self.id: int = response.json()["worker_id"]
+        self.started: set[str] = set()  # the leases this worker has sent `start` under
 
     def next(self) -> dict[str, Any] | None:
         """An assignment, or None on 204."""
@@ -90,18 +98,28 @@ class SimWorker:
         assert response.status_code == 200, response.text
         return list(response.json()["stop"])
 
-    def call(self, assignment: dict[str, Any], verb: str, **body: Any) -> httpx.Response:
-        """A trial call under the assignment's lease."""
+    def call(
+        self, assignment: dict[str, Any], verb: str, start: bool = True, **body: Any
+    ) -> httpx.Response:
+        """A trial call under the assignment's lease. A result of running the trial is
+        preceded, as a real worker's is, by a `start` the first time (``start=False``: not)."""
+        lease = assignment["lease"]
+        if start and lease not in self.started and _ran(verb, body):
+            self.call(assignment, "start", plan=body.get("plan") or PLAN)
         url = f"/trials/{assignment['trial_id']}/{verb}"
-        return self.http.post(url, json={"lease": assignment["lease"], **body})
+        response = self.http.post(url, json={"lease": lease, **body})
+        if verb == "start" and response.status_code == 200:
+            self.started.add(lease)
+        return response
 
     def complete(
-        self, assignment: dict[str, Any], *values: float, peak: int = GIB
+        self, assignment: dict[str, Any], *values: float, peak: int = GIB, start: bool = True
     ) -> httpx.Response:
-        """Complete with values and a measured peak."""
+        """Complete with values and a measured peak (after a start, as `call`)."""
         return self.call(
             assignment,
             "complete",
+            start,
             values=list(values),
             plan=PLAN,
             prediction=_prediction(peak),
@@ -113,6 +131,13 @@ class SimWorker:
         """This worker as GET /workers lists it."""
         workers = self.http.get("/workers", params={"limit": 1000}).json()["workers"]
         return next(w for w in workers if w["id"] == self.id)
+
+
+def _ran(verb: str, body: dict[str, Any]) -> bool:
+    """Whether a call reports a run, which the server takes only under a started lease."""
+    if verb == "fail":
+        return body["kind"] in ("oom", "pruned") or body.get("measured") is not None
+    return verb in ("complete", "report")
 
 
 def _prediction(peak: int) -> dict[str, Any]:
@@ -283,6 +308,75 @@ def test_complete_twice_is_one_tell_and_the_same_answer(env: Env) -> None:
     assert worker.complete(foreign, 3.0).status_code == 409
     assert env.trials()[0].value == 1.25
     assert worker.complete(second, 0.5).status_code == 200
+
+
+_MEASURED = {"peak_allocated_bytes": GIB, "peak_reserved_bytes": GIB}
+# The results of running a trial, each refused under a lease that never started.
+_RESULTS_OF_A_RUN: dict[str, tuple[str, dict[str, Any]]] = {
+    "complete": (
+        "complete",
+        {"values": [1.0], "plan": PLAN, "measured": _MEASURED, "duration_s": 1},
+    ),
+    "report": ("report", {"step": 1, "value": 5.0}),
+    "oom": ("fail", {"kind": "oom", "message": "OOM", "plan": PLAN, "measured": _MEASURED}),
+    "pruned": ("fail", {"kind": "pruned", "message": "stopped"}),
+    "measured error": ("fail", {"kind": "error", "message": "nan", "measured": _MEASURED}),
+    "measured interrupt": ("fail", {"kind": "interrupted", "measured": _MEASURED}),
+}
+
+
+def _written(env: Env, trial_id: int) -> dict[str, Any]:
+    """What a trial call can write about the trial: vramtune's rows, its story, Optuna's."""
+    with env.state.sessions() as session:
+        trial = session.get(TrialRow, trial_id)
+        lease = session.scalars(select(LeaseRow).where(LeaseRow.trial_id == trial_id)).one()
+        story = session.scalars(
+            select(TrialEventRow.kind).where(TrialEventRow.trial_id == trial_id)
+        )
+        rows = {
+            "trial": (trial.status, trial.outcome, trial.plan, trial.updated_at),
+            "lease": (lease.active, lease.started_at, lease.resolution, lease.expires_at),
+            "story": list(story),
+        }
+    frozen = env.optuna_study().get_trials()[0]
+    optuna_sees = (frozen.state, frozen.values, frozen.intermediate_values, frozen.user_attrs)
+    return {**rows, "optuna": optuna_sees, "observations": env.observations()}
+
+
+@pytest.mark.parametrize("result", list(_RESULTS_OF_A_RUN))
+def test_a_result_under_a_lease_that_never_started_is_409_and_writes_nothing(
+    env: Env, result: str
+) -> None:
+    env.create_study(pruner={"name": "threshold", "args": {"upper": 1.0}})
+    worker = env.worker("w1")
+    held = worker.next()
+    assert held is not None
+    verb, body = _RESULTS_OF_A_RUN[result]
+    before = _written(env, held["trial_id"])
+    refused = worker.call(held, verb, start=False, **body)
+    assert refused.status_code == 409, refused.text
+    assert refused.json()["detail"].startswith(f"trial {held['trial_id']}: not started")
+    assert _written(env, held["trial_id"]) == before
+    assert before["lease"][:3] == (True, None, None)  # still held, never started, not ended
+    assert before["optuna"][0] == TrialState.RUNNING
+    # Started, the same call is taken as it always was.
+    assert worker.call(held, "start", plan=PLAN).status_code == 200
+    assert _written(env, held["trial_id"])["lease"][1] is not None
+    taken = worker.call(held, verb, **body)
+    assert taken.status_code == 200, taken.text
+
+
+def test_a_fail_without_a_measurement_and_a_hand_back_need_no_start(env: Env) -> None:
+    env.create_study(n_trials=2)
+    worker = env.worker("w1")
+    broken, too_big = worker.next(), worker.next()
+    assert broken is not None and too_big is not None
+    failed = worker.call(broken, "fail", kind="error", message="task not installed")
+    assert failed.json()["resolution"] == "failed"
+    back = worker.call(too_big, "handback", min_footprint_bytes=64 * GIB, reason="too big")
+    assert back.json()["resolution"] == "infeasible"
+    # infeasible: told COMPLETE with a violated constraint
+    assert [t.state for t in env.trials()] == [TrialState.FAIL, TrialState.COMPLETE]
 
 
 def _complete_asking_next(
@@ -510,6 +604,7 @@ def test_lost_lease_reoffers_the_trial_and_refuses_the_late_complete(env: Env) -
         ("leased", "slow"),
         ("lease_lost", "slow"),
         ("leased", "other"),
+        ("planned", "other"),
         ("completed", "other"),
     ]
     assert detail["events"][1]["text"] == "lease lost: slow stopped heartbeating; offered again"
@@ -721,7 +816,7 @@ def test_an_oom_the_prediction_missed_is_advice_and_story(env: Env) -> None:
     assert retried is not None and retried["trial_id"] == held["trial_id"]
     assert worker.complete(retried, 1.0, peak=GIB).status_code == 200
     detail = env.http.get(f"/dashboard/studies/{env.study}/trials/{held['number']}").json()
-    assert [e["kind"] for e in detail["events"]][3:] == ["leased", "completed"]
+    assert [e["kind"] for e in detail["events"]][3:] == ["leased", "planned", "completed"]
 
 
 def test_a_constant_excess_over_prediction_is_advised_as_unchunked_evaluation(env: Env) -> None:
@@ -941,8 +1036,10 @@ def test_a_trial_finished_in_optuna_directly_is_refused_whole_and_settled(env: E
     study.tell(second["number"], state=TrialState.FAIL)
     assert worker.complete(first, 1.5).status_code == 409
     assert worker.complete(second, 2.0).status_code == 409
-    # Refused whole: none of the complete's attributes reached Optuna's rows.
-    assert not [k for t in env.trials() for k in t.user_attrs if k.startswith("vramtune.")]
+    # Refused whole: none of the complete's attributes reached Optuna's rows (the start's did).
+    told = {"vramtune.measured_peak_bytes", "vramtune.outcome", "vramtune.duration_s"}
+    assert not [k for t in env.trials() for k in t.user_attrs if k in told]
+    assert all("vramtune.plan" in t.user_attrs for t in env.trials())  # so the test can fail
     reap_once(env.state, utcnow() + LATER)
     assert worker.next() is None  # the leases expired, and the trials are not offered again
     assert env.page()[second["trial_id"]]["outcome"] == "failed"
@@ -1243,7 +1340,7 @@ def test_heartbeats_sent_together_each_get_their_own_answer(env: Env) -> None:
     assert env.http.post(f"/workers/{gone.id}/stop").status_code == 204
     assert env.http.post(f"/studies/{env.study}/pause").status_code == 200
     calls = [(w.id, {"trials": [a["trial_id"]]}) for w, a in zip(workers, held, strict=True)]
-    calls += [(gone.id, {}), (2**40, {})]
+    calls += [(gone.id, {}), (MAX_ROW_ID, {})]
     with ThreadPoolExecutor(len(calls)) as pool:
         answers = list(
             pool.map(lambda c: env.http.post(f"/workers/{c[0]}/heartbeat", json=c[1]), calls)

@@ -80,6 +80,13 @@ def run_worker(base: str, index: int, record: Record, stop: threading.Event) -> 
 
 
 def _complete(http: httpx.Client, assignment: dict[str, Any], record: Record) -> None:
+    """Start the trial, then complete it, as a worker does."""
+    trial = f"/trials/{assignment['trial_id']}"
+    started = http.post(f"{trial}/start", json={"lease": assignment["lease"], "plan": PLAN})
+    if started.status_code != 200:
+        if started.status_code != 409:  # 409: the lease expired on a loaded machine
+            record.error(f"start: {started.status_code} {started.text}")
+        return
     body = {
         "lease": assignment["lease"],
         "values": [assignment["params"]["x"] ** 2],
@@ -87,7 +94,7 @@ def _complete(http: httpx.Client, assignment: dict[str, Any], record: Record) ->
         "measured": {"peak_allocated_bytes": GIB},
         "duration_s": 0.01,
     }
-    response = http.post(f"/trials/{assignment['trial_id']}/complete", json=body)
+    response = http.post(f"{trial}/complete", json=body)
     if response.status_code == 200:
         record.complete_accepted(assignment["trial_id"])
     elif response.status_code != 409:  # 409: the lease expired on a loaded machine; re-offered

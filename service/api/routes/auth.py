@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Query
+from fastapi import APIRouter, Query
 
 from common.durations import duration_of
-from service.api.deps import NowDep, SessionDep
+from service.api.deps import NowDep, SessionDep, path_id, query_id
 from service.auth import audit, tokens as auth
 from service.auth.tokens import PrincipalDep, token_out
 from service.errors import NotFound
 from service.wire import AuditOut, AuditPage, TokenCreate, TokenCreated, TokenList, TokenOut, WhoAmI
 
 router = APIRouter(tags=["auth"])
-TokenId = Annotated[int, Path(ge=1, le=2**63 - 1, description="The token's id.")]
+TokenId = Annotated[int, path_id("The token's id.")]
 
 
 @router.get("/auth/whoami")
@@ -59,7 +59,9 @@ def revoke_token(
 def audit_log(
     session: SessionDep,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    before: Annotated[int | None, Query(ge=1, le=2**63 - 1)] = None,
+    before: Annotated[
+        int | None, query_id("Events older than this one (its id): the next page.")
+    ] = None,
 ) -> AuditPage:
     """Token creations and revocations, study deletions, pauses and resumes, newest first."""
     rows = audit.recent(session, limit, before)

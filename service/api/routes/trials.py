@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, TypeVar
 
-from fastapi import APIRouter, Path
+from fastapi import APIRouter
 from pydantic import BaseModel
 from sqlalchemy.exc import SQLAlchemyError
 
-from service.api.deps import StateDep
+from service.api.deps import StateDep, path_id
 from service.auth.tokens import Principal, PrincipalDep
 from service.errors import DomainError
 from service.fleet import dispatch, trials as fleet_trials
@@ -29,7 +29,7 @@ from service.wire import (
 
 router = APIRouter(prefix="/trials", tags=["trials"])
 
-TrialId = Annotated[int, Path(ge=0, le=2**63 - 1, description="Optuna's trial id.")]
+TrialId = Annotated[int, path_id("Optuna's trial id.", low=0)]
 Body = TypeVar("Body", bound=BaseModel)
 Reply = TypeVar("Reply", bound=BaseModel)
 
@@ -51,7 +51,12 @@ def _run(
 def start(
     trial_id: TrialId, body: StartRequest, state: StateDep, principal: PrincipalDep
 ) -> TrialAck:
-    """The worker starts the trial with the plan it chose; stores plan and prediction."""
+    """The worker starts the trial with the plan it chose; stores plan and prediction.
+
+    The lease is marked started: a result of running the trial (complete, report, a fail of
+    kind ``oom`` or ``pruned``, or any fail carrying ``measured``) is refused with a 409,
+    writing nothing, under a lease that never started.
+    """
     return _run(state, principal, fleet_trials.start, trial_id, body)
 
 
@@ -59,7 +64,10 @@ def start(
 def report(
     trial_id: TrialId, body: ReportRequest, state: StateDep, principal: PrincipalDep
 ) -> ReportReply:
-    """An intermediate value; the answer says whether the study's pruner prunes the trial."""
+    """An intermediate value; the answer says whether the study's pruner prunes the trial.
+
+    409 under a lease that was never started (``start``).
+    """
     return _run(state, principal, fleet_trials.report, trial_id, body)
 
 
@@ -70,6 +78,9 @@ def complete(
     trial_id: TrialId, body: CompleteRequest, state: StateDep, principal: PrincipalDep
 ) -> CompleteReply:
     """The trial's value(s), plan and peaks; told to Optuna once (idempotent per lease).
+
+    409, nothing told, under a lease that was never started (``start``); a repeat of a
+    complete that was taken gets the same answer.
 
     With ``next``, the worker's next trial is leased too, in a transaction of its own once the
     complete has committed: a lease that cannot be granted leaves the result told, and says
@@ -97,7 +108,13 @@ def complete(
 def fail(
     trial_id: TrialId, body: FailRequest, state: StateDep, principal: PrincipalDep
 ) -> TrialAck:
-    """OOM (retried once smaller), error (FAIL), interrupted (offered again) or pruned."""
+    """OOM (retried once smaller), error (FAIL), interrupted (offered again) or pruned.
+
+    An ``oom``, a ``pruned``, or any fail carrying ``measured`` reports a run: 409, nothing
+    written, under a lease that was never started (``start``). An ``error`` or
+    ``interrupted`` without ``measured`` may come before the start (the task is not
+    installed, the configuration is refused, the worker stopped before running it).
+    """
     return _run(state, principal, fleet_trials.fail, trial_id, body)
 
 
@@ -105,5 +122,8 @@ def fail(
 def hand_back(
     trial_id: TrialId, body: HandBackRequest, state: StateDep, principal: PrincipalDep
 ) -> TrialAck:
-    """The trial does not fit this card: it waits for a larger one, or ends infeasible."""
+    """The trial does not fit this card: it waits for a larger one, or ends infeasible.
+
+    Comes instead of a start (the plan does not fit), so needs none.
+    """
     return _run(state, principal, fleet_trials.hand_back, trial_id, body)

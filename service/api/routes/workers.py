@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Query, Response
+from fastapi import APIRouter, Query, Response
 from sqlalchemy.orm import Session
 
-from service.api.deps import StateDep
+from service.api.deps import StateDep, path_id, query_id
 from service.auth.tokens import Principal, PrincipalDep
 from service.errors import Forbidden
 from service.fleet import dispatch, trust, workers as fleet
@@ -30,15 +30,11 @@ DEFAULT_WORKERS_PAGE, MAX_WORKERS_PAGE = 100, 1000
 # Beyond any fleet; bounded so that an absurd offset is a 422, never a database error.
 MAX_OFFSET = 2**31 - 1
 
-WorkerId = Annotated[int, Path(ge=1, le=2**63 - 1, description="The id registration gave.")]
+WorkerId = Annotated[int, path_id("The id registration gave.")]
 Text = Annotated[str, Query(min_length=1, max_length=256)]
 AskingWorker = Annotated[
     int | None,
-    Query(
-        ge=1,
-        le=2**31 - 1,  # the id column's range on PostgreSQL
-        description="The asking worker's id: its own runs count for it before the fleet's quorum.",
-    ),
+    query_id("The asking worker's id: its own runs count for it before the fleet's quorum."),
 ]
 
 
