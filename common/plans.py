@@ -8,12 +8,14 @@ from typing import Any
 
 from service.wire import ParamValue, Plan, PlanOut
 
-PlanKey = tuple[int | None, int, bool, bool, int | None, bool]
+PlanKey = tuple[int | None, int, bool, bool, int | None, bool, int, str | None]
 
 
 def plan_key(plan: Plan | PlanOut) -> PlanKey:
     """What makes two plans the same run: micro-batch, accumulation, checkpointing, bf16,
-    the checkpointed blocks and the chunked loss (the reason is only words)."""
+    the checkpointed blocks, the chunked loss, the world size and the data-parallel strategy
+    (the reason is only words). A 2-rank and a 4-rank plan, or DDP and FSDP at one world size,
+    hold different bytes per rank: they never share a key (issue 31)."""
     blocks = plan.checkpoint_blocks if plan.checkpointing else None
     return (
         plan.micro_batch,
@@ -22,6 +24,8 @@ def plan_key(plan: Plan | PlanOut) -> PlanKey:
         plan.bf16,
         blocks,
         plan.chunked_loss,
+        plan.world_size,
+        plan.strategy,
     )
 
 

@@ -189,7 +189,8 @@ class PredictionRow(Base):
     torch version) -> predicted peak, before calibration. One row per key: the first wins.
 
     ``shape_hash`` is the SHA-256 of the shape's canonical JSON (service.fleet.predictions),
-    ``plan_key`` the plan's micro-batch, accumulation, checkpointing and bf16 in one string.
+    ``plan_key`` the plan's micro-batch, accumulation and rungs in one string, with the world
+    size and strategy of a several-card plan (service.fleet.predictions.plan_column).
     """
 
     __tablename__ = "vramtune_predictions"

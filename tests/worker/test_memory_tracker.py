@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 
 import pytest
@@ -124,3 +125,48 @@ def test_phase_blocks_attribute_new_storages() -> None:
         assert tracker.current_phase() == "forward"
     assert tracker.breakdown()["temporaries"] == 512  # neither forward nor labelled
     del kept
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["real", "fake"])
+def test_a_storage_resized_in_place_is_freed_and_counted_again(fake: bool) -> None:
+    """`UntypedStorage.resize_` is no operator: FSDP2 frees an all-gathered parameter with
+    resize_(0) and brings it back with resize_(n); the tracker follows both (issue 31)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    tracker = MemoryTracker(round_to=1, record_events=True)
+    with FakeTensorMode() if fake else contextlib.nullcontext(), tracker:
+        tensor = torch.empty(1000, dtype=torch.uint8)
+        storage = tensor.untyped_storage()
+        storage.resize_(0)
+        assert tracker.live_bytes == 0
+        other = torch.empty(300, dtype=torch.uint8)
+        storage.resize_(1000)
+        assert tracker.live_bytes == 1300
+        storage.resize_(0)
+    assert (tracker.live_bytes, tracker.peak_bytes) == (300, 1300)
+    assert [n for _, n in tracker.events or []] == [1000, -1000, 300, 1000, -1000]
+    del tensor, other
+
+
+def test_a_resize_outside_the_tracker_or_of_an_untracked_storage_counts_nothing() -> None:
+    before = torch.empty(1000, dtype=torch.uint8)
+    tracker = MemoryTracker(round_to=1)
+    with tracker:
+        before.untyped_storage().resize_(2000)  # made before the tracker: not its memory
+        kept = torch.empty(100, dtype=torch.uint8)
+    kept.untyped_storage().resize_(5000)  # after leaving it: not seen
+    assert (tracker.live_bytes, tracker.peak_bytes) == (100, 100)
+    with tracker:
+        kept.untyped_storage().resize_(0)
+    assert tracker.live_bytes == 0
+
+
+def test_a_resize_past_the_limit_raises_the_simulated_oom() -> None:
+    tracker = MemoryTracker(round_to=1, limit_bytes=1500)
+    with tracker:
+        kept = torch.empty(1000, dtype=torch.uint8)
+        kept.untyped_storage().resize_(0)
+        kept.untyped_storage().resize_(1200)
+        with pytest.raises(MemoryLimitExceeded):
+            kept.untyped_storage().resize_(2000)
+    assert tracker.peak_bytes == 1200

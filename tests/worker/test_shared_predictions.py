@@ -89,6 +89,21 @@ def test_another_shape_ignores_the_fleets_predictions() -> None:
     assert wrapped.source == "worker" and runner.traced > 0
 
 
+def test_a_prediction_for_other_ranks_or_another_strategy_is_not_this_plans() -> None:
+    """A 2-rank FSDP plan's per-rank peak is not a 4-rank one's, nor DDP's (issue 31)."""
+    two_ranks = Plan(world_size=2, strategy="fsdp")
+    runner = CountingQuadratic()
+    given = Prediction(peak_allocated_bytes=123, peak_reserved_bytes=123)
+    shape = shared(runner, CONFIG, []).shape
+    fleet = [SharedPrediction(shape=shape, plan=two_ranks, prediction=given)]
+    wrapped = shared(runner, CONFIG, fleet)
+    assert wrapped.predict(CONFIG, two_ranks, CARD).peak_allocated_bytes == 123
+    assert runner.traced == 0
+    for other in (Plan(world_size=4, strategy="fsdp"), Plan(world_size=2, strategy="ddp")):
+        assert wrapped.predict(CONFIG, other, CARD).peak_allocated_bytes != 123
+    assert runner.traced == 2 and wrapped.source == "mixed"
+
+
 def test_a_torch_task_is_keyed_by_its_shape_parameters_and_batch_size() -> None:
     class Task:
         shape_params = frozenset({"d_model", "n_layers"})

@@ -1,0 +1,44 @@
+"""A plan's key, in memory (common.plans.plan_key: the worker's tried plans, the fleet's
+predictions) and as the shared-prediction index's column (service.fleet.predictions.plan_column):
+a several-card plan's world size and strategy are part of it (issue 31), a one-card plan's key
+is what it was before."""
+
+from __future__ import annotations
+
+from common.plans import plan_key
+from service.fleet.predictions import plan_column
+from service.wire import MAX_WORLD_SIZE, Plan, PlanOut
+
+
+def test_plans_on_other_world_sizes_or_strategies_never_share_a_key() -> None:
+    plans = [
+        Plan(),
+        Plan(world_size=2, strategy="ddp"),
+        Plan(world_size=2, strategy="fsdp"),
+        Plan(world_size=4, strategy="fsdp"),
+        Plan(world_size=4, strategy="fsdp", micro_batch=4, accumulation=2),
+    ]
+    assert len({plan_key(p) for p in plans}) == len(plans)
+    assert len({plan_column(p) for p in plans}) == len(plans)
+    # How it ran (PlanOut) keys as the plan it ran.
+    ran = PlanOut(world_size=4, strategy="fsdp", reason="fewest cards that hold it")
+    assert plan_key(ran) == plan_key(Plan(world_size=4, strategy="fsdp"))
+
+
+def test_a_one_card_plan_keeps_its_column_and_a_several_card_one_adds_its_ranks() -> None:
+    assert plan_column(Plan()) == "allx1:ckpt=0:bf16=0"
+    resized = Plan(micro_batch=16, accumulation=4, checkpointing=True, checkpoint_blocks=3)
+    assert plan_column(resized) == "16x4:ckpt=1:bf16=0:blocks=3"
+    assert plan_column(Plan(chunked_loss=True, bf16=True)) == "allx1:ckpt=0:bf16=1:cce=1"
+    assert plan_column(Plan(world_size=2, strategy="ddp")) == "allx1:ckpt=0:bf16=0:ws=2:ddp"
+    longest = Plan(
+        micro_batch=10**6,
+        accumulation=10**6,
+        checkpointing=True,
+        checkpoint_blocks=10**4,
+        chunked_loss=True,
+        bf16=True,
+        world_size=MAX_WORLD_SIZE,
+        strategy="fsdp",
+    )
+    assert len(plan_column(longest)) <= 64  # vramtune_predictions.plan_key is String(64)
