@@ -213,8 +213,10 @@ def render(rows: list[dict[str, Any]], options: argparse.Namespace) -> str:
         "the worker's prediction (two traced training steps, then the task's `evaluate` traced "
         "as the trainer runs it); *measured*: the worker's own loop on the simulated CPU card, "
         "its meter taking the training steps' and the evaluations' peaks apart. Bytes of live "
-        "tensors (512 B blocks). — : not predicted or measured apart (the Trainer's and "
-        "Lightning's evaluations run inside their own loops).",
+        "tensors (512 B blocks). The Trainer's `evaluate` and Lightning's validation loop "
+        "are traced after the two steps at the point where their loops evaluate, and measured "
+        "in the meter's evaluation window (the Trainer's `evaluate` wrapped; Lightning's "
+        "`on_validation_start` to `on_validation_end`).",
         "",
         "| task | config | training predicted | training measured | error | evaluation "
         "predicted | evaluation measured | error | whole-run error | trace s | real s | "
@@ -241,8 +243,9 @@ def render(rows: list[dict[str, Any]], options: argparse.Namespace) -> str:
         "`batches` generator keeps alive between steps (8 bytes per example, in 512 B blocks), "
         "in both parts; the trace's example batches have none. Its evaluation, all 89 held-out "
         "rows in one pass, sets the peak at the small and the wide configurations and is "
-        "predicted; before issue 29 it was measured but not predicted. The Trainer and "
-        "Lightning rows are whole runs with their own evaluations inside.",
+        "predicted; before issue 29 it was measured but not predicted. hf-trainer-bert "
+        "has `compute_metrics`: its evaluation loop gathers every batch's logits and labels on "
+        "the device until the loop ends, which the trace counts as the run does.",
         "",
         "Times are wall seconds on a shared 2-core machine.",
     ]
