@@ -7,8 +7,11 @@ worker's own loop on a simulated CPU card (`runner.run`, `--steps` steps, evalua
 `--eval-every`), whose meter measures the training steps' and the evaluations' peaks apart.
 Cases: the built-in digits and char-transformer tasks, PlainTask's example
 (examples/plain_task.py), the unchunked `examples/my_task.py` (its `evaluate` runs all 89
-held-out rows at once) and the Trainer / Lightning examples, whose evaluation runs inside the
-framework's own loop (traced and measured as part of the training run, not apart).
+held-out rows at once), the Trainer example (a small GPT-2), a small BERT classifier under a
+Trainer with `compute_metrics` (its evaluation loop gathers every batch's logits on the
+device) and the Lightning example, whose evaluations run inside the framework's own loop: the
+Trainer's `evaluate` and Lightning's validation loop are traced after the two steps and
+metered in their own windows.
 
 Writes ``evaluation_prediction.{md,json}`` under ``--out`` (default bench/results/), the 1-minute
 load average beside each case. Usage:
@@ -18,6 +21,7 @@ load average beside each case. Usage:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -66,8 +70,12 @@ CASES: list[tuple[str, dict[str, Any]]] = [
         "hf-trainer-gpt2",
         {"learning_rate": 1e-3, "per_device_train_batch_size": 8, "n_layer": 2, "n_embd": 64},
     ),
+    ("hf-trainer-bert", {"per_device_train_batch_size": 8, "num_hidden_layers": 2}),
+    ("hf-trainer-bert", {"per_device_train_batch_size": 32, "num_hidden_layers": 4}),
     ("digits-lightning", {"width": 256, "depth": 2, "lr": 0.01, "batch_size": 64}),
+    ("digits-lightning", {"width": 1024, "depth": 3, "lr": 0.01, "batch_size": 256}),
 ]
+BERT_SEQ_LEN = 64
 
 
 class _Quiet:
@@ -81,11 +89,63 @@ class _Quiet:
 
 
 def runners() -> dict[str, TrialRunner]:
-    """The built-in tasks and the examples' (those whose extras are installed)."""
+    """The built-in tasks and the examples' (those whose extras are installed), and the BERT
+    Trainer when transformers is."""
     found = discover([str(path) for path in FILES], entry_points=True)
     for name, why in {**found.errors, **found.unavailable}.items():
         print(f"skipped {name}: {why}")
-    return dict(found.runners)
+    available = dict(found.runners)
+    if importlib.util.find_spec("transformers") is not None:
+        from worker.integrations.hf_trainer import TrainerTask
+
+        available["hf-trainer-bert"] = TrainerTask("hf-trainer-bert", _bert_kwargs)
+    return available
+
+
+def _bert_kwargs() -> dict[str, Any]:
+    """A small BERT classifier's Trainer arguments: padded rows (its attention mask is built)
+    and `compute_metrics`, so evaluation gathers the logits and labels on the device."""
+    import numpy as np
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        TrainingArguments,
+        default_data_collator,
+    )
+
+    def model_init(trial: dict[str, Any]) -> Any:
+        config = BertConfig(
+            vocab_size=512,
+            hidden_size=128,
+            num_hidden_layers=int(trial.get("num_hidden_layers", 2)),
+            num_attention_heads=2,
+            intermediate_size=256,
+            max_position_embeddings=BERT_SEQ_LEN,
+            num_labels=4,
+        )
+        return BertForSequenceClassification(config)
+
+    def rows(count: int) -> list[dict[str, Any]]:
+        made = []
+        for i in range(count):
+            length = BERT_SEQ_LEN - (i % 3) * 16
+            ids = [(i * 7 + j) % 511 + 1 if j < length else 0 for j in range(BERT_SEQ_LEN)]
+            mask = [1] * length + [0] * (BERT_SEQ_LEN - length)
+            made.append({"input_ids": ids, "attention_mask": mask, "labels": i % 4})
+        return made
+
+    def accuracy(prediction: Any) -> dict[str, float]:
+        predicted = np.asarray(prediction.predictions).argmax(-1)
+        return {"accuracy": float((predicted == np.asarray(prediction.label_ids)).mean())}
+
+    return {
+        "model_init": model_init,
+        "args": TrainingArguments(output_dir="unused", learning_rate=1e-3, use_cpu=True),
+        "train_dataset": rows(256),
+        "eval_dataset": rows(96),
+        "data_collator": default_data_collator,
+        "compute_metrics": accuracy,
+    }
 
 
 def measure(runner: TrialRunner, config: dict[str, Any], steps: int, every: int) -> dict[str, Any]:
@@ -153,8 +213,10 @@ def render(rows: list[dict[str, Any]], options: argparse.Namespace) -> str:
         "the worker's prediction (two traced training steps, then the task's `evaluate` traced "
         "as the trainer runs it); *measured*: the worker's own loop on the simulated CPU card, "
         "its meter taking the training steps' and the evaluations' peaks apart. Bytes of live "
-        "tensors (512 B blocks). — : not predicted or measured apart (the Trainer's and "
-        "Lightning's evaluations run inside their own loops).",
+        "tensors (512 B blocks). The Trainer's `evaluate` and Lightning's validation loop "
+        "are traced after the two steps at the point where their loops evaluate, and measured "
+        "in the meter's evaluation window (the Trainer's `evaluate` wrapped; Lightning's "
+        "`on_validation_start` to `on_validation_end`).",
         "",
         "| task | config | training predicted | training measured | error | evaluation "
         "predicted | evaluation measured | error | whole-run error | trace s | real s | "
@@ -181,8 +243,9 @@ def render(rows: list[dict[str, Any]], options: argparse.Namespace) -> str:
         "`batches` generator keeps alive between steps (8 bytes per example, in 512 B blocks), "
         "in both parts; the trace's example batches have none. Its evaluation, all 89 held-out "
         "rows in one pass, sets the peak at the small and the wide configurations and is "
-        "predicted; before issue 29 it was measured but not predicted. The Trainer and "
-        "Lightning rows are whole runs with their own evaluations inside.",
+        "predicted; before issue 29 it was measured but not predicted. hf-trainer-bert "
+        "has `compute_metrics`: its evaluation loop gathers every batch's logits and labels on "
+        "the device until the loop ends, which the trace counts as the run does.",
         "",
         "Times are wall seconds on a shared 2-core machine.",
     ]

@@ -178,9 +178,70 @@ def test_a_trainer_subclass_is_traced_with_its_own_training_step() -> None:
     task = TrainerTask("smoothed", _factory(), trainer_class=SmoothedTrainer)
     config = {"per_device_train_batch_size": 8}
     predicted = task.predict(config, Plan(), CARD)
-    assert SmoothedTrainer.calls == 2  # one micro-batch in each of the two traced steps
+    # One micro-batch in each of the two traced steps, then the evaluation's two batches.
+    assert SmoothedTrainer.calls == 4
     result = task.run(config, Plan(), TrainBudget(max_steps=2, eval_every=5), CARD, _Reporter())
     assert predicted.peak_allocated_bytes == result.measured.peak_allocated_bytes
+
+
+def _accuracy(prediction: Any) -> dict[str, float]:
+    import numpy as np
+
+    predicted = np.asarray(prediction.predictions).argmax(-1)
+    return {"accuracy": float((predicted == np.asarray(prediction.label_ids)).mean())}
+
+
+@pytest.mark.parametrize(
+    ("name", "changes", "config"),
+    [
+        ("gpt2", {}, {"per_device_train_batch_size": 8}),
+        ("gpt2-micro", {}, {"per_device_train_batch_size": 8, "n_layer": 2}),
+        (
+            "bert-metrics",
+            {
+                "model_init": _bert_init,
+                "train_dataset": _padded_rows(32),
+                "eval_dataset": _padded_rows(24),
+                "compute_metrics": _accuracy,
+            },
+            {"per_device_train_batch_size": 8},
+        ),
+    ],
+    ids=["gpt2", "gpt2-micro-batch", "bert-with-metrics"],
+)
+def test_the_trainers_evaluation_is_predicted_and_measured_apart(
+    name: str, changes: dict[str, Any], config: dict[str, Any]
+) -> None:
+    # The Trainer's own evaluation loop is traced after the two steps and measured in its own
+    # window: with compute_metrics it gathers every batch's logits on the device, which the
+    # trace counts as the run does.
+    task = TrainerTask(name, _factory(**changes), metric="eval_loss")
+    plan = Plan(micro_batch=4, accumulation=2) if "micro" in name else Plan()
+    predicted = task.predict(config, plan, CARD)
+    assert predicted.method == "trace", predicted.reason
+    assert predicted.reason == ""
+    result = task.run(config, plan, TrainBudget(max_steps=3, eval_every=2), CARD, _Reporter())
+    measured = result.measured
+    assert measured.evaluation_peak_bytes is not None
+    assert predicted.evaluation_peak_bytes == measured.evaluation_peak_bytes
+    assert predicted.training_peak_bytes == measured.training_peak_bytes
+    assert predicted.peak_allocated_bytes == measured.peak_allocated_bytes
+
+
+def test_an_evaluation_that_cannot_be_traced_is_bounded_and_says_so() -> None:
+    from transformers import Trainer
+
+    class ValueReadingTrainer(Trainer):
+        def prediction_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            inputs["input_ids"].nonzero()  # a data-dependent shape: fake tensors cannot run it
+            return super().prediction_step(model, inputs, *args, **kwargs)
+
+    task = TrainerTask("nonzero", _factory(), trainer_class=ValueReadingTrainer)
+    predicted = task.predict({"per_device_train_batch_size": 8}, Plan(), CARD)
+    assert predicted.method == "trace"
+    assert predicted.evaluation_peak_bytes is None
+    assert "evaluation not traced" in predicted.reason and "nonzero" in predicted.reason
+    assert predicted.peak_allocated_bytes == predicted.training_peak_bytes
 
 
 def test_trainer_class_must_be_a_trainer() -> None:

@@ -89,6 +89,28 @@ def test_the_prediction_is_the_real_trainer_runs_peak_to_the_byte(
     assert 0.0 <= result.values[0] <= 1.0
 
 
+@pytest.mark.parametrize(
+    ("width", "batch", "micro", "bf16"),
+    [(256, 64, 64, False), (256, 64, 16, False), (512, 96, 32, True)],
+    ids=["as-asked", "accumulating", "bf16"],
+)
+def test_the_validation_is_predicted_and_measured_apart(
+    width: int, batch: int, micro: int, bf16: bool
+) -> None:
+    # The module's validation_step is traced after the two steps as fit runs it (gradients
+    # released, eval mode, no autograd) and measured between on_validation_start and _end.
+    task = digits_task()
+    config = {"width": width, "depth": 3, "batch_size": batch}
+    plan = plan_for_micro_batch(batch, micro, bf16=bf16)
+    predicted = task.predict(config, plan, CARD)
+    assert predicted.reason == ""
+    result = task.run(config, plan, FEW_STEPS, CARD, Reporter())
+    measured = result.measured
+    assert measured.evaluation_peak_bytes is not None
+    assert predicted.evaluation_peak_bytes == measured.evaluation_peak_bytes
+    assert predicted.training_peak_bytes == measured.training_peak_bytes
+
+
 def test_without_validation_during_training_the_prediction_is_over_by_its_leftovers() -> None:
     task = digits_task()
     config = {"width": 128, "depth": 2, "batch_size": 64}

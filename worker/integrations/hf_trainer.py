@@ -6,8 +6,9 @@ As with `Trainer.hyperparameter_search`, the user's code gives a fresh model per
 transformers does for Ray Tune), and each sampled parameter that names a `TrainingArguments`
 field is set on the arguments, cast to that field's type. The worker then:
 
-- predicts `Trainer.train()`'s own training step by tracing it under fake tensors
-  (worker/integrations/hf_trainer_trace.py);
+- predicts `Trainer.train()`'s own training step, then its own evaluation
+  (`Trainer.evaluate` over the eval data set), by tracing them under fake tensors
+  (worker/integrations/hf_trainer_trace.py), and measures the two peaks apart (`_metered`);
 - resizes through the Trainer's own settings: `per_device_train_batch_size` with
   `gradient_accumulation_steps` keeping their product (the effective batch) unchanged,
   `gradient_checkpointing`, `bf16`. The Trainer's micro-batches are all equal, so a plan's
@@ -22,6 +23,7 @@ A subclass such as TRL's `SFTTrainer` (with its `SFTConfig`) takes the same path
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -192,6 +194,9 @@ class TrainerTask:
         updates.update(
             per_device_train_batch_size=micro,
             gradient_accumulation_steps=self.batch_size(config) // micro,
+            # Evaluating in micro-batches keeps evaluation within the plan's footprint (and the
+            # trace evaluates with the batch the run does).
+            per_device_eval_batch_size=micro,
             use_cpu=torch.device(card.device).type == "cpu",
             report_to=[],
             save_strategy="no",
@@ -307,7 +312,6 @@ class TrainerTask:
         metric from the last evaluation (or one more at the end)."""
         setup = self.setup()
         args = self.arguments(setup, config, plan, card)
-        micro = args.per_device_train_batch_size
         with tempfile.TemporaryDirectory(prefix="vramtune-trainer-") as output_dir:
             args = dataclasses.replace(
                 args,
@@ -315,8 +319,6 @@ class TrainerTask:
                 max_steps=budget.max_steps or -1,
                 eval_strategy="steps",
                 eval_steps=budget.eval_every,
-                # Evaluating in micro-batches keeps evaluation within the plan's footprint.
-                per_device_eval_batch_size=micro,
             )
             return self._train(setup, config, args, budget, card, reporter)
 
@@ -336,6 +338,7 @@ class TrainerTask:
             with meter:
                 callback = _callback(self.metric.name, reporter, meter, budget, started)
                 trainer = self.build_trainer(setup, config, args, [callback])
+                trainer.evaluate = _metered(trainer.evaluate, meter)
                 trainer.train()
                 value = callback.final_value(trainer)
         except meter.out_of_memory as error:
@@ -352,6 +355,20 @@ class TrainerTask:
             )
         release_device_memory(device)
         raise OutOfMemory(message, meter.measured())
+
+
+def _metered(evaluate: Callable[..., Any], meter: Any) -> Callable[..., Any]:
+    """The Trainer's `evaluate` inside the meter's evaluation window, so the run's training
+    and evaluation peaks are measured apart. A TrainerCallback cannot open the window:
+    transformers has no event at an evaluation's start (`on_evaluate` comes after it, with the
+    metrics), and `train()` evaluates through `self.evaluate`, as the final evaluation does."""
+
+    @functools.wraps(evaluate)
+    def in_window(*args: Any, **kwargs: Any) -> Any:
+        with meter.evaluation():
+            return evaluate(*args, **kwargs)
+
+    return in_window
 
 
 def _checkpointing(fields: Mapping[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,15 @@ for a reason fake tensors give:
 - Training stops by an exception after step 2's `on_step_end`: `train()`'s summary reads the
   loss with `.item()`, which a fake tensor has no value for; and `logging_nan_inf_filter`, which
   branches on the loss's value, is off (it only makes a one-byte temporary).
+
+The evaluation is traced from that same `on_step_end`, where the real run's `train()` calls
+`Trainer.evaluate` (its live set then: the model, the optimizer state, the accumulation
+window's batches): the Trainer's own evaluation loop, `prediction_step` over the eval data set's
+fake batches of `per_device_eval_batch_size`, with what it gathers on the device (the losses;
+the logits and labels when `compute_metrics` is set), in the tracker's evaluation phase
+(`worker.predictor.evaluation.trace_evaluation`). It ends where the loop hands its gathered
+tensors to NumPy (`EvalLoopContainer.get_arrays`): the metrics are computed on the host from
+there, and fake tensors have no values to compute them from.
 """
 
 from __future__ import annotations
@@ -45,7 +54,9 @@ from worker.predictor.trace import (
     CannotTrace,
     Target,
     Trace,
+    TrainingPart,
     _FakeDeepcopy,
+    evaluation_part,
     untraceable_reason,
 )
 from worker.trial.task import TaskConfigError
@@ -60,6 +71,15 @@ TrainerFactory = Callable[..., Any]
 
 class _Traced(Exception):
     """Raised after the last traced step: ends `train()` before its value-reading summary."""
+
+
+class _Evaluated(Exception):
+    """Raised where the evaluation loop hands its gathered tensors to NumPy: ends `evaluate()`
+    before its host-side metrics, which read values."""
+
+
+def _hand_to_numpy(container: Any) -> Any:
+    raise _Evaluated
 
 
 def trace_trainer(make_trainer: TrainerFactory, args: Any, target: Target) -> Trace:
@@ -77,12 +97,17 @@ def trace_trainer(make_trainer: TrainerFactory, args: Any, target: Target) -> Tr
         disable_tqdm=True,
     )
     tracker = MemoryTracker(device_type=target.device.type, record_events=target.cuda)
-    stop = _stop_after(transformers.TrainerCallback, TRACED_STEPS, tracker)
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    stop = _stop_after(transformers.TrainerCallback, TRACED_STEPS, (fake, tracker))
     started = time.perf_counter()
     try:
         with ExitStack() as stack:
             stack.enter_context(mock.patch.object(nn.Module, "to", _to_unless_there))
-            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+            containers = importlib.import_module("transformers.trainer_pt_utils")
+            stack.enter_context(
+                mock.patch.object(containers.EvalLoopContainer, "get_arrays", _hand_to_numpy)
+            )
+            stack.enter_context(fake)
             stack.enter_context(_FakeDeepcopy())
             stack.enter_context(real_kernel_storages())
             stack.enter_context(tracker)
@@ -96,13 +121,14 @@ def trace_trainer(make_trainer: TrainerFactory, args: Any, target: Target) -> Tr
             for name, answer in values.mask_answers(transformers).items():
                 stack.enter_context(mock.patch.object(transformers.masking_utils, name, answer))
             trainer = make_trainer(traced_args, [stop], _built_on(target.device))
+            stop.trainer = trainer
             with suppress(_Traced):
                 trainer.train()
     except (TaskConfigError, MemoryLimitExceeded, CannotTrace):
         raise
     except Exception as error:
         raise CannotTrace(untraceable_reason(error)) from error
-    return Trace.counted(tracker, started)
+    return Trace.counted(tracker, started, stop.part)
 
 
 def _transformers() -> Any:
@@ -110,16 +136,33 @@ def _transformers() -> Any:
         return importlib.import_module("transformers")
 
 
-def _stop_after(callback_class: type, steps: int, tracker: MemoryTracker) -> Any:
+def _stop_after(
+    callback_class: type, steps: int, modes: tuple[FakeTensorMode, MemoryTracker]
+) -> Any:
     """A TrainerCallback that labels the training state (the breakdown's parameters, gradients
-    and optimizer state) and ends training after `steps` optimizer steps."""
+    and optimizer state), evaluates after `steps` optimizer steps and ends training there.
+    Its `trainer` is set once the Trainer is built; its `part` holds where the training steps
+    ended and whether the evaluation was traced."""
+    fake, tracker = modes
 
     class StopAfter(callback_class):  # type: ignore[misc]
+        trainer: Any = None
+        part: TrainingPart | None = None
+
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if kwargs.get("model") is not None and kwargs.get("optimizer") is not None:
                 tracker.label_training_state(kwargs["model"], kwargs["optimizer"])
             if state.global_step >= steps:
+                # The Trainer's data is loaded before its loop runs: no warm-up pass; its
+                # batches are fake already.
+                self.part = evaluation_part(
+                    self.evaluate, fake, tracker, warm_up=False, real_factories=False
+                )
                 raise _Traced
+
+        def evaluate(self) -> None:
+            with suppress(_Evaluated):
+                self.trainer.evaluate()
 
     return StopAfter()
 

@@ -16,9 +16,16 @@ configuration keys change shapes; nothing in their classes changes.
   the Trainer's ``accumulate_grad_batches`` (only micro-batches that divide the batch: Lightning
   accumulates whole batches), bf16 becomes ``precision="bf16-mixed"``, checkpointing wraps
   the modules `checkpoint_modules` names.
+- **Predicting the validation**: after the two steps, `validation_step` runs over validation
+  batches of the val loader's first batch's shapes as `fit` runs it between steps
+  (`validation_loop`), in the tracker's evaluation phase (`worker.predictor.evaluation`); a
+  validation that cannot be traced is bounded by the training step's peak, and the
+  prediction's reason says so.
 - **Running**: a real `lightning.Trainer.fit` inside the worker's peak meter; a callback in
   the manner of Optuna's ``PyTorchLightningPruningCallback`` reports the monitored metric
-  after each validation and stops the run when the study's pruner prunes it.
+  after each validation and stops the run when the study's pruner prunes it; each validation
+  runs in the meter's evaluation window (`on_validation_start` to `on_validation_end`), so
+  the training and validation peaks are measured apart.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import functools
 import math
 import time
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
@@ -54,10 +61,11 @@ from worker.predictor.trace import (
     Trace,
     _FakeDeepcopy,
     correct_fake,
+    evaluation_part,
     target_for,
     untraceable_reason,
 )
-from worker.run.training import meter_for, release_device_memory
+from worker.run.training import PeakMeter, meter_for, release_device_memory
 from worker.trial.runner import (
     CardSpec,
     Config,
@@ -196,7 +204,7 @@ class LightningTask:
         datamodule = self.build_datamodule(config, micro)
         meter = meter_for(card)
         started = time.monotonic()
-        callback = _ReportingCallback(self.monitor, reporter, meter.measured)
+        callback = _ReportingCallback(self.monitor, reporter, meter)
         try:
             with meter:
                 torch.manual_seed(int(config.get("seed", 0)))
@@ -409,7 +417,8 @@ def trace_lightning(task: LightningTask, config: Config, plan: Plan, target: Tar
     try:
         # The predictor's own trace context: deep copies as clones in the same fake mode
         # (nn.TransformerEncoder copies its layer), the real kernels' storages, fake fixes.
-        with FakeTensorMode(), _FakeDeepcopy(), emulation, real_kernel_storages(), tracker:
+        fake = FakeTensorMode()
+        with fake, _FakeDeepcopy(), emulation, real_kernel_storages(), tracker:
             with torch.device(target.device):
                 module = task.build_module(config, plan)
             module.train()
@@ -431,12 +440,56 @@ def trace_lightning(task: LightningTask, config: Config, plan: Plan, target: Tar
                 if step == 0 and samples.validation is not None:
                     validated = validation_leftovers(module, samples.validation, target.device)
                     logged = _keep_logged_values(module)
-            del loss, logged, validated, residue
+            # The step's closure result, its loss, dies with the step: validation runs without.
+            del loss
+            part = None
+            if samples.validation is not None and _validates(module):
+                # Lightning's data is loaded before its loop runs (no warm-up pass), and the
+                # trace's batches are fake already.
+                part = evaluation_part(
+                    lambda: validation_loop(module, samples.validation, plan, target),
+                    fake,
+                    tracker,
+                    warm_up=False,
+                    real_factories=False,
+                )
+            del logged, validated, residue
     except (TaskConfigError, MemoryLimitExceeded):
         raise
     except Exception as error:
         raise CannotTrace(untraceable_reason(error)) from error
-    return Trace.counted(tracker, started)
+    return Trace.counted(tracker, started, part)
+
+
+def _validation_autocast(plan: Plan, device: torch.device) -> AbstractContextManager[object]:
+    """Lightning's bf16 autocast, which caches no casts: each weight's bf16 copy dies after
+    its layer (with autograd off, nothing keeps it)."""
+    if not plan.bf16:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, cache_enabled=False)
+
+
+VALIDATED_BATCHES = 2
+"""The second validation batch runs beside what the first left (its logged values): every
+later one starts from the same live set."""
+
+
+def validation_loop(module: L.LightningModule, sample: Any, plan: Plan, target: Target) -> None:
+    """Lightning's validation as `fit` runs it between steps: the gradients released
+    (`on_validation_model_zero_grad`), the module in eval mode, no autograd, the precision's
+    autocast, `validation_step` over batches of the validation loader's first batch's shapes
+    (the last, smaller batch of a loader cannot set the peak)."""
+    module.on_validation_model_zero_grad()
+    module.eval()
+    try:
+        with torch.no_grad(), _validation_autocast(plan, target.device):
+            batches = _like_batches(sample, False, target.device)
+            for index in range(VALIDATED_BATCHES):
+                batch = next(batches)
+                module.validation_step(batch, index)
+                del batch
+    finally:
+        module.train()
 
 
 def _like_batches(sample: Any, prefetch: bool, device: torch.device) -> Iterator[Any]:
@@ -479,6 +532,11 @@ def _keep_logged_values(module: L.LightningModule) -> dict[str, torch.Tensor]:
     return kept
 
 
+def _validates(module: L.LightningModule) -> bool:
+    """Whether the module defines a validation_step (Lightning skips validation otherwise)."""
+    return type(module).validation_step is not L.LightningModule.validation_step
+
+
 def validation_leftovers(
     module: L.LightningModule, sample: Any, device: torch.device
 ) -> list[torch.Tensor]:
@@ -492,7 +550,7 @@ def validation_leftovers(
     its forward without the last step's; the trace keeps them (the steady state whenever
     `eval_every` > 1, and an over-prediction, never an under-, when it is 1).
     """
-    if type(module).validation_step is L.LightningModule.validation_step:
+    if not _validates(module):
         return []
     logged = _keep_logged_values(module)
     batch = next(_like_batches(sample, False, device))
@@ -574,17 +632,20 @@ def _loss_of(output: Any) -> torch.Tensor:
 
 class _ReportingCallback(L.Callback):
     """Reports the monitored metric after each validation and stops a pruned or stopped run
-    (Optuna's ``PyTorchLightningPruningCallback`` convention, through the worker's reporter)."""
+    (Optuna's ``PyTorchLightningPruningCallback`` convention, through the worker's reporter);
+    each validation runs in the meter's evaluation window, its peak measured apart."""
 
-    def __init__(self, monitor: str, reporter: Reporter, measured: Callable[[], Any]) -> None:
+    def __init__(self, monitor: str, reporter: Reporter, meter: PeakMeter) -> None:
         self.monitor = monitor
         self.reporter = reporter
-        self.measured = measured
+        self.meter = meter
+        self.measured = meter.measured
         self.last_value: float | None = None
         self.last_step = -1
         self.started = time.monotonic()
         self.eval_seconds = 0.0
         self._eval_started = 0.0
+        self._window = ExitStack()
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         """Stop between steps when the agent asks (study paused, lease lost, SIGTERM)."""
@@ -603,11 +664,20 @@ class _ReportingCallback(L.Callback):
             )
 
     def on_validation_start(self, trainer: L.Trainer, *args: Any) -> None:
-        """Start the evaluation clock (throughput counts training time only)."""
+        """Open the meter's evaluation window (Lightning has released the gradients and put
+        the module in eval mode) and start the evaluation clock (throughput counts training
+        time only)."""
+        self._window.enter_context(self.meter.evaluation())
         self._eval_started = time.monotonic()
 
+    def on_exception(self, trainer: L.Trainer, *args: Any) -> None:
+        """Close a window a failed validation left open (the meter's phase with it)."""
+        self._window.close()
+
     def on_validation_end(self, trainer: L.Trainer, *args: Any) -> None:
-        """Report the monitored value; raise Stopped("pruned") when the pruner says so."""
+        """Close the evaluation window; report the monitored value; raise Stopped("pruned")
+        when the pruner says so."""
+        self._window.close()
         self.eval_seconds += time.monotonic() - self._eval_started
         if trainer.sanity_checking or trainer.state.fn != "fit":
             return  # final_value's own validation reports nothing

@@ -1,7 +1,9 @@
-"""Trace a task's `evaluate` after the training steps, as the trainer runs it (issue 29).
+"""Trace an evaluation after the training steps, as the run evaluates (issue 29).
 
-The trainer evaluates through `worker.trial.steps.evaluate_step`; the trace runs that same
-function on the fake model the training steps left. An evaluation is user code over real
+The built-in trainer evaluates through `worker.trial.steps.evaluate_step`; the trace runs that
+same function on the fake model the training steps left. A Hugging Face Trainer's `evaluate`
+and a Lightning module's validation loop are traced by the same function, from inside their
+own traced loops (worker/integrations/). An evaluation is user code over real
 held-out data, so two things differ from the training step's trace:
 
 - Its data is real. An operator whose tensors are all real (loading, slicing, a label
@@ -21,6 +23,7 @@ model's output) leaves the evaluation bounded instead, and the prediction says s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,10 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from service.wire import Plan
 from worker.device.memory import EVALUATION_PHASE, MemoryTracker
-from worker.trial.steps import evaluate_step
-from worker.trial.task import Config, Task
 
 UNTRACED_BOUND = (
     "evaluation not traced ({why}); bounded by the training step's peak, which holds when "
@@ -41,7 +41,15 @@ UNTRACED_BOUND = (
 
 
 class _RealDataMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Real operators on real data, zero for a fake scalar read (see the module docstring)."""
+    """Real operators on real data, zero for a fake scalar read (see the module docstring).
+
+    Without `real_factories` an operator with no tensor input (`torch.empty`, `zeros`) stays
+    fake: a framework's trace makes its batches fake that way. A tensor made from Python
+    values (`torch.tensor(shape)`, whose values a framework reads back) is real either way."""
+
+    def __init__(self, real_factories: bool) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.real_factories = real_factories
 
     def __torch_dispatch__(
         self,
@@ -56,7 +64,8 @@ class _RealDataMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             if func is torch.ops.aten._local_scalar_dense.default:
                 return _zero_of(args[0].dtype)
             return func(*args, **kwargs)
-        if _makes_a_card_tensor(kwargs):
+        made = not any(isinstance(leaf, torch.Tensor) for leaf in leaves)
+        if (made and not self.real_factories) or _makes_a_card_tensor(kwargs):
             return func(*args, **kwargs)  # the fake mode converts the real inputs
         with unset_fake_temporarily():
             return func(*args, **kwargs)
@@ -78,25 +87,30 @@ def _zero_of(dtype: torch.dtype) -> bool | int | float:
 
 
 def trace_evaluation(
-    task: Task,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    config: Config,
-    plan: Plan,
-    context: tuple[FakeTensorMode, MemoryTracker, torch.device],
+    evaluate: Callable[[], object],
+    fake: FakeTensorMode,
+    tracker: MemoryTracker,
+    *,
+    warm_up: bool = True,
+    real_factories: bool = True,
 ) -> None:
-    """Run `evaluate_step` on the traced model inside the trace's fake mode and tracker, its
-    allocations in the tracker's evaluation phase. Raises whatever the evaluation raised."""
-    fake, tracker, device = context
+    """Run `evaluate` (a task's `evaluate_step` on the traced model, a Trainer's `evaluate`, a
+    Lightning module's validation loop) inside the trace's fake mode and tracker, its
+    allocations in the tracker's evaluation phase. Raises whatever the evaluation raised.
+
+    `warm_up` first runs it once uncounted, for a task that loads what it caches on first
+    use (the runs find it loaded, and a data set is not memory a run allocates); a framework's
+    data is loaded before its loop runs. `real_factories` runs the operators that make a tensor
+    from nothing (a task's held-out set built on the fly) for real; without it they make fake
+    tensors, as a framework's traced batches are made."""
     allowed = fake.allow_non_fake_inputs
     fake.allow_non_fake_inputs = True  # real held-out data meets the fake model
     try:
-        with _RealDataMode():  # type: ignore[no-untyped-call]
-            # A first, uncounted call loads what the task caches (a data set on first use):
-            # the runs find it loaded, and a data set is not memory a run allocates.
-            with tracker.paused():
-                evaluate_step(task, model, optimizer, config, plan, device)
+        with _RealDataMode(real_factories):
+            if warm_up:
+                with tracker.paused():
+                    evaluate()
             with tracker.phase(EVALUATION_PHASE):
-                evaluate_step(task, model, optimizer, config, plan, device)
+                evaluate()
     finally:
         fake.allow_non_fake_inputs = allowed

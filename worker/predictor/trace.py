@@ -22,6 +22,7 @@ set, so they allocate what it allocates, and a trace no longer grows with the ac
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +46,7 @@ from worker.predictor.emulation import cuda_emulation, prefer_foreach
 from worker.predictor.evaluation import UNTRACED_BOUND, trace_evaluation
 from worker.predictor.opmodel import real_kernel_storages
 from worker.trial.runner import CardSpec
-from worker.trial.steps import traced_micro_batch_sizes, train_step
+from worker.trial.steps import evaluate_step, traced_micro_batch_sizes, train_step
 from worker.trial.task import Batch, Config, Task, TaskConfigError
 
 TRACED_STEPS = 2
@@ -225,29 +226,33 @@ def _run_steps(
             # Kept across the next step, as the trainer's loop keeps its last loss.
             loss = train_step(task, model, optimizer, next_batch, batch_size, plan, device, sizes)
         tracker.label_training_state(model, optimizer)
-    trained = (tracker.peak_bytes, len(tracker.events or []))
     # The trainer's last loss is still alive when it evaluates: `loss` is kept until then.
-    why = _evaluation(task, model, optimizer, config, plan, (fake, tracker, device))
+    part = evaluation_part(
+        lambda: evaluate_step(task, model, optimizer, config, plan, device), fake, tracker
+    )
     del loss
-    return TrainingPart(*trained, evaluation_reason=why)
+    return part
 
 
-def _evaluation(
-    task: Task,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    config: Config,
-    plan: Plan,
-    context: tuple[FakeTensorMode, MemoryTracker, torch.device],
-) -> str:
-    """Trace the evaluation; "" when traced, else the reason it is bounded instead."""
+def evaluation_part(
+    evaluate: Callable[[], object],
+    fake: FakeTensorMode,
+    tracker: MemoryTracker,
+    *,
+    warm_up: bool = True,
+    real_factories: bool = True,
+) -> TrainingPart:
+    """The training steps' part of the trace so far, then `evaluate` traced after them
+    (`trace_evaluation`); an evaluation that cannot be traced is bounded, not fatal, and the
+    part's reason says why."""
+    trained = (tracker.peak_bytes, len(tracker.events or []))
     try:
-        trace_evaluation(task, model, optimizer, config, plan, context)
+        trace_evaluation(evaluate, fake, tracker, warm_up=warm_up, real_factories=real_factories)
     except MemoryLimitExceeded:
         raise
-    except Exception as error:  # an evaluation that cannot be traced is bounded, not fatal
-        return UNTRACED_BOUND.format(why=untraceable_reason(error))
-    return ""
+    except Exception as error:
+        return TrainingPart(*trained, UNTRACED_BOUND.format(why=untraceable_reason(error)))
+    return TrainingPart(*trained)
 
 
 def _replayable(sizes: list[int]) -> bool:
