@@ -52,6 +52,44 @@ def rungs_of(plan: Plan | PlanOut) -> list[str]:
     return [name for name, on in used.items() if on]
 
 
+# Each rung in words, for people (the dashboard's legend, the trial view, the CLI).
+RUNG_WORDS = {
+    "micro_batch": "micro-batches",
+    "checkpointing": "checkpointing",
+    "selective_checkpointing": "selective checkpointing",
+    "chunked_cross_entropy": "chunked cross-entropy",
+    "bf16": "bf16",
+}
+
+
+def plan_in_words(plan: Plan | PlanOut | None) -> str | None:
+    """A plan's rungs in words, e.g. 'micro-batch 4 × 8, checkpoint the first 9 blocks, chunked
+    cross-entropy, bf16', after its ranks when above one ('2 ranks, ddp'); 'as asked' without
+    any; None without a plan. The dashboard's trial
+    view and table and `vramtune study trials` all show this."""
+    if plan is None:
+        return None
+    parts = [f"{plan.world_size} ranks, {plan.strategy}"] if plan.world_size > 1 else []
+    if plan.micro_batch is not None and plan.accumulation > 1:
+        parts.append(f"micro-batch {plan.micro_batch} × {plan.accumulation}")
+    if plan.checkpointing:
+        blocks = plan.checkpoint_blocks
+        parts.append(
+            "checkpoint every block" if blocks is None else f"checkpoint the first {blocks} blocks"
+        )
+    if plan.chunked_loss:
+        parts.append(RUNG_WORDS["chunked_cross_entropy"])
+    if plan.bf16:
+        parts.append(RUNG_WORDS["bf16"])
+    return ", ".join(parts) or "as asked"
+
+
+def rungs_in_words(plan: Plan | PlanOut) -> str:
+    """The rungs a plan uses, named without their sizes: 'micro-batches + checkpointing'
+    (what the "where configurations fit" plot groups resized trials by)."""
+    return " + ".join(RUNG_WORDS[name] for name in rungs_of(plan)) or "as asked"
+
+
 def ran_as(plan: Plan | PlanOut, routed: bool) -> str:
     """A run's memory outcome: routed (a larger card after a hand-back), resized, or as_asked."""
     if routed:
@@ -84,10 +122,12 @@ def _resized_or_not(plan: Mapping[str, Any] | None) -> str:
     """ran_as of a stored plan (a JSON dict); "as_asked" without one."""
     if not plan:
         return "as_asked"
-    resized = (
-        int(plan.get("accumulation") or 1) > 1 or plan.get("checkpointing") or plan.get("bf16")
-    )
-    return "resized" if resized else "as_asked"
+    return ran_as(stored_plan(plan), routed=False)
+
+
+def stored_plan(plan: Mapping[str, Any]) -> PlanOut:
+    """A stored plan (a JSON dict) as the wire shows it, keys it does not know dropped."""
+    return PlanOut.model_validate({k: v for k, v in plan.items() if k in PlanOut.model_fields})
 
 
 def shape_of(config: Mapping[str, Any], keys: Sequence[str] | None) -> dict[str, ParamValue]:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel
 
+from common.plans import plan_in_words
 from service.client import ApiError
 from service.wire import StudySummary, TrialOut
 
@@ -54,8 +55,8 @@ def study_rows(studies: Sequence[StudySummary]) -> str:
 
 def trial_rows(trials: Sequence[TrialOut]) -> str:
     """The `study trials` and `study best` table."""
-    headers = ["NUMBER", "STATE", "VALUES", "ATTEMPT", "OUTCOME", "WORKER", "RANKS", "PEAK/RANK"]
-    headers.append("PARAMS")
+    headers = ["NUMBER", "STATE", "VALUES", "ATTEMPT", "OUTCOME", "PLAN", "WORKER", "RANKS"]
+    headers += ["PEAK/RANK", "PARAMS"]
     rows = [
         [
             t.number,
@@ -63,6 +64,7 @@ def trial_rows(trials: Sequence[TrialOut]) -> str:
             t.values,
             t.attempt,
             t.told_outcome or t.outcome,
+            plan_in_words(t.plan),
             t.worker,
             ranks_cell(t),
             peak_cell(t),

@@ -234,6 +234,9 @@ class TrialRowOut(BaseModel):
     )
     attempt: int
     plan: PlanOut | None
+    plan_words: str | None = Field(
+        None, description="The plan's rungs in words (common.plans.plan_in_words)."
+    )
     predicted_bytes: int | None
     measured_bytes: int | None
     worker: str | None

@@ -12,7 +12,7 @@ from optuna.trial import TrialState
 from sqlalchemy import Select, and_, select
 from sqlalchemy.orm import Session
 
-from common.plans import ran_as
+from common.plans import ran_as, rungs_in_words, stored_plan
 from service.calibration import UNDER_PREDICTION_RATE
 from service.dashboard import cache, schema, series
 from service.dashboard.errors import invalid_query
@@ -26,7 +26,7 @@ from service.dashboard.models import (
     Regions,
 )
 from service.dashboard.studies_view import StudyFacts, infeasible, study_facts, study_space
-from service.wire import ParamValue, PlanOut
+from service.wire import ParamValue
 
 T, V = schema.trials, schema.values
 
@@ -34,6 +34,8 @@ T, V = schema.trials, schema.values
 # category is what memory did to it (as asked, resized, routed, oom, infeasible) or, when it
 # has not run to an end, its state; pruned is not a category but a mark on its points
 # (RegionCategory.pruned), so that a pruned trial still shows how it ran.
+RESIZED_BY = "resized: "
+"""How a resized trial's region category starts; the rungs it used follow, in words."""
 REGION_ORDER = (
     "infeasible",
     "oom",
@@ -314,9 +316,12 @@ def _regions(
     for tid, number, xv, yv, state, outcome, status, plan, min_bytes in session.execute(
         _plane(facts.study_id, x, y)
     ):
+        ran = stored_plan(plan or {})
         if state == TrialState.PRUNED and outcome == "pruned":  # how it ran, from its plan
-            outcome = ran_as(PlanOut.model_validate(plan or {}), routed=bool(min_bytes))
+            outcome = ran_as(ran, routed=bool(min_bytes))
         category = region_category(state, outcome, status, tid in oomed, tid in skip)
+        if category == "resized":  # the plot names the rungs it used
+            category = f"{RESIZED_BY}{rungs_in_words(ran)}"
         grouped[category].append(
             Point(
                 number,
@@ -416,4 +421,9 @@ def _thin_categories(grouped: dict[str, list[Point]], max_points: int) -> list[R
             )
         )
     rank = {name: i for i, name in enumerate(REGION_ORDER)}
-    return sorted(out, key=lambda c: rank.get(c.name, len(rank)))
+    return sorted(out, key=lambda c: (rank.get(_category_kind(c.name), len(rank)), c.name))
+
+
+def _category_kind(name: str) -> str:
+    """A region category's place in REGION_ORDER: 'resized: ...' ranks as 'resized'."""
+    return "resized" if name.startswith(RESIZED_BY) else name

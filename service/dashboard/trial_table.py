@@ -14,7 +14,7 @@ from optuna.trial import TrialState
 from sqlalchemy import ColumnElement, Select, and_, func, select
 from sqlalchemy.orm import Session
 
-from common.plans import told_outcome
+from common.plans import plan_in_words, stored_plan, told_outcome
 from service.dashboard import cache, schema, series, story
 from service.dashboard.errors import invalid_query
 from service.dashboard.models import Observation, TrialDetail, TrialRowOut, TrialTable
@@ -217,6 +217,7 @@ def _rows_out(session: Session, rows: list[Any], infeasible: set[int]) -> list[T
             told_outcome=told_outcome(r.outcome, r.plan, handed_back=(r.min_bytes or 0) > 0),
             attempt=r.attempt or 0,
             plan=plan_out(r.plan),
+            plan_words=plan_in_words(plan_out(r.plan)),
             predicted_bytes=r.predicted_peak_bytes,
             measured_bytes=r.measured_peak_bytes,
             worker=r.worker,
@@ -251,9 +252,7 @@ def _value(value: float | None, vtype: Any) -> float | None:
 
 def plan_out(plan: dict[str, Any] | None) -> PlanOut | None:
     """A stored plan as the wire shows it (unknown keys dropped); {} is "as asked"."""
-    if plan is None:
-        return None
-    return PlanOut.model_validate({k: v for k, v in plan.items() if k in PlanOut.model_fields})
+    return None if plan is None else stored_plan(plan)
 
 
 def _study_workers(session: Session, study_id: int) -> list[str]:

@@ -24,6 +24,7 @@ from urllib.parse import quote
 
 import pytest
 
+from common.plans import plan_in_words, rungs_of
 from service.client import Client
 from tests.browser.conftest import (
     Page,
@@ -164,6 +165,28 @@ def test_a_routed_then_pruned_trial_shows_both_and_its_story(study_page: Any) ->
     kinds = [story.nth(i).get_attribute("data-event") for i in range(story.count())]
     assert kinds == ["leased", "handed_back", "routed", "resized", "pruned"], kinds
     assert "(64.0 MiB)" in story.nth(1).inner_text() and "(256 MiB)" in story.nth(2).inner_text()
+
+
+def test_a_resized_trials_view_names_its_rungs(
+    study_page: Any, advice_server: AdviceServer
+) -> None:
+    """The trial view says the plan's rungs in words, as common.plans.plan_in_words says them."""
+    page = study_page(MEMORY_STUDY)
+    outcome = page.page.locator("td[data-col='outcome']", has_text="routed, pruned")
+    row = page.page.locator("#trials tbody tr", has=outcome).first
+    row.wait_for(state="visible", timeout=WAIT_MS)
+    number = int(str(row.get_attribute("data-number")))
+    row.click()
+    shown = page.page.locator("#curve-details dt:text-is('plan') + dd")
+    shown.wait_for(state="visible", timeout=WAIT_MS)
+    with Client(advice_server.url, token=advice_server.admin) as client:
+        page_of = client.trials(MEMORY_STUDY)
+        (trial,) = [t for t in page_of.trials if t.number == number]
+    assert trial.plan is not None and rungs_of(trial.plan), trial.plan  # it ran resized
+    words = plan_in_words(trial.plan)
+    assert re.search(r"micro-batch \d+ × \d+|checkpoint every block", str(words)), words
+    assert shown.inner_text() == words
+    assert page.errors == []
 
 
 def test_a_biased_calibration_names_its_likely_cause(study_page: Any) -> None:

@@ -288,6 +288,21 @@ def test_region_map_and_curve_follow_the_users_choice(live: Live, open_page: Ope
     assert page.errors == []
 
 
+def test_the_region_map_names_the_rungs_resized_trials_used(
+    live: Live, open_page: OpenPage
+) -> None:
+    page = open_page(study_url(live, STUDY))
+    wait_rendered(page)
+    legend = page.page.locator("#plot-regions .legend-item").all_inner_texts()
+    resized = [name for name in legend if name.startswith("resized")]
+    assert resized, legend  # the study resizes its wide batches on the 64 MiB card
+    rungs = ("micro-batches", "checkpointing")  # what its memory_policy allows
+    for name in resized:
+        assert re.fullmatch(r"resized: [a-z -]+( \+ [a-z -]+)* \(\d+\)", name), name
+        assert all(rung in rungs for rung in name[len("resized: ") :].split(" (")[0].split(" + "))
+    assert page.errors == []
+
+
 def test_hostile_names_render_as_text(live: Live, open_page: OpenPage) -> None:
     page = open_page(f"{live.url}/")
     page.page.locator("td.name a").first.wait_for(timeout=WAIT_MS)

@@ -71,6 +71,8 @@ def run_trial(client: TestClient, job: dict[str, Any]) -> None:
     peak = (40 + 10 * number) * MIB
     prediction = {"peak_allocated_bytes": peak, "peak_reserved_bytes": peak}
     plan: dict[str, Any] = {"micro_batch": 8, "accumulation": 4} if number % 4 == 1 else {}
+    if number == 9:  # every rung that keeps the numerics
+        plan |= {"checkpointing": True, "checkpoint_blocks": 2, "chunked_loss": True}
     if number % 4 == 3:
         handback = {"lease": lease, "min_footprint_bytes": 2 * CARD, "reason": "too big"}
         ok(client.post(f"{V}/trials/{trial}/handback", json=handback))
@@ -178,7 +180,15 @@ def test_regions_name_each_memory_outcome(client: TestClient) -> None:
     regions = get(client, f"{D}/{STUDY}/regions", x="x", y="width")
     names = {c["name"]: c["count"] for c in regions["categories"]}
     # 2, 6, 10 ran out of memory once, then completed: their prediction missed, so "oom"
-    assert names == {"infeasible": 3, "oom": 3, "resized": 3, "as asked": 3}
+    # resized trials are named by the rungs they used (1 and 5: micro-batches, 9: all of them)
+    every = "micro-batches + selective checkpointing + chunked cross-entropy"
+    assert names == {
+        "infeasible": 3,
+        "oom": 3,
+        "resized: micro-batches": 2,
+        f"resized: {every}": 1,
+        "as asked": 3,
+    }
     assert regions["total"] == N_TRIALS
     assert not any(p for c in regions["categories"] for p in c["pruned"])  # none was pruned
 
@@ -201,7 +211,7 @@ def test_a_pruned_trial_keeps_the_colour_of_how_it_ran(client: TestClient) -> No
     pruned = {"lease": lease, "kind": "pruned", "plan": plan}
     ok(client.post(f"{V}/trials/{trial}/fail", json=pruned))
     (category,) = get(client, f"{D}/api-pruned/regions", x="x", y="x")["categories"]
-    assert (category["name"], category["pruned"]) == ("resized", [True])
+    assert (category["name"], category["pruned"]) == ("resized: micro-batches", [True])
 
 
 def test_trial_table_sorts_filters_and_pages(client: TestClient) -> None:
@@ -214,6 +224,9 @@ def test_trial_table_sorts_filters_and_pages(client: TestClient) -> None:
     assert widths == sorted(widths)
     resized = get(client, f"{D}/{STUDY}/trials", outcome="resized", limit=50)
     assert resized["total"] == 3 and all(r["plan"]["micro_batch"] == 8 for r in resized["rows"])
+    words = {r["number"]: r["plan_words"] for r in resized["rows"]}
+    assert words[1] == "micro-batch 8 × 4"
+    assert words[9] == "micro-batch 8 × 4, checkpoint the first 2 blocks, chunked cross-entropy"
     second = get(client, f"{D}/{STUDY}/trials", sort="number", offset=10, limit=5)
     assert [r["number"] for r in second["rows"]] == [10, 11]
     infeasible = [r for r in by_width if r["outcome"] == "infeasible"]

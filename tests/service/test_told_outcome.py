@@ -1,16 +1,18 @@
-"""The shared outcome rule (common.plans.told_outcome) and human byte units (common.units)."""
+"""The shared outcome rule (common.plans.told_outcome), a plan in words (common.plans.plan_in_words)
+and human byte units (common.units)."""
 
 from __future__ import annotations
 
 import pytest
 
-from common.plans import told_outcome
+from common.plans import plan_in_words, rungs_in_words, told_outcome
 from common.units import GIB, MIB, human_bytes
 from service.cli.console import trial_rows
-from service.wire import TrialOut
+from service.wire import PlanOut, TrialOut
 
 AS_ASKED = {"micro_batch": None, "accumulation": 1, "checkpointing": False, "bf16": False}
 HALVED = {"micro_batch": 8, "accumulation": 2, "checkpointing": False, "bf16": False}
+CHUNKED = {**AS_ASKED, "chunked_loss": True}
 
 
 @pytest.mark.parametrize(
@@ -24,6 +26,7 @@ HALVED = {"micro_batch": 8, "accumulation": 2, "checkpointing": False, "bf16": F
         ("routed", AS_ASKED, True, "routed"),
         ("infeasible", None, True, "infeasible"),  # handed back, but it never ran
         ("resized", HALVED, False, "resized"),
+        ("pruned", CHUNKED, False, "resized, pruned"),  # a rung that keeps the batch whole
         (None, None, True, None),
     ],
 )
@@ -56,3 +59,37 @@ def test_study_trials_shows_the_told_outcome() -> None:
     lines = trial_rows([trial]).splitlines()
     assert "OUTCOME" in lines[0]
     assert "routed, pruned" in lines[-1]
+
+
+EVERY_RUNG = PlanOut(
+    micro_batch=4,
+    accumulation=8,
+    checkpointing=True,
+    checkpoint_blocks=9,
+    chunked_loss=True,
+    bf16=True,
+)
+
+
+@pytest.mark.parametrize(
+    ("plan", "words", "rungs"),
+    [
+        (
+            EVERY_RUNG,
+            "micro-batch 4 × 8, checkpoint the first 9 blocks, chunked cross-entropy, bf16",
+            "micro-batches + selective checkpointing + chunked cross-entropy + bf16",
+        ),
+        (PlanOut(checkpointing=True), "checkpoint every block", "checkpointing"),
+        (PlanOut(), "as asked", "as asked"),
+    ],
+)
+def test_a_plan_in_words(plan: PlanOut, words: str, rungs: str) -> None:
+    assert plan_in_words(plan) == words
+    assert rungs_in_words(plan) == rungs
+
+
+def test_study_trials_shows_the_plan_in_words() -> None:
+    trial = TrialOut(id=1, number=0, state="COMPLETE", params={}, plan=EVERY_RUNG)
+    lines = trial_rows([trial]).splitlines()
+    assert "PLAN" in lines[0]
+    assert "micro-batch 4 × 8, checkpoint the first 9 blocks" in lines[-1]

@@ -6,7 +6,7 @@
   const STATE_ORDER = ["COMPLETE", "RUNNING", "WAITING", "PRUNED", "FAIL"];
   const MEMORY_ORDER = [["resized", "resized"], ["routed", "routed"], ["infeasible", "infeasible"], ["oom", "OOM"]];
   const MEMORY_TITLES = {
-    resized: "completed with a smaller micro-batch, checkpointing or bf16",
+    resized: "completed resized: micro-batches, checkpointing, chunked cross-entropy or bf16",
     routed: "ran on a larger card after a hand-back (completed or pruned there)",
     infeasible: "fit no card of the fleet",
     oom: "ran out of memory at least once",

@@ -27,6 +27,17 @@
     running: "#13a4b4",
     waiting: "#c9b037",
   };
+  // Resized trials are grouped by the rungs they used ("resized: micro-batches + checkpointing"):
+  // shades of blue, each combination its own, the same on every redraw.
+  const RESIZED_COLORS = ["#4f6bed", "#2f8fd8", "#1f3fa0", "#7d9bff", "#0b6e99", "#5a4fcf"];
+
+  function regionColor(name) {
+    if (REGION_COLOR[name]) return REGION_COLOR[name];
+    if (!name.startsWith("resized")) return "#777";
+    let hash = 0;
+    for (const ch of name) hash = (hash * 31 + ch.charCodeAt(0)) >>> 0;
+    return RESIZED_COLORS[hash % RESIZED_COLORS.length];
+  }
   const PRUNED_SYMBOL = "triangle";
 
   const table = { sort: "number", order: "desc", states: [], outcome: "", worker: "", offset: 0, limit: 50, total: 0 };
@@ -348,7 +359,7 @@
         return {
           name: pruned ? "" : `${c.name} (${c.count})`, mode: "markers", data: numbers,
           x: ax.place(indices.map((i) => c.x[i]), numbers), y: ay.place(indices.map((i) => c.y[i]), numbers),
-          color: REGION_COLOR[c.name] || "#777", symbol: pruned ? PRUNED_SYMBOL : "circle", size: pruned ? 8 : 7, opacity: 0.75,
+          color: regionColor(c.name), symbol: pruned ? PRUNED_SYMBOL : "circle", size: pruned ? 8 : 7, opacity: 0.75,
           hover: (k) => `trial #${numbers[k]}: ${c.name}${pruned ? ", pruned" : ""}\n${d.x} = ${text(c.x[indices[k]])}\n${d.y} = ${text(c.y[indices[k]])}`,
         };
       };
@@ -448,7 +459,7 @@
       const pairs = [
         ["value", t.feasible ? (t.values || []).map(VT.num).join(", ") || "–" : "– (infeasible)"],
         ["params", paramText(t.params)],
-        ["plan", planText(t.plan)],
+        ["plan", planText(t)],
         ["peak predicted / measured", `${VT.bytes(t.predicted_bytes)} / ${VT.bytes(t.measured_bytes)}`],
         ["plan chosen in", planningText(t)],
         ["worker", t.worker ? `${t.worker} (${t.card_model})` : "–"],
@@ -515,14 +526,9 @@
     return t.rank_peak_bytes.map((peak, rank) => `rank ${rank}: ${predicted} / ${VT.bytes(peak)}`).join(" · ");
   }
 
-  function planText(plan) {
-    if (!plan) return "–";
-    const parts = [];
-    if (plan.world_size > 1) parts.push(`${plan.world_size} ranks, ${plan.strategy}`);
-    if (plan.micro_batch) parts.push(`micro-batch ${plan.micro_batch} × ${plan.accumulation}`);
-    if (plan.checkpointing) parts.push("checkpointing");
-    if (plan.bf16) parts.push("bf16");
-    return parts.join(", ") || "as asked";
+  // The plan's rungs in words, as the server says them (common.plans.plan_in_words).
+  function planText(row) {
+    return row.plan_words || "–";
   }
 
   function columns() {
@@ -538,7 +544,7 @@
     }
     cols.push(
       { label: "Outcome", sort: "outcome", cell: outcomeCell },
-      { label: "Plan", cell: (r) => el("span", { class: "plan", title: r.plan ? r.plan.reason : "", text: planText(r.plan) }) },
+      { label: "Plan", cell: (r) => el("span", { class: "plan", title: r.plan ? r.plan.reason : "", text: planText(r) }) },
       { label: "Predicted", sort: "predicted", num: true, cell: (r) => VT.bytes(r.predicted_bytes) },
       { label: "Measured", sort: "measured", num: true, cell: (r) => VT.bytes(r.measured_bytes) },
       { label: "Worker", sort: "worker", cell: (r) => r.worker || "–" },
