@@ -65,8 +65,8 @@ RUNG_WORDS = {
 def plan_in_words(plan: Plan | PlanOut | None) -> str | None:
     """A plan's rungs in words, e.g. 'micro-batch 4 × 8, checkpoint the first 9 blocks, chunked
     cross-entropy, bf16', after its ranks when above one ('2 ranks, ddp'); 'as asked' without
-    any; None without a plan. The dashboard's trial
-    view and table and `vramtune study trials` all show this."""
+    any; None without a plan. The dashboard's trial view and table and `vramtune study trials`
+    all show this."""
     if plan is None:
         return None
     parts = [f"{plan.world_size} ranks, {plan.strategy}"] if plan.world_size > 1 else []
