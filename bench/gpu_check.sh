@@ -10,6 +10,7 @@
 # per-process peak, bench/predictor_accuracy.py --gpu), and writes
 #   bench/results/gpu_tests.md
 #   bench/results/gpu_predictor_accuracy.{md,json}
+#   bench/results/gpu_ranks.{md,json}   (with 2+ GPUs: per-rank prediction vs NCCL ranks)
 # Without a CUDA device it says so and exits with status 2, writing nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +19,7 @@ PYTHON=${PYTHON:-.venv/bin/python}
 RESULTS=bench/results
 TESTS_TIMEOUT_S=${TESTS_TIMEOUT_S:-90}
 BENCH_BUDGET_S=${BENCH_BUDGET_S:-180}
+RANKS_BUDGET_S=${RANKS_BUDGET_S:-300}
 
 if [ ! -x "$PYTHON" ]; then
   echo "gpu_check: no Python at $PYTHON; run scripts/setup.sh first (or set PYTHON=...)" >&2
@@ -70,6 +72,18 @@ for ext in md json; do
     cp "$out/predictor_accuracy_gpu.$ext" "$RESULTS/gpu_predictor_accuracy.$ext"
   fi
 done
+
+# 3. Per-rank prediction against NCCL ranks (bench/gpu_ranks.py), on a machine with 2+ GPUs.
+ranks_rc=0
+if [ "$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+  set +e
+  timeout "$RANKS_BUDGET_S" "$PYTHON" bench/gpu_ranks.py --out "$RESULTS"
+  ranks_rc=$?
+  set -e
+else
+  echo "gpu_check: one GPU, so no per-rank run (bench/gpu_ranks.py needs 2 or more)"
+fi
 echo "gpu_check: wrote $RESULTS/gpu_tests.md and $RESULTS/gpu_predictor_accuracy.{md,json}" \
-  "(tests exit $tests_rc, benchmark exit $bench_rc; load average $(cut -d' ' -f1 /proc/loadavg))"
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+  "(tests exit $tests_rc, benchmark exit $bench_rc, ranks exit $ranks_rc;" \
+  "load average $(cut -d' ' -f1 /proc/loadavg))"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$ranks_rc" -eq 0 ]

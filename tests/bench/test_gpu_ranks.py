@@ -1,0 +1,59 @@
+"""bench/gpu_ranks.py, the GPU per-rank check, run here on what this machine has: its case on
+two gloo CPU ranks (where the prediction is exact), its report, and its refusal without GPUs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import gpu_ranks
+from worker.device.gpu import parse_size, simulated_card
+from worker.tasks.digits import DigitsCNNTask
+from worker.trial.runner import CardSpec
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(900)  # the case spawns two processes that import torch
+
+
+def test_a_case_on_two_cpu_ranks_measures_every_rank_against_the_prediction() -> None:
+    config = {"width": 8, "depth": 2, "resolution": 16, "batch_size": 16, "lr": 0.05}
+    card = CardSpec(info=simulated_card(parse_size("64MiB")))
+    case = gpu_ranks.one_case(DigitsCNNTask(), config, "fsdp", ["cpu", "cpu"], card)
+    assert case["world_size"] == 2 and len(case["measured_allocated"]) == 2
+    # gloo ranks on CPU: the prediction is exact (bench/results/distributed_prediction.md)
+    assert all(abs(error) < 0.001 for error in case["allocated_error"]), case
+    report = gpu_ranks.render(
+        {"started": "now", "device": "cpu", "gpus": 2, "torch": "x", "load": "1.0", "cases": [case]}
+    )
+    assert "| digits-cnn | fsdp | 2 | 16 |" in report
+
+
+def test_a_failed_case_is_a_row_not_a_crash() -> None:
+    failed = {"task": "hf-causal-lm", "strategy": "ddp", "world_size": 4, "error": "OOM"}
+    report = gpu_ranks.render(
+        {
+            "started": "now",
+            "device": "H100",
+            "gpus": 4,
+            "torch": "x",
+            "load": "1",
+            "cases": [failed],
+        }
+    )
+    assert "| hf-causal-lm | ddp | 4 | | failed: OOM |" in report
+
+
+def test_without_two_gpus_it_says_so_and_writes_nothing(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "bench/gpu_ranks.py", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1  # sys.exit(message)
+    assert "per-rank runs need 2 or more" in done.stderr
+    assert list(tmp_path.iterdir()) == []
