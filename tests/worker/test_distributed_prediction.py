@@ -8,6 +8,7 @@ traces of a tiny CNN).
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 from torch.distributed import HashStore
 
@@ -100,6 +101,25 @@ def test_a_transformers_model_is_sharded_per_decoder_layer() -> None:
     assert [type(unit).__name__ for unit in shard_units(TASK, TASK.build_model(CONFIG))] == [
         "Sequential"
     ] * 2
+
+
+class _RootOnly(DigitsCNNTask):
+    """A user's task that declares its FSDP units: none, the root alone."""
+
+    def shard_modules(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        return []
+
+
+def test_a_task_declares_its_fsdp_units_and_the_trace_follows_them() -> None:
+    declared = _RootOnly()
+    assert shard_units(declared, declared.build_model(CONFIG)) == []
+    wider = {**CONFIG, "width": 64, "depth": 3}
+    per_block = trace_rank(TASK, wider, Plan(), "fsdp", 2).allocated_bytes
+    root_only = trace_rank(declared, wider, Plan(), "fsdp", 2)
+    # One unit gathers every parameter at once: more held at the peak than block by block.
+    assert root_only.allocated_bytes > per_block
+    [real] = measure_rank_peaks([RankRun(declared, wider, Plan(), "fsdp")], world_size=2)
+    assert abs(root_only.allocated_bytes - real.peaks[0]) <= TOLERANCE * real.peaks[0]
 
 
 def test_fsdp2_parameters_freed_by_storage_resize_are_uncounted(

@@ -87,9 +87,13 @@ def rank_batch_size(task: Task, config: Config, world_size: int) -> int:
 def shard_units(task: Task, model: nn.Module) -> list[nn.Module]:
     """The modules FSDP2 shards one by one before the root.
 
-    A transformers model names its layer classes in `_no_split_modules` (one `fully_shard` per
-    decoder layer); any other model shards its checkpointable blocks.
+    A task that declares `shard_modules(model)` says so itself; else a transformers model names
+    its layer classes in `_no_split_modules` (one `fully_shard` per decoder layer), and any other
+    model shards its checkpointable blocks.
     """
+    declared = getattr(task, "shard_modules", None)
+    if callable(declared):
+        return list(declared(model))
     layer_classes = set(getattr(model, "_no_split_modules", None) or ())
     if layer_classes:
         return [m for m in model.modules() if type(m).__name__ in layer_classes]

@@ -80,6 +80,10 @@ class Task(Protocol):
         checkpoint_block_count(config) (optional): how many blocks selective checkpointing
             chooses among (``checkpoint_modules`` or the model's own); without it the
             selective_checkpointing rung is skipped for this task.
+        shard_modules(model) (optional): the sub-modules FSDP2 wraps one by one (then the root)
+            when a plan spreads the trial over several cards; an empty sequence shards the root
+            alone. Without it: a transformers model's ``_no_split_modules`` layers, else
+            ``checkpoint_modules``.
         enable_chunked_loss(model) (optional): make ``loss(model, batch)`` compute the same loss
             without the whole batch's output at once (hf-causal-lm's chunked cross-entropy);
             return whether it can. Without it the chunked_cross_entropy rung is skipped.
