@@ -51,6 +51,21 @@ def log_event(
     logger.log(level, "%s", _logfmt(event, named), extra={_EVENT: event, _FIELDS: named})
 
 
+def one_line(error: BaseException) -> str:
+    """The error's type and the first line of its message, for a warning that must stay one
+    line: a database driver's message runs to many (the SQL, its parameters, a link)."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:200] if lines else ''}"
+
+
+def log_outage(logger: logging.Logger, where: str, error: BaseException, **fields: Any) -> None:
+    """One WARNING line for a call the database failed: ``database_unavailable where=... error=
+    "OperationalError: ..."``. During an outage every request logs one, so it must stay one
+    line: the driver's message (the SQL, its parameters, a link) is cut to its first."""
+    facts = {"where": where, **fields, "error": one_line(error)}
+    log_event(logger, "database_unavailable", level=logging.WARNING, **facts)
+
+
 def event_fields(record: logging.LogRecord) -> tuple[str, dict[str, Any]] | None:
     """The event name and fields of a record ``log_event`` made; None for other records."""
     event = getattr(record, _EVENT, None)

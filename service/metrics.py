@@ -33,6 +33,7 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from common.logs import log_outage
 from service.db.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
 from service.state import AppState
 
@@ -274,7 +275,7 @@ class DatabaseCollector(Collector):
                 ]
         except SQLAlchemyError as exc:
             SCRAPE_ERRORS.inc()
-            log.warning("metrics: database unreadable: %s", exc)
+            log_outage(log, "metrics scrape", exc)
             families = []
         up = GaugeMetricFamily("vramtune_database_up", "Whether the last scrape read the DB.")
         up.add_metric([], 1.0 if families else 0.0)

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 from optuna.exceptions import DuplicatedStudyError, StorageInternalError, UpdateFinishedTrialError
 from sqlalchemy.exc import DBAPIError, OperationalError, TimeoutError as PoolTimeout
 
+from common.logs import log_outage
 from service.errors import DomainError
 
 log = logging.getLogger("vramtune.errors")
@@ -35,7 +36,7 @@ async def _finished(_request: Request, exc: Exception) -> JSONResponse:
 async def _database_down(request: Request, exc: Exception) -> JSONResponse:
     if isinstance(exc, DBAPIError) and not _is_disconnect(exc):
         return await _unexpected(request, exc)
-    log.warning("database unavailable on %s %s: %s", request.method, request.url.path, exc)
+    log_outage(log, "request", exc, method=request.method, path=request.url.path)
     return _json(503, "database unavailable; retry later")
 
 
@@ -47,7 +48,7 @@ async def _storage_error(request: Request, exc: Exception) -> JSONResponse:
     cause = exc.__cause__
     if isinstance(cause, DBAPIError) and not _is_disconnect(cause):
         return await _unexpected(request, exc)
-    log.warning("Optuna storage error on %s %s: %s", request.method, request.url.path, exc)
+    log_outage(log, "optuna storage", cause or exc, method=request.method, path=request.url.path)
     return _json(503, "database unavailable; retry later")
 
 

@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Match, Mount
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from common.logs import log_outage
 from service.auth.hosts import TrustedHosts, allowed_names
 from service.auth.tokens import (
     LOCAL_ADMIN,
@@ -93,7 +94,7 @@ class AuthGuard:
                 study_denial, sessions, principal, rule, matched[1]
             )
         except SQLAlchemyError as exc:
-            log.warning("database unavailable while checking a token: %s", exc)
+            log_outage(log, "token check", exc)
             return _refuse(503, "database unavailable; retry later")
         if denial is not None:
             return _refuse(403, denial)

@@ -26,7 +26,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import DBAPIError, TimeoutError as SQLAlchemyTimeout
 from sqlalchemy.orm import Session
 
-from common.logs import log_event
+from common.logs import log_event, one_line
 from common.units import human_bytes
 from service.db.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
 from service.fleet import events
@@ -277,16 +277,10 @@ def _pass_failed(sight: Sight, now: datetime, error: Exception) -> None:
         log,
         "reaper_pass_failed",
         level=logging.WARNING,
-        error=_one_line(error),
+        error=one_line(error),
         failing_since=sight.failing_since,
         database_last_seen=sight.last,
     )
-
-
-def _one_line(error: Exception) -> str:
-    """The error's type and the first line of its message (a driver's runs to many lines)."""
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0][:200] if lines else ''}"
 
 
 def _is_database_error(error: BaseException | None) -> bool:

@@ -3,6 +3,7 @@ database unreachable for a while."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -211,6 +212,19 @@ def test_database_outage_is_503_and_results_wait_for_its_return(
     assert 'status="500"' not in metrics
 
 
+def behind_a_proxy(
+    postgres_url: str,
+    tcp_proxy: Callable[[str, int], TcpProxy],
+    start_server: ServerFactory,
+    **env: object,
+) -> tuple[ServerProcess, TcpProxy]:
+    """A server logging JSON on a migrated PostgreSQL it reaches through a proxy to cut."""
+    target = make_url(upgrade_database(postgres_url))
+    proxy = tcp_proxy(target.host or "127.0.0.1", target.port or 5432)
+    proxied = target.set(port=proxy.port).render_as_string(hide_password=False)
+    return start_server(proxied, log_format="json", **env), proxy
+
+
 def test_a_database_outage_logs_one_line_a_pass_and_one_when_it_is_back(
     postgres_url: str,
     tcp_proxy: Callable[[str, int], TcpProxy],
@@ -218,11 +232,7 @@ def test_a_database_outage_logs_one_line_a_pass_and_one_when_it_is_back(
 ) -> None:
     """While the database is away each reaper pass logs one line (what failed, since when),
     no traceback; its return is one line."""
-    url = upgrade_database(postgres_url)
-    target = make_url(url)
-    proxy = tcp_proxy(target.host or "127.0.0.1", target.port or 5432)
-    proxied = target.set(port=proxy.port).render_as_string(hide_password=False)
-    server = start_server(proxied, log_format="json", reaper_interval_s=0.3)
+    server, proxy = behind_a_proxy(postgres_url, tcp_proxy, start_server, reaper_interval_s=0.3)
 
     proxy.cut()
     time.sleep(3.0)
@@ -242,6 +252,37 @@ def test_a_database_outage_logs_one_line_a_pass_and_one_when_it_is_back(
     assert all(e["error"].startswith("OperationalError: ") for e in during), during[0]
     assert back["failing_since"] == during[0]["failing_since"] and back["outage_s"] > 0
     assert names.count("database_back") == 1
+
+
+def test_requests_during_an_outage_log_one_line_each(
+    postgres_url: str,
+    tcp_proxy: Callable[[str, int], TcpProxy],
+    start_server: ServerFactory,
+) -> None:
+    """A request the database fails logs one warning line (where, the request, the error's
+    first line), not the driver's multi-line text: one per request during an outage."""
+    server, proxy = behind_a_proxy(postgres_url, tcp_proxy, start_server, reaper_interval_s=3600)
+
+    proxy.cut()
+    studies = httpx.get(f"{server.url}{API_PREFIX}/studies", timeout=60)
+    metrics = httpx.get(f"{server.url}/metrics", timeout=60)
+    proxy.restore()
+    server.stop()
+
+    assert studies.status_code == 503, studies.text
+    assert "vramtune_database_up 0.0" in metrics.text
+    lines = server.logs().splitlines()
+    assert not any("Traceback" in line for line in lines), server.logs()[-4000:]
+    records = [json.loads(line) for line in lines if line.startswith("{")]
+    warnings = [r for r in records if r["level"] in ("WARNING", "ERROR")]
+    assert warnings and not [r for r in warnings if "\n" in r.get("message", "")], warnings
+    outages = [e for e in json_events(server.log_path) if e["event"] == "database_unavailable"]
+    assert {e["where"] for e in outages} >= {"metrics scrape"}, outages
+    [request] = [e for e in outages if e.get("path") == f"{API_PREFIX}/studies"]
+    assert request["method"] == "GET" and request["where"] in ("request", "optuna storage")
+    for event in outages:
+        assert event["level"] == "WARNING" and "\n" not in event["error"], event
+        assert event["error"].split(": ", 1)[0].endswith("Error"), event  # its type, first
 
 
 def wait_for_log_event(server: ServerProcess, name: str) -> dict[str, Any]:

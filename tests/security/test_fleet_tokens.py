@@ -22,6 +22,7 @@ import httpx
 import pytest
 from security_fixtures import first_token
 
+from service.db.tables import MAX_ROW_ID
 from service.testing import fresh_postgres_database, run_vramtune, server_factory, sqlite_url
 
 WORKER_LIMIT = 40  # max_workers_per_token of the module's server
@@ -242,6 +243,21 @@ def test_a_token_for_study_a_is_never_offered_study_b(server: Server) -> None:
     assert other["study"] == study_b
     refused = limited.trial_call(other, "complete")
     assert refused.status_code == 403 and "limited" in refused.json()["detail"]
+
+
+def test_a_trial_id_past_the_id_columns_is_a_4xx_for_every_token(server: Server) -> None:
+    """A study-limited token's trial call names its study through the trial id (the auth
+    guard looks it up): an id no INTEGER column holds is no study of its (403), not a database
+    error; a token valid for every study gets the route's 422 naming the parameter."""
+    study, task = server.study(n_trials=1)
+    limited = Worker(server, server.token("worker", studies=[study])["token"], task)
+    fleet = Worker(server, server.token("worker")["token"], task)
+    body = {"lease": "x" * 16, "plan": PLAN}
+    for trial_id in (MAX_ROW_ID, MAX_ROW_ID + 1, 2**63):
+        refused = limited.http.post(f"/trials/{trial_id}/start", json=body)
+        assert refused.status_code == 403 and "limited" in refused.json()["detail"], refused.text
+    invalid = fleet.http.post(f"/trials/{MAX_ROW_ID + 1}/start", json=body)
+    assert invalid.status_code == 422 and invalid.json()["detail"][0]["loc"] == ["path", "trial_id"]
 
 
 def test_revoking_a_token_mid_trial_stops_its_workers_and_reoffers_the_trial(
