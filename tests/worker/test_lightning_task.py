@@ -107,7 +107,15 @@ def test_the_validation_is_predicted_and_measured_apart(
     result = task.run(config, plan, FEW_STEPS, CARD, Reporter())
     measured = result.measured
     assert measured.evaluation_peak_bytes is not None
-    assert predicted.evaluation_peak_bytes == measured.evaluation_peak_bytes
+    assert predicted.evaluation_peak_bytes is not None
+    # Where an epoch is not a whole number of accumulation windows (64 / 16 here, not 96 / 32),
+    # a later validation can fall inside one, beside its gradients (Lightning releases them
+    # only at a step's boundary), so the trace keeps them. These four steps validate at
+    # boundaries only: over by exactly the gradients then, the safe side.
+    aligned = task.sample_batch(config, micro).validates_between_steps(batch // micro)
+    over = 0 if aligned else predicted.breakdown["gradients"]
+    assert aligned == (micro != 16)
+    assert predicted.evaluation_peak_bytes - measured.evaluation_peak_bytes == over
     assert predicted.training_peak_bytes == measured.training_peak_bytes
 
 

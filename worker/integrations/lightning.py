@@ -271,9 +271,8 @@ class LightningTask:
             if type(datamodule).val_dataloader is not L.LightningDataModule.val_dataloader:
                 validation = next(iter(datamodule.val_dataloader()))
             first, residue = first_batch_and_residue(loader)
-            self._sample_batches[key] = Samples(
-                first, sized_len(loader) is None, validation, residue
-            )
+            length = sized_len(loader)
+            self._sample_batches[key] = Samples(first, length is None, validation, residue, length)
         found: Samples = self._sample_batches[key]
         return found
 
@@ -327,6 +326,16 @@ class Samples:
     residue_bytes: int = 0
     """What the loader's iterator keeps alive besides the batch it yields (an iterable
     dataset's generator holds its last example), measured on the real loader."""
+    length: int | None = None
+    """The training loader's batches per epoch (None without a length)."""
+
+    def validates_between_steps(self, accumulation: int) -> bool:
+        """Whether every validation starts at an optimizer step's boundary, where Lightning
+        releases the gradients first. Lightning counts validation intervals in loader batches
+        and steps on a partial accumulation at an epoch's end: when an epoch's batches are not
+        a multiple of the accumulation, a later validation falls inside an accumulation
+        window, beside its gradients."""
+        return accumulation == 1 or (self.length is not None and self.length % accumulation == 0)
 
 
 def first_batch_and_residue(loader: Any) -> tuple[Any, int]:
@@ -446,8 +455,9 @@ def trace_lightning(task: LightningTask, config: Config, plan: Plan, target: Tar
             if samples.validation is not None and _validates(module):
                 # Lightning's data is loaded before its loop runs (no warm-up pass), and the
                 # trace's batches are fake already.
+                release = samples.validates_between_steps(accumulation)
                 part = evaluation_part(
-                    lambda: validation_loop(module, samples.validation, plan, target),
+                    lambda: validation_loop(module, samples.validation, plan, target, release),
                     fake,
                     tracker,
                     warm_up=False,
@@ -474,12 +484,16 @@ VALIDATED_BATCHES = 2
 later one starts from the same live set."""
 
 
-def validation_loop(module: L.LightningModule, sample: Any, plan: Plan, target: Target) -> None:
-    """Lightning's validation as `fit` runs it between steps: the gradients released
-    (`on_validation_model_zero_grad`), the module in eval mode, no autograd, the precision's
-    autocast, `validation_step` over batches of the validation loader's first batch's shapes
-    (the last, smaller batch of a loader cannot set the peak)."""
-    module.on_validation_model_zero_grad()
+def validation_loop(
+    module: L.LightningModule, sample: Any, plan: Plan, target: Target, release: bool
+) -> None:
+    """Lightning's validation as `fit` runs it: the gradients released when it runs between
+    steps (`on_validation_model_zero_grad`; `release`), else beside them, the module in eval
+    mode, no autograd, the precision's autocast, `validation_step` over batches of the
+    validation loader's first batch's shapes (the last, smaller batch of a loader cannot set
+    the peak)."""
+    if release:
+        module.on_validation_model_zero_grad()
     module.eval()
     try:
         with torch.no_grad(), _validation_autocast(plan, target.device):
@@ -703,6 +717,9 @@ class _ReportingCallback(L.Callback):
         if self.last_value is not None and self.last_step == trainer.global_step:
             return self.last_value
         began = time.monotonic()
+        # Training is over: its last gradients are released first, as Lightning does before
+        # a validation between steps (the validation the prediction traces).
+        module.zero_grad(set_to_none=True)
         trainer.validate(module, datamodule=datamodule, verbose=False)
         self.eval_seconds += time.monotonic() - began
         value = self.value_of(trainer)
