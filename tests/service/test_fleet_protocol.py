@@ -1121,10 +1121,11 @@ def test_a_prediction_one_worker_made_comes_with_the_next_assignment_of_its_shap
         assert predictions.shared_for(session, other, env.task, config, study_id) == [], "card"
 
 
-def test_an_assignment_carries_the_fleets_predictions_for_its_shape(env: Env) -> None:
+def _worker_sharing_by_width(env: Env, name: str) -> SimWorker:
+    """A worker that shares `env.task`'s predictions by its width, on a 2-trial study."""
     env.create_study(n_trials=2, search_space={"x": {"type": "categorical", "choices": [1.0]}})
     body = {
-        "name": "shaped",
+        "name": name,
         "device": "cpu",
         "card": {"model": "Sim 8G", "total_bytes": 8 * GIB, "free_bytes": 8 * GIB},
         "tasks": [env.task],
@@ -1132,6 +1133,11 @@ def test_an_assignment_carries_the_fleets_predictions_for_its_shape(env: Env) ->
     }
     worker = SimWorker(env.http, "plain", env.task)
     worker.id = env.http.post("/workers", json=body).json()["worker_id"]
+    return worker
+
+
+def test_an_assignment_carries_the_fleets_predictions_for_its_shape(env: Env) -> None:
+    worker = _worker_sharing_by_width(env, "shaped")
     first = worker.next()
     assert first is not None and first["predictions"] == []
     shared = {"shape": {"width": None}, "plan": HALVED, "prediction": _prediction(GIB)}
@@ -1140,6 +1146,38 @@ def test_an_assignment_carries_the_fleets_predictions_for_its_shape(env: Env) ->
     second = worker.next()
     assert second is not None
     assert [p["plan"]["micro_batch"] for p in second["predictions"]] == [8]
+
+
+def test_predictions_for_other_world_sizes_and_strategies_are_kept_apart(env: Env) -> None:
+    """One shape's prediction on one card, on 2 ranks under FSDP2, on 4 under FSDP2 and on 2
+    under DDP: four keys, four rows, each handed out with its own per-rank peak (issue 31)."""
+    worker = _worker_sharing_by_width(env, "ranked")
+    first = worker.next()
+    assert first is not None
+    plans = [
+        PLAN,
+        {**PLAN, "world_size": 2, "strategy": "fsdp"},
+        {**PLAN, "world_size": 4, "strategy": "fsdp"},
+        {**PLAN, "world_size": 2, "strategy": "ddp"},
+    ]
+    shared = [
+        {"shape": {"width": None}, "plan": plan, "prediction": _prediction((n + 1) * GIB)}
+        for n, plan in enumerate(plans)
+    ]
+    started = worker.call(first, "start", plan=PLAN, predictions=shared)
+    assert started.status_code == 200, started.text
+    second = worker.next()
+    assert second is not None
+    given = {
+        (p["plan"].get("world_size", 1), p["plan"].get("strategy")): p["prediction"]
+        for p in second["predictions"]
+    }
+    assert {ranks: p["peak_allocated_bytes"] // GIB for ranks, p in given.items()} == {
+        (1, None): 1,
+        (2, "fsdp"): 2,
+        (4, "fsdp"): 3,
+        (2, "ddp"): 4,
+    }
 
 
 def test_step_time_model_is_fitted_from_the_times_runs_reported(env: Env) -> None:
