@@ -25,7 +25,8 @@ Typical use in a training loop::
 it is wrapped (`_watch_resizes`), and a counted storage resized in place is counted at its new
 size from then on. FSDP2 frees each all-gathered parameter with ``resize_(0)`` after forward and
 re-materialises it with ``resize_(n)`` before backward; unseen, those bytes stayed counted, and
-FSDP2's peak was over-counted by about 4.5 % (issue 31), on real ranks and in the trace alike.
+FSDP2's peak was over-counted by 0.4-13.8 % (issue 31's benchmark), on real ranks and in the
+trace alike.
 
 Tensors created before the tracker is entered are not counted unless passed to `track`, nor
 are views of them (a slice of a dataset loaded before the run is not memory the run allocated:
