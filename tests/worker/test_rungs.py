@@ -117,8 +117,11 @@ def test_chunked_cross_entropy_gives_the_same_loss_and_gradients(config: dict[st
     chunked_loss, chunked_grads = _loss_and_gradients({**config, "dropout": 0.0}, chunked=True)
     assert chunked_loss == pytest.approx(whole_loss, rel=1e-6)
     assert len(whole_grads) == len(chunked_grads)
+    # float32 sums in another order: within a few ulps of the gradient's scale (1.5e-7 on a
+    # 5e-3 element was seen on one CPU; an error in the chunking would be of the gradient's size)
     for whole, chunked in zip(whole_grads, chunked_grads, strict=True):
-        torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-7)
+        scale = float(whole.abs().max())
+        torch.testing.assert_close(chunked, whole, rtol=1e-4, atol=1e-5 * scale)
 
 
 @pytest.mark.parametrize(
