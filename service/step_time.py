@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 import statistics
 from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
 
 from common.step_time import (
     coefficients_of,
@@ -88,39 +90,78 @@ def fit_step_time(
     runs = [(x, w) for x, w in pairs if x.measured_step_s and x.measured_step_s > 0]
     if not runs:
         return default_step_time_fit(card_model, task)
-    kept, fit = runs, _weighted_fit(card_model, task, runs)
+    design = _Design.of(runs)
+    kept = list(range(len(runs)))
+    fit = _weighted_fit(card_model, task, design)
     for _ in range(MAX_REFITS):
-        trimmed = _within_bound(fit, runs)
+        trimmed = _within_bound(fit, design)
         if not trimmed:  # no majority, and its halves too far apart: believe neither
             return default_step_time_fit(card_model, task)
         if trimmed == kept:
             break
-        kept, fit = trimmed, _weighted_fit(card_model, task, trimmed)
-    own_errors = [relative_error(fit, x) for x, _ in kept]
+        kept, fit = trimmed, _weighted_fit(card_model, task, design.only(trimmed))
+    own_errors = [relative_error(fit, runs[i][0]) for i in kept]
     return fit.model_copy(update={"median_error": statistics.median(own_errors)})
 
 
-def _within_bound(fit: StepTimeFit, runs: Runs) -> Runs:
-    """The runs within OUTLIER_FACTOR of the fit re-centred on its weighted median error."""
-    errors = _log_errors(fit, [x for x, _ in runs])
-    centre = _weighted_median(errors, _worker_weights([w for _, w in runs]))
+@dataclass(frozen=True)
+class _Design:
+    """Runs as the fit reads them, computed once for every fit made of them: for each overhead
+    on the grid the feature columns, the log times, and who reported each run."""
+
+    columns: dict[float, list[list[float]]]
+    targets: list[float]
+    workers: list[Hashable]
+
+    @classmethod
+    def of(cls, runs: Runs) -> _Design:
+        def columns(overhead: float) -> list[list[float]]:
+            rows = [step_time_features(x, overhead) for x, _ in runs]
+            return [list(column) for column in zip(*rows, strict=True)]
+
+        return cls(
+            {overhead: columns(overhead) for overhead in OVERHEAD_GRID},
+            [math.log(x.measured_step_s or 1.0) for x, _ in runs],
+            [w for _, w in runs],
+        )
+
+    def only(self, keep: Sequence[int]) -> _Design:
+        """The runs at positions ``keep``."""
+        return _Design(
+            {o: [[c[i] for i in keep] for c in cs] for o, cs in self.columns.items()},
+            [self.targets[i] for i in keep],
+            [self.workers[i] for i in keep],
+        )
+
+    def log_errors(self, overhead: float, beta: Sequence[float]) -> list[float]:
+        """log(predicted / measured) of each run, by coefficients ``beta``."""
+        predicted = [0.0] * len(self.targets)
+        for b, column in zip(beta, self.columns[overhead], strict=True):
+            scaled = map(operator.mul, column, itertools.repeat(b))
+            predicted = list(map(operator.add, predicted, scaled))
+        return list(map(operator.sub, predicted, self.targets))
+
+
+def _within_bound(fit: StepTimeFit, design: _Design) -> list[int]:
+    """The positions of the runs within OUTLIER_FACTOR of the fit re-centred on its weighted
+    median error."""
+    errors = design.log_errors(fit.overhead_samples, coefficients_of(fit))
+    centre = _weighted_median(errors, _worker_weights(design.workers))
     bound = math.log(OUTLIER_FACTOR)
-    return [run for run, error in zip(runs, errors, strict=True) if abs(error - centre) <= bound]
+    return [i for i, error in enumerate(errors) if abs(error - centre) <= bound]
 
 
-def _weighted_fit(card_model: str, task: str, runs: Runs) -> StepTimeFit:
+def _weighted_fit(card_model: str, task: str, design: _Design) -> StepTimeFit:
     """The ridge fit of the best overhead on the grid, each worker's runs weighing alike."""
-    weights = _worker_weights([w for _, w in runs])
-    targets = [math.log(x.measured_step_s or 1.0) for x, _ in runs]
+    weights = _worker_weights(design.workers)
     best: tuple[float, float, list[float]] | None = None
     for overhead in OVERHEAD_GRID:
-        rows = [step_time_features(x, overhead) for x, _ in runs]
-        beta = _ridge(rows, targets, weights, step_time_prior(), PRIOR_WEIGHT)
+        columns = design.columns[overhead]
+        beta = _ridge(columns, design.targets, weights, step_time_prior(), PRIOR_WEIGHT)
         beta[1:4] = [max(beta[1], 0.0), max(beta[2], 0.0), beta[3]]  # resizing never speeds up
         beta[6] = max(beta[6], 0.0)  # nor does the chunked loss
-        sse = sum(
-            w * (_dot(r, beta) - t) ** 2 for r, t, w in zip(rows, targets, weights, strict=True)
-        )
+        errors = design.log_errors(overhead, beta)
+        sse = sum(map(operator.mul, weights, map(operator.mul, errors, errors)))
         if best is None or sse < best[0]:
             best = (sse, overhead, beta)
     assert best is not None
@@ -130,7 +171,7 @@ def _weighted_fit(card_model: str, task: str, runs: Runs) -> StepTimeFit:
         task=task,
         overhead_samples=overhead,
         coefficients=beta,
-        n_observations=len(runs),
+        n_observations=len(design.targets),
     )
 
 
@@ -139,15 +180,6 @@ def _worker_weights(workers: Sequence[Hashable]) -> list[float]:
     PRIOR_WEIGHT keeps its meaning, and one worker's runs weigh 1 each as they always did)."""
     counts = Counter(workers)
     return [len(workers) / (len(counts) * counts[w]) for w in workers]
-
-
-def _log_errors(fit: StepTimeFit, runs: Sequence[StepTimeObservation]) -> list[float]:
-    """log(predicted / measured) of each run, by the fit's coefficients (whatever its count)."""
-    beta = coefficients_of(fit)
-    return [
-        _dot(step_time_features(x, fit.overhead_samples), beta) - math.log(x.measured_step_s or 1.0)
-        for x in runs
-    ]
 
 
 def _weighted_median(values: Sequence[float], weights: Sequence[float]) -> float:
@@ -173,25 +205,23 @@ def relative_error(fit: StepTimeFit, x: StepTimeObservation) -> float:
     return abs(predicted - x.measured_step_s) / x.measured_step_s
 
 
-def _dot(a: Sequence[float], b: Sequence[float]) -> float:
-    return sum(p * q for p, q in zip(a, b, strict=True))
-
-
 def _ridge(
-    rows: list[list[float]],
+    columns: list[list[float]],
     targets: list[float],
     weights: list[float],
     prior: list[float],
     weight: float,
 ) -> list[float]:
-    """argmin sum w (x b - y)^2 + weight * |b - prior|^2 over all but the intercept."""
+    """argmin sum w (x b - y)^2 + weight * |b - prior|^2 over all but the intercept, given
+    X by its columns."""
     k = len(prior)
-    weighted = [[w * v for v in r] for r, w in zip(rows, weights, strict=True)]
-    matrix = [
-        [sum(r[i] * q[j] for r, q in zip(weighted, rows, strict=True)) for j in range(k)]
-        for i in range(k)
-    ]
-    vector = [sum(r[i] * t for r, t in zip(weighted, targets, strict=True)) for i in range(k)]
+    # Column by column with map (a fraction of the time of a Python loop over rows), the
+    # upper half of the symmetric X'WX mirrored.
+    weighted = [list(map(operator.mul, column, weights)) for column in columns]
+    matrix = [[0.0] * k for _ in range(k)]
+    for i, j in itertools.combinations_with_replacement(range(k), 2):
+        matrix[i][j] = matrix[j][i] = sum(map(operator.mul, weighted[i], columns[j]))
+    vector = [sum(map(operator.mul, column, targets)) for column in weighted]
     for i in range(1, k):  # the intercept is free: no prior on the card's speed
         matrix[i][i] += weight
         vector[i] += weight * prior[i]
