@@ -162,10 +162,12 @@ class MemoryPolicy(Wire):
     resizes: list[Resize] = Field(
         default_factory=_default_resizes,
         description=(
-            "Rungs allowed, each adding to the ones before: micro_batch, checkpointing (every "
-            "block), selective_checkpointing (the fewest blocks that fit), "
-            "chunked_cross_entropy (the vocabulary's logits in chunks), bf16 (changes the "
-            "numerics: only when listed). The fitting plan of least predicted step time wins."
+            "Rungs allowed, in any order: micro_batch, checkpointing (every block), "
+            "selective_checkpointing (the fewest blocks that fit), chunked_cross_entropy (the "
+            "vocabulary's logits in chunks), bf16 (changes the numerics: only when listed, and "
+            "only when nothing else fits). Each rung is tried alone with micro-batches; "
+            "checkpointing and the chunked loss are combined when neither fits alone. The "
+            "fitting plan of least predicted step time wins."
         ),
     )
     margin: Finite = Field(

@@ -1,5 +1,6 @@
 """The plan ladder's newer rungs: selective checkpointing (k of L blocks) and chunked
-cross-entropy, predicted exactly against real CPU runs and chosen by the fit policy.
+cross-entropy, alone and combined, predicted exactly against real CPU runs and chosen by the fit
+policy.
 
 Cost: ~5 min at load 16 on 2 cores (tiny Llama, GPT-2 and char-transformer configs, two real
 CPU steps per exactness case).
@@ -46,6 +47,9 @@ LORA = {**LLAMA, "finetune": {"method": "lora", "r": 8, "lora_alpha": 16}}
 # One long sequence: no micro-batches to take, activations above the optimizer step's peak.
 LONG = {**LLAMA, "batch_size": 1, "seq_len": 256}
 LONG_BIG_VOCAB = {**LONG, "num_hidden_layers": 2, "vocab_size": 16384}
+# Longer still, four blocks: the logits and the blocks' activations both above the optimizer's
+# peak, so that checkpointing some blocks lowers the peak of the chunked loss further.
+LONGER_BIG_VOCAB = {**LONG, "seq_len": 512, "vocab_size": 8192}
 CHAR = {"n_layers": 4, "d_model": 32, "n_heads": 4, "seq_len": 32, "batch_size": 4}
 CPU = torch.device("cpu")
 CPU_CARD = CardSpec(info=CardInfo(model="cpu", total_bytes=2**40, free_bytes=2**40))
@@ -175,12 +179,49 @@ def test_selective_checkpointing_is_cheaper_than_every_block_by_the_step_time_mo
     config = LONG
     one = Plan(checkpointing=True, checkpoint_blocks=1)
     free = _between(_hf(), config, one, Plan())
-    both = MemoryPolicy(resizes=["checkpointing", "selective_checkpointing"], margin=0.0)
-    # Listed after checkpointing, selective is no rung above it: only every block is offered.
-    assert choose_plan(runner, config, both, CPU_CARD, free).plan.checkpoint_blocks is None  # type: ignore[union-attr]
-    selective_first = MemoryPolicy(resizes=["selective_checkpointing", "checkpointing"], margin=0.0)
-    decision = choose_plan(runner, config, selective_first, CPU_CARD, free)
-    assert isinstance(decision, RunAsPlanned) and decision.plan.checkpoint_blocks == 1
+    # Listed before or after checkpointing, selective checkpointing chooses the fewest blocks.
+    for rungs in (["checkpointing", "selective_checkpointing"], ["selective_checkpointing"]):
+        policy = MemoryPolicy.model_validate({"resizes": rungs, "margin": 0.0})
+        decision = choose_plan(runner, config, policy, CPU_CARD, free)
+        assert isinstance(decision, RunAsPlanned) and decision.plan.checkpoint_blocks == 1
+
+
+COMBINED = [
+    Plan(micro_batch=2, accumulation=2, checkpointing=True, checkpoint_blocks=1, chunked_loss=True),
+    Plan(checkpointing=True, chunked_loss=True),
+]
+
+
+@pytest.mark.parametrize("plan", COMBINED, ids=["micro2-1-of-2-chunked", "every-chunked"])
+def test_combined_rungs_are_predicted_to_the_byte(plan: Plan) -> None:
+    task = _hf()
+    prediction = predict(task, BIG_VOCAB, plan)
+    assert prediction.method == "trace", prediction.reason
+    assert prediction.peak_allocated_bytes == measured_cpu_peak(task, BIG_VOCAB, plan)
+
+
+def test_the_policy_combines_rungs_only_when_none_fits_alone() -> None:
+    task = _hf()
+    runner = TorchTaskRunner(task)
+    config = LONGER_BIG_VOCAB  # one sequence: no micro-batches to take
+    combined = Plan(checkpointing=True, checkpoint_blocks=1, chunked_loss=True)
+    alone = [Plan(checkpointing=True), Plan(chunked_loss=True)]
+    smallest_alone = min(alone, key=lambda plan: peak_of(predict(task, config, plan)))
+    free = _between(task, config, combined, smallest_alone)
+    policy = MemoryPolicy(
+        resizes=["micro_batch", "selective_checkpointing", "chunked_cross_entropy"], margin=0.0
+    )
+    decision = choose_plan(runner, config, policy, CPU_CARD, free)
+    assert isinstance(decision, RunAsPlanned), decision
+    assert plan_key(decision.plan) == plan_key(combined)
+    assert rungs_of(decision.plan) == ["selective_checkpointing", "chunked_cross_entropy"]
+    assert "rungs: selective_checkpointing, chunked_cross_entropy" in decision.plan.reason
+    real = measured_cpu_peak(task, config, decision.plan)
+    assert real == decision.prediction.peak_allocated_bytes <= free
+    # Where a rung alone fits, it is taken: no combination is searched.
+    roomy = peak_of(predict(task, config, smallest_alone))
+    alone_fits = choose_plan(runner, config, policy, CPU_CARD, roomy)
+    assert isinstance(alone_fits, RunAsPlanned) and len(rungs_of(alone_fits.plan)) == 1
 
 
 def test_the_policy_takes_chunked_cross_entropy_when_only_it_fits() -> None:

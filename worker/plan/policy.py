@@ -1,13 +1,16 @@
 """The fit policy: from a prediction and the study's memory policy, how to run a trial here.
 
 Plans are tried in the order DESIGN.md section 2 step 4 gives: as asked → a smaller micro-batch
-with gradient accumulation (the effective batch, a hyperparameter, never changes) → + activation
-checkpointing → + bf16 autocast (only when the study allows precision changes). The study's
-`memory_policy.resizes` names the rungs, each adding to those before it; besides those three,
-selective_checkpointing (the fewest of the model's blocks that fit, at the largest micro-batch
-that fits with all of them checkpointed) and chunked_cross_entropy (the loss over the vocabulary
-in chunks). Among the plans that keep the numerics (everything but bf16) the one with the least
-predicted time per step wins
+with gradient accumulation (the effective batch, a hyperparameter, never changes) → + a rung that
+keeps the numerics → + bf16 autocast (only when the study allows precision changes). The study's
+`memory_policy.resizes` names the rungs allowed, in any order: micro_batch, checkpointing (every
+block), selective_checkpointing (the fewest of the model's blocks that fit, at the largest
+micro-batch that fits with all of them checkpointed; it may choose every block, so it stands
+for checkpointing where both are allowed), chunked_cross_entropy (the loss over the vocabulary
+in chunks), bf16. Each rung is tried alone with micro-batches first; checkpointing and the
+chunked loss are combined only when neither fits alone (`_ladder`: a combination costs more
+predictions). Among the plans that keep the numerics the one with the least predicted time per
+step wins
 (service.step_time: the fleet's own fit for this card model and task, the fixed model before any
 measurement); bf16 is used only when nothing else fits. A plan that already ran out of memory on
 this card model (`plans_tried`) is never chosen again, nor any plan predicted to need as much;
@@ -204,19 +207,24 @@ def _choose(
         return _blind_plan(chooser.batch, policy, plans_tried, first)
     margin_budget = int(free_bytes * (1.0 - policy.margin))
     budget = chooser.below_tried(margin_budget, plans_tried)
-    stages = _stages(runner, policy, config)
+    ladder = _ladder(runner, policy, config)
     below_oom = _micro_batch_cap(chooser.batch, plans_tried)
     for precise, cap in _search_order(below_oom, chooser.batch):
-        ladder = [s for s in stages if s.bf16 != precise]
-        if peak_of(first) > budget and not chooser.smallest_fits(ladder, budget):
+        tiers = [tier for tier in ladder if tier[0].bf16 != precise]
+        stages = [stage for tier in tiers for stage in tier]
+        if not stages or (peak_of(first) > budget and not chooser.smallest_fits(stages, budget)):
             continue
-        found = chooser.cheapest(ladder, budget, _keys(plans_tried), cap)
+        found = None
+        for tier in tiers:  # combinations only where no rung alone fits
+            found = chooser.cheapest(tier, budget, _keys(plans_tried), cap)
+            if found is not None:
+                break
         if found is not None:
             plan, prediction = found
             reason = _reason(chooser, plan, prediction, first, budget, free_bytes, policy)
             features = chooser.step_time(plan, prediction, peak_of(first))
             return RunAsPlanned(plan.model_copy(update={"reason": reason}), prediction, features)
-    return chooser.hand_back(stages[-1], budget, free_bytes, policy)
+    return chooser.hand_back(ladder[-1][-1], budget, free_bytes, policy)
 
 
 class _Chooser:
@@ -372,28 +380,47 @@ class _Chooser:
         return HandBack(need, plan.model_copy(update={"reason": reason}), reason)
 
 
-def _stages(runner: TrialRunner, policy: MemoryPolicy, config: Config) -> list[_Stage]:
-    """The ladder of allowed resizes, cumulative, in the policy's order (a rung the runner
-    cannot take for this configuration is skipped)."""
-    stage = _Stage(micro_batch=False, checkpointing=False, bf16=False)
-    stages = [stage]
-    if not policy.allow_resize:
-        return stages
-    for resize in policy.resizes:
-        if resize == "micro_batch":
-            stage = dataclasses.replace(stage, micro_batch=True)
-        elif resize == "checkpointing" and runner.can_checkpoint:
-            stage = dataclasses.replace(stage, checkpointing=True, selective=False)
-        elif resize == "selective_checkpointing" and _selective_allowed(runner, config, stage):
-            stage = dataclasses.replace(stage, checkpointing=True, selective=True)
-        elif resize == "chunked_cross_entropy" and _chunks_loss(runner, config):
-            stage = dataclasses.replace(stage, chunked_loss=True)
-        elif resize == "bf16" and runner.can_bf16:
-            stage = dataclasses.replace(stage, bf16=True)
-        else:
-            continue
-        stages.append(stage)
-    return stages
+def _ladder(runner: TrialRunner, policy: MemoryPolicy, config: Config) -> list[list[_Stage]]:
+    """The allowed plans' stages in two tiers: each rung alone (with micro-batches), then the
+    rungs combined. The second is searched only when nothing of the first fits: combining costs
+    predictions (a micro-batch solve and a bisection over blocks each) that a plan one rung
+    can fit never needs. A rung the runner cannot take for this configuration is left out.
+    With bf16 listed, the same two tiers with bf16 follow (`_choose` searches them only when
+    no plan that keeps the numerics fits)."""
+    allowed: set[str] = set(policy.resizes) if policy.allow_resize else set()
+    base = _Stage(micro_batch="micro_batch" in allowed, checkpointing=False, bf16=False)
+    found = (_checkpointing_rung(runner, config, allowed), _chunked_rung(runner, config, allowed))
+    rungs = [rung for rung in found if rung is not None]
+    singles = [_Stage(micro_batch=False, checkpointing=False, bf16=False)]
+    singles += [base] if base.micro_batch else []
+    singles += [_with(base, rung) for rung in rungs]
+    combined = [_with(_with(base, rungs[0]), rungs[1])] if len(rungs) == 2 else []
+    tiers = [singles, combined]
+    if "bf16" in allowed and runner.can_bf16:
+        tiers += [[dataclasses.replace(s, bf16=True) for s in tier] for tier in tiers]
+    return [tier for tier in tiers if tier]
+
+
+def _checkpointing_rung(runner: TrialRunner, config: Config, allowed: set[str]) -> str | None:
+    """Which checkpointing the ladder may use: the fewest blocks that fit (which may be every
+    block) where allowed and possible, else every block where allowed."""
+    if "selective_checkpointing" in allowed and _selective_allowed(runner, config):
+        return "selective"
+    return "every" if "checkpointing" in allowed and runner.can_checkpoint else None
+
+
+def _chunked_rung(runner: TrialRunner, config: Config, allowed: set[str]) -> str | None:
+    """The chunked loss where allowed and the task computes its loss in chunks."""
+    return (
+        "chunked" if "chunked_cross_entropy" in allowed and _chunks_loss(runner, config) else None
+    )
+
+
+def _with(stage: _Stage, rung: str) -> _Stage:
+    """`stage` with one more rung on (see `_ladder`)."""
+    if rung == "chunked":
+        return dataclasses.replace(stage, chunked_loss=True)
+    return dataclasses.replace(stage, checkpointing=True, selective=rung == "selective")
 
 
 def _block_count(runner: TrialRunner, config: Config) -> int | None:
@@ -403,11 +430,10 @@ def _block_count(runner: TrialRunner, config: Config) -> int | None:
     return runner.checkpoint_block_count(config)
 
 
-def _selective_allowed(runner: TrialRunner, config: Config, stage: _Stage) -> bool:
-    """Selective checkpointing needs blocks to choose from (more than one), and is no rung
-    above checkpointing every block."""
+def _selective_allowed(runner: TrialRunner, config: Config) -> bool:
+    """Selective checkpointing needs blocks to choose from (more than one)."""
     blocks = _block_count(runner, config)
-    return blocks is not None and blocks > 1 and not stage.checkpointing
+    return blocks is not None and blocks > 1
 
 
 def _chunks_loss(runner: TrialRunner, config: Config) -> bool:
