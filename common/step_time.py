@@ -13,13 +13,18 @@ DEFAULT_CHECKPOINT_SLOWDOWN = 4 / 3
 """The fixed model: checkpointing recomputes the forward pass, about a third more compute."""
 DEFAULT_CHUNKED_LOSS_SLOWDOWN = 1.05
 """The fixed model: chunked cross-entropy recomputes the output layer's forward in backward."""
+DEFAULT_RANK_DOUBLING_SLOWDOWN = 1.07
+"""The fixed model: each doubling of the ranks adds about 7 % to a rank's step (gradients
+reduced, parameters gathered) beyond its share of the batch, which the micro-batch terms count."""
+DEFAULT_FSDP_SLOWDOWN = 1.1
+"""The fixed model: FSDP2 gathers each unit's parameters in forward and backward, DDP does not."""
 STEP_TIME_MIN_RUNS = 3
 """Runs needed before an absolute step time is predicted (the intercept needs data)."""
 
 
 def step_time_prior() -> list[float]:
     """The fixed model's coefficients (intercept, samples, checkpointing, bf16, sizes, chunked
-    loss)."""
+    loss, world size, FSDP)."""
     return [
         0.0,
         1.0,
@@ -28,6 +33,8 @@ def step_time_prior() -> list[float]:
         0.0,
         0.0,
         math.log(DEFAULT_CHUNKED_LOSS_SLOWDOWN),
+        math.log(DEFAULT_RANK_DOUBLING_SLOWDOWN) / math.log(2),
+        math.log(DEFAULT_FSDP_SLOWDOWN),
     ]
 
 
@@ -45,7 +52,8 @@ def default_step_time_fit(card_model: str = "", task: str = "") -> StepTimeFit:
 def step_time_features(x: StepTimeObservation, overhead: float) -> list[float]:
     """The model's inputs for one run (logs of sizes floored at 1). Checkpointing counts by
     the share of blocks it recomputes: selective checkpointing of k of L blocks costs k/L of
-    checkpointing them all."""
+    checkpointing them all. A distributed run's micro-batches are one rank's share; its world
+    size and FSDP then add their own terms, so the fit learns each world size's cost."""
     checkpointed = 1.0 if x.checkpointed_fraction is None else x.checkpointed_fraction
     return [
         1.0,
@@ -55,6 +63,8 @@ def step_time_features(x: StepTimeObservation, overhead: float) -> list[float]:
         math.log(max(x.parameter_bytes, 1)),
         math.log(max(x.as_asked_peak_bytes, 1)),
         float(x.chunked_loss),
+        math.log(x.world_size),
+        float(x.strategy == "fsdp"),
     ]
 
 
@@ -75,6 +85,8 @@ def step_time_slowdown(fit: StepTimeFit, x: StepTimeObservation) -> float:
             "checkpointed_fraction": None,
             "chunked_loss": False,
             "bf16": False,
+            "world_size": 1,
+            "strategy": None,
         }
     )
     ours = step_time_features(x, fit.overhead_samples)
@@ -84,7 +96,7 @@ def step_time_slowdown(fit: StepTimeFit, x: StepTimeObservation) -> float:
 
 
 def coefficients_of(fit: StepTimeFit) -> list[float]:
-    """The fit's coefficients; a fit made before the chunked loss had a term takes the prior's."""
+    """The fit's coefficients; a fit made before a term existed takes the prior's for it."""
     prior = step_time_prior()
     return [*fit.coefficients, *prior[len(fit.coefficients) :]]
 

@@ -747,6 +747,19 @@ class StepTimeObservation(Wire):
     bf16: bool = False
     parameter_bytes: Bytes = Field(0, description="The model's parameters (its size).")
     as_asked_peak_bytes: Bytes = Field(0, description="Predicted footprint as asked (its work).")
+    # Left out for one card, as in Plan: a one-card observation reads as before issue 31.
+    world_size: int = Field(
+        1,
+        ge=1,
+        le=MAX_WORLD_SIZE,
+        description="Ranks it ran on; the micro-batch fields are one rank's share.",
+        exclude_if=lambda size: size == 1,
+    )
+    strategy: Strategy | None = Field(
+        None,
+        description="The data-parallel wrapper; None: 1 rank.",
+        exclude_if=lambda strategy: strategy is None,
+    )
     predicted_step_s: Finite | None = Field(None, ge=0, description="The model's prediction.")
     measured_step_s: Finite | None = Field(None, ge=0, description="Training time / steps.")
 
@@ -757,8 +770,9 @@ class StepTimeFit(Wire):
     card_model: str
     task: str
     overhead_samples: float = Field(description="A micro-batch's fixed cost, in samples.")
-    # 6 before chunked_loss had a term: such a fit reads the 7th from the prior.
-    coefficients: list[float] = Field(min_length=6, max_length=7)
+    # 6 before chunked_loss had a term, 7 before the world size and FSDP had theirs (issue 31):
+    # such a fit reads the rest from the prior.
+    coefficients: list[float] = Field(min_length=6, max_length=9)
     n_observations: int = 0
     median_error: float | None = Field(None, description="In-sample |pred - meas| / meas.")
 

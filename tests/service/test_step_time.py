@@ -14,7 +14,7 @@ from common.step_time import (
     step_time_slowdown as slowdown,
 )
 from service.step_time import fit_step_time, relative_error
-from service.wire import StepTimeFit, StepTimeObservation
+from service.wire import StepTimeFit, StepTimeObservation, Strategy
 
 
 def run(
@@ -69,6 +69,32 @@ def test_the_fit_learns_the_cards_overhead_and_checkpointing_cost() -> None:
     fresh = history(100, seed=1)
     errors = sorted(relative_error(fit, x) for x in fresh)
     assert errors[50] < 0.05 and errors[90] < 0.15  # 3 % noise
+
+
+def test_the_fit_learns_what_each_world_size_and_fsdp_cost() -> None:
+    """A rank's step: its share of the batch, 1.15x per doubling of the ranks, FSDP 1.3x."""
+    rng = random.Random(5)
+
+    def ranks(batch: int, size: int, strategy: Strategy | None) -> StepTimeObservation:
+        share = batch // size
+        x = run(batch, share).model_copy(
+            update={"micro_batch": share, "micro_batches": 1, "world_size": size}
+        )
+        return x.model_copy(update={"strategy": strategy})
+
+    def timed(x: StepTimeObservation) -> StepTimeObservation:
+        seconds = 1e-3 * (x.micro_batch + 32) * x.world_size ** math.log2(1.15)
+        seconds *= 1.3 if x.strategy == "fsdp" else 1.0
+        return x.model_copy(update={"measured_step_s": seconds * math.exp(rng.gauss(0, 0.02))})
+
+    shapes = [(1, None), (2, "ddp"), (2, "fsdp"), (4, "ddp"), (4, "fsdp"), (8, "ddp")]
+    history_ = [timed(ranks(rng.choice([64, 128, 256]), *rng.choice(shapes))) for _ in range(300)]
+    fit = fit_step_time("card", "task", history_)
+    fsdp, ddp = ranks(256, 4, "fsdp"), ranks(256, 4, "ddp")
+    assert slowdown(fit, fsdp) / slowdown(fit, ddp) == pytest.approx(1.3, rel=0.05)
+    for size, strategy in shapes:
+        x = timed(ranks(128, size, strategy))
+        assert relative_error(fit, x) < 0.1, (size, strategy)
 
 
 def test_more_runs_predict_better_and_a_few_already_give_seconds() -> None:

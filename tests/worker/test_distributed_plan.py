@@ -69,6 +69,12 @@ def test_the_fewest_ranks_that_hold_it_in_the_study_s_order(
     per_rank = decision.prediction.peak_allocated_bytes
     assert per_rank <= FREE * 0.9
     assert f"2 ranks, {chosen}: {per_rank:,} bytes per rank" in plan.reason
+    # What the step-time model learns from the run: one rank's share, the ranks, the wrapper.
+    features = decision.step_time
+    assert features is not None
+    assert (features.world_size, features.strategy) == (2, chosen)
+    assert (features.batch_size, features.micro_batch, features.micro_batches) == (64, 32, 1)
+    assert features.as_asked_peak_bytes > FREE  # the one-card footprint: the trial's work
 
 
 def test_more_cards_come_before_resizing_on_one() -> None:

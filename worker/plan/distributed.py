@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from common.memory import peak_of
 from service.wire import DistributedPolicy, MemoryPolicy, Plan, Prediction, RankNeed, Strategy
-from worker.plan.policy import Decision, HandBack, RunAsPlanned
+from worker.plan.policy import Decision, HandBack, RunAsPlanned, step_features
 from worker.trial.runner import CardSpec, Config
 
 if TYPE_CHECKING:  # the agent imports this module without torch; tracing imports it late
@@ -95,7 +95,10 @@ def _choose(
     for size in world_sizes(batch, distributed, cards):
         for plan, prediction in _predicted(task, config, distributed, card, size):
             if peak_of(prediction) <= budget:
-                return RunAsPlanned(_explained(plan, prediction, budget), prediction)
+                # The step-time model learns each world size's cost from these runs.
+                work = as_asked.min_footprint_bytes
+                features = step_features(plan, batch, prediction, work)
+                return RunAsPlanned(_explained(plan, prediction, budget), prediction, features)
     resized = single_card(policy) if policy.allow_resize else as_asked
     if isinstance(resized, RunAsPlanned):
         return resized

@@ -130,12 +130,16 @@ def step_features(
     blocks: int | None = None,
 ) -> StepTimeObservation:
     """What the step-time model reads of a run: its plan's shape and the model's size
-    (`blocks`: how many selective checkpointing chooses among)."""
-    micro = min(plan.micro_batch or batch_size, batch_size)
+    (`blocks`: how many selective checkpointing chooses among). On several ranks the
+    micro-batches are one rank's share of the batch."""
+    share = max(batch_size // plan.world_size, 1)
+    micro = min(plan.micro_batch or share, share)
     return StepTimeObservation(
         batch_size=batch_size,
         micro_batch=micro,
-        micro_batches=math.ceil(batch_size / micro),
+        micro_batches=math.ceil(share / micro),
+        world_size=plan.world_size,
+        strategy=plan.strategy,
         checkpointing=plan.checkpointing,
         checkpointed_fraction=_checkpointed_fraction(plan, blocks),
         chunked_loss=plan.chunked_loss,
