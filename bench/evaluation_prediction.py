@@ -245,7 +245,13 @@ def render(rows: list[dict[str, Any]], options: argparse.Namespace) -> str:
         "rows in one pass, sets the peak at the small and the wide configurations and is "
         "predicted; before issue 29 it was measured but not predicted. hf-trainer-bert "
         "has `compute_metrics`: its evaluation loop gathers every batch's logits and labels on "
-        "the device until the loop ends, which the trace counts as the run does.",
+        "the device until the loop ends, which the trace counts as the run does. Every case "
+        "here runs as asked (no accumulation). With Lightning accumulating over an epoch that "
+        "is not a whole number of accumulation windows, a validation can fall inside a window, "
+        "beside its gradients: the trace then keeps them, and a run whose validations all fall "
+        "at step boundaries measures the gradients' bytes less (the safe side; "
+        "tests/worker/test_lightning_task.py, and one 512 B block over in the e2e study, whose "
+        "validation fell inside a window).",
         "",
         "Times are wall seconds on a shared 2-core machine.",
     ]

@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
+import sqlalchemy as sa
 
 from service.client import Client
 from service.testing import (
@@ -248,3 +249,31 @@ def dashboard_trial(server: ServerProcess, study: str, number: int) -> dict[str,
     assert response.status_code == 200, response.text
     found: dict[str, Any] = response.json()
     return found
+
+
+PEAK_COLUMNS = (
+    "predicted_training",
+    "predicted_evaluation",
+    "measured_training",
+    "measured_evaluation",
+)
+
+
+def observed_peaks(database_url: str, trial_id: int) -> dict[str, int | None]:
+    """The training-step and evaluation peaks, predicted and measured, of the trial's newest
+    stored memory observation (trial ids of deleted studies come back in SQLite: the newest
+    is ours)."""
+    engine = sa.create_engine(database_url)
+    try:
+        with engine.connect() as connection:
+            row = connection.execute(
+                sa.text(
+                    f"SELECT {', '.join(PEAK_COLUMNS)} FROM vramtune_memory_observations "
+                    "WHERE trial_id = :t ORDER BY id DESC"
+                ),
+                {"t": trial_id},
+            ).first()
+    finally:
+        engine.dispose()
+    assert row is not None, f"no memory observation of trial {trial_id}"
+    return dict(zip(PEAK_COLUMNS, row, strict=True))

@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 
 from service.testing import ServerProcess
-from tests.e2e.conftest import REPO, Studies, WorkerFactory, finished
+from tests.e2e.conftest import REPO, Studies, WorkerFactory, finished, observed_peaks
 from worker.device.gpu import parse_size
 
 pytestmark = pytest.mark.skipif(
@@ -53,6 +53,11 @@ def test_a_trainer_study_runs_resized_through_the_trainers_knobs(
     assert measured is not None and predicted is not None
     assert measured <= parse_size(CARD)
     assert abs(predicted - measured) <= 0.001 * measured
+    # The Trainer's evaluation was traced and metered apart: the observation carries both.
+    peaks = observed_peaks(fleet_server.database_url, trial.id)
+    assert None not in peaks.values(), peaks
+    assert peaks["predicted_training"] == peaks["measured_training"]
+    assert peaks["predicted_evaluation"] == peaks["measured_evaluation"]
 
 
 def test_the_pruner_stops_a_trainer_trial_through_its_callback(

@@ -17,7 +17,7 @@ import yaml
 pytest.importorskip("lightning")
 
 from service.testing import ServerProcess
-from tests.e2e.conftest import Studies, WorkerFactory, finished
+from tests.e2e.conftest import Studies, WorkerFactory, finished, observed_peaks
 from worker.device.gpu import parse_size, simulated_card
 from worker.trial.runner import CardSpec, plan_for_micro_batch
 
@@ -81,6 +81,15 @@ def test_the_lightning_example_runs_resized_on_a_real_worker(
     assert trial.measured_peak_bytes <= card_bytes
     # The worker's prediction is calibrated by the fleet's history; the raw trace is exact.
     assert trial.measured_peak_bytes == _predicted_peak(trial.plan.micro_batch)
+    # The validation was traced and metered apart: the observation carries both peaks.
+    peaks = observed_peaks(fleet_server.database_url, trial.id)
+    assert None not in peaks.values(), peaks
+    assert peaks["predicted_training"] == peaks["measured_training"]
+    # An epoch of this example is not a whole number of accumulation windows: a validation
+    # falls inside one, beside its gradients, which the trace keeps. Measured: one 512 B block
+    # over (2,717,184 predicted, 2,716,672 measured), the safe side.
+    over = peaks["predicted_evaluation"] - peaks["measured_evaluation"]
+    assert 0 <= over <= 0.001 * peaks["measured_evaluation"], peaks
 
 
 def test_the_studys_pruner_stops_a_lightning_run_through_the_callback(
