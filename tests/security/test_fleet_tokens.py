@@ -133,7 +133,9 @@ def server(
                 auth="on",
                 max_workers_per_token=WORKER_LIMIT,
                 lease_ttl_s=120,
-                worker_stale_s=120,
+                # Longer than the 10,000-registration flood ever takes (177 s on a loaded
+                # machine): a flood worker gone stale would be retired, letting more register.
+                worker_stale_s=3600,
             )
             yield Server(process.url, url, admin, process.logs)
 
