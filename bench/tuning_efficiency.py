@@ -264,6 +264,7 @@ class TimedPredictor:
         self.runner = runner
         self.task_name = runner.task_name
         self.can_checkpoint, self.can_bf16 = runner.can_checkpoint, runner.can_bf16
+        self.can_swap_optimizer = runner.can_swap_optimizer
         self.memo: dict[tuple[Any, ...], tuple[Any, float]] = {}
         self.charged: set[tuple[Any, ...]] = set()
         self.bill = 0.0

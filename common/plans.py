@@ -8,14 +8,15 @@ from typing import Any
 
 from service.wire import ParamValue, Plan, PlanOut
 
-PlanKey = tuple[int | None, int, bool, bool, int | None, bool, int, str | None]
+PlanKey = tuple[int | None, int, bool, bool, int | None, bool, int, str | None, str | None]
 
 
 def plan_key(plan: Plan | PlanOut) -> PlanKey:
     """What makes two plans the same run: micro-batch, accumulation, checkpointing, bf16,
-    the checkpointed blocks, the chunked loss, the world size and the data-parallel strategy
-    (the reason is only words). A 2-rank and a 4-rank plan, or DDP and FSDP at one world size,
-    hold different bytes per rank: they never share a key (issue 31)."""
+    the checkpointed blocks, the chunked loss, the world size, the data-parallel strategy and
+    the optimizer swapped in (the reason is only words). A 2-rank and a 4-rank plan, or DDP
+    and FSDP at one world size, hold different bytes per rank: they never share a key
+    (issue 31)."""
     blocks = plan.checkpoint_blocks if plan.checkpointing else None
     return (
         plan.micro_batch,
@@ -26,6 +27,7 @@ def plan_key(plan: Plan | PlanOut) -> PlanKey:
         plan.chunked_loss,
         plan.world_size,
         plan.strategy,
+        plan.optimizer,
     )
 
 
@@ -37,6 +39,7 @@ def plan_flags(plan: Plan | PlanOut) -> dict[str, Any]:
         "checkpoint_blocks": plan.checkpoint_blocks if plan.checkpointing else None,
         "chunked_loss": plan.chunked_loss,
         "bf16": plan.bf16,
+        "optimizer": plan.optimizer,
     }
 
 
@@ -48,6 +51,7 @@ def rungs_of(plan: Plan | PlanOut) -> list[str]:
         "selective_checkpointing": plan.checkpointing and plan.checkpoint_blocks is not None,
         "chunked_cross_entropy": plan.chunked_loss,
         "bf16": plan.bf16,
+        "adafactor": plan.optimizer == "adafactor",
     }
     return [name for name, on in used.items() if on]
 
@@ -59,14 +63,15 @@ RUNG_WORDS = {
     "selective_checkpointing": "selective checkpointing",
     "chunked_cross_entropy": "chunked cross-entropy",
     "bf16": "bf16",
+    "adafactor": "Adafactor optimizer (changes numerics)",
 }
 
 
 def plan_in_words(plan: Plan | PlanOut | None) -> str | None:
     """A plan's rungs in words, e.g. 'micro-batch 4 × 8, checkpoint the first 9 blocks, chunked
-    cross-entropy, bf16', after its ranks when above one ('2 ranks, ddp'); 'as asked' without
-    any; None without a plan. The dashboard's trial view and table and `vramtune study trials`
-    all show this."""
+    cross-entropy, bf16, Adafactor optimizer (changes numerics)', after its ranks when above
+    one ('2 ranks, ddp'); 'as asked' without any; None without a plan. The dashboard's trial
+    view and table and `vramtune study trials` all show this."""
     if plan is None:
         return None
     parts = [f"{plan.world_size} ranks, {plan.strategy}"] if plan.world_size > 1 else []
@@ -81,6 +86,8 @@ def plan_in_words(plan: Plan | PlanOut | None) -> str | None:
         parts.append(RUNG_WORDS["chunked_cross_entropy"])
     if plan.bf16:
         parts.append(RUNG_WORDS["bf16"])
+    if plan.optimizer == "adafactor":
+        parts.append(RUNG_WORDS["adafactor"])
     return ", ".join(parts) or "as asked"
 
 

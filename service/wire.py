@@ -145,10 +145,18 @@ SearchSpace = Annotated[
 
 
 Resize = Literal[
-    "micro_batch", "checkpointing", "selective_checkpointing", "chunked_cross_entropy", "bf16"
+    "micro_batch",
+    "checkpointing",
+    "selective_checkpointing",
+    "chunked_cross_entropy",
+    "bf16",
+    "adafactor",
 ]
-"""The rungs of the plan ladder by name (docs/concepts/plans.md). All but bf16 keep the
-numerics: bf16 is used only when a study lists it."""
+"""The rungs of the plan ladder by name (docs/concepts/plans.md). All but bf16 and adafactor
+keep the numerics: those two are used only when a study lists them."""
+
+PlanOptimizer = Literal["adafactor"]
+"""An optimizer a plan swaps in for the task's own (the adafactor rung)."""
 
 
 def _default_resizes() -> list[Resize]:
@@ -164,10 +172,11 @@ class MemoryPolicy(Wire):
         description=(
             "Rungs allowed, in any order: micro_batch, checkpointing (every block), "
             "selective_checkpointing (the fewest blocks that fit), chunked_cross_entropy (the "
-            "vocabulary's logits in chunks), bf16 (changes the numerics: only when listed, and "
-            "only when nothing else fits). Each rung is tried alone with micro-batches; "
-            "checkpointing and the chunked loss are combined when neither fits alone. The "
-            "fitting plan of least predicted step time wins."
+            "vocabulary's logits in chunks), bf16 and adafactor (torch.optim.Adafactor for the "
+            "task's optimizer; each changes the numerics: only when listed, and only when "
+            "nothing else fits). Each rung is tried alone with micro-batches; checkpointing and "
+            "the chunked loss are combined when neither fits alone. The fitting plan of least "
+            "predicted step time wins."
         ),
     )
     margin: Finite = Field(
@@ -364,6 +373,12 @@ class PlanOut(Wire):
     checkpoint_blocks: int | None = None
     chunked_loss: bool = False
     bf16: bool = False
+    # Left out when None, as in Plan.
+    optimizer: PlanOptimizer | None = Field(
+        None,
+        description="The optimizer swapped in (changes the numerics); None: the task's own.",
+        exclude_if=lambda optimizer: optimizer is None,
+    )
     # Left out for one card, as in Plan.
     world_size: int = Field(
         1,
@@ -609,6 +624,13 @@ class Plan(Wire):
     )
     chunked_loss: bool = Field(False, description="Cross-entropy over the vocabulary in chunks.")
     bf16: bool = False
+    # Left out when None, as world_size is: a plan without it reads (and keys) as before.
+    optimizer: PlanOptimizer | None = Field(
+        None,
+        description="adafactor: torch.optim.Adafactor at the task's learning rate instead of "
+        "the task's optimizer (changes the numerics); None: the task's own.",
+        exclude_if=lambda optimizer: optimizer is None,
+    )
     # Left out for one card: a server that predates multi-GPU trials (its Plan forbids unknown
     # fields) still takes every one-card call of a newer worker.
     world_size: int = Field(

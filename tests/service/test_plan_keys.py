@@ -40,5 +40,16 @@ def test_a_one_card_plan_keeps_its_column_and_a_several_card_one_adds_its_ranks(
         bf16=True,
         world_size=MAX_WORLD_SIZE,
         strategy="fsdp",
+        optimizer="adafactor",
     )
     assert len(plan_column(longest)) <= 64  # vramtune_predictions.plan_key is String(64)
+
+
+def test_an_adafactor_plan_keys_apart_and_a_plan_without_it_keeps_its_json() -> None:
+    swapped = Plan(micro_batch=2, accumulation=2, optimizer="adafactor")
+    assert plan_key(swapped) != plan_key(Plan(micro_batch=2, accumulation=2))
+    assert plan_column(swapped) == "2x2:ckpt=0:bf16=0:ada"
+    assert "optimizer" not in Plan().model_dump(mode="json")  # old plans read as before
+    assert "optimizer" not in PlanOut().model_dump(mode="json")
+    ran = PlanOut.model_validate(swapped.model_dump(mode="json"))
+    assert plan_key(ran) == plan_key(swapped)

@@ -284,6 +284,11 @@ BAD_INPUT: list[tuple[str, dict[str, Any], str]] = [
     ("world size 65", {"distributed": {"max_world_size": 65}}, "distributed.max_world_size"),
     ("unknown distributed key", {"distributed": {"nodes": 2}}, "distributed.nodes"),
     ("unknown field", {"colour": "blue"}, "colour"),
+    (
+        "unknown rung",
+        {"memory_policy": {"resizes": ["adafactor", "offload_everything"]}},
+        "memory_policy.resizes.1",
+    ),
     # Built-in model families: what the server can tell without torch (service/task_rules.py).
     (
         "hf heads do not divide the width",

@@ -28,7 +28,7 @@ from worker.predictor import (
 )
 from worker.run.training import TorchTaskRunner
 from worker.trial.runner import CardSpec, plan_for_micro_batch
-from worker.trial.steps import batch_feeder, build_for_plan, train_step
+from worker.trial.steps import batch_feeder, build_for_plan, build_optimizer_for_plan, train_step
 from worker.trial.task import Batch, Config, Metric, Task
 
 MiB = 2**20
@@ -230,7 +230,7 @@ def measured_cpu_peak(task: Task, config: Config, plan: Plan, steps: int = 2) ->
     tracker = MemoryTracker(device_type="cpu")
     with tracker:
         model = build_for_plan(task, config, plan, device)
-        optimizer = task.build_optimizer(model, config)
+        optimizer = build_optimizer_for_plan(task, model, config, plan)
         next_batch = batch_feeder(task.batches(config, micro, device, seed=0))
         loss = None
         for _ in range(steps):

@@ -14,7 +14,7 @@ Typical use in a training loop::
     tracker = MemoryTracker(device_type="cpu", limit_bytes=card_bytes)
     with tracker:                      # enter inside a FakeTensorMode, never outside it
         model = build_for_plan(task, config, plan, device)
-        optimizer = task.build_optimizer(model, config)
+        optimizer = build_optimizer_for_plan(task, model, config, plan)
         tracker.watch_optimizer(optimizer)
         for _ in range(steps):
             train_step(...)            # raises MemoryLimitExceeded past the limit

@@ -2,19 +2,20 @@
 
 Plans are tried in the order DESIGN.md section 2 step 4 gives: as asked → a smaller micro-batch
 with gradient accumulation (the effective batch, a hyperparameter, never changes) → + a rung that
-keeps the numerics → + bf16 autocast (only when the study allows precision changes). The study's
-`memory_policy.resizes` names the rungs allowed, in any order: micro_batch, checkpointing (every
-block), selective_checkpointing (the fewest of the model's blocks that fit, at the largest
-micro-batch that fits with all of them checkpointed; it may choose every block, so it stands
-for checkpointing where both are allowed), chunked_cross_entropy (the loss over the vocabulary
-in chunks), bf16. Each rung is tried alone with micro-batches first; checkpointing and the
-chunked loss are combined only when neither fits alone (`_ladder`: a combination costs more
-predictions). Among the plans that keep the numerics the one with the least predicted time per
-step wins
-(service.step_time: the fleet's own fit for this card model and task, the fixed model before any
-measurement); bf16 is used only when nothing else fits. A plan that already ran out of memory on
-this card model (`plans_tried`) is never chosen again, nor any plan predicted to need as much;
-after an OOM, plans whose micro-batch is smaller than the smallest that ran out are searched first
+keeps the numerics → + bf16 autocast, then Adafactor, then both (only when the study lists them:
+they change the numerics). The study's `memory_policy.resizes` names the rungs allowed, in any
+order: micro_batch, checkpointing (every block), selective_checkpointing (the fewest of the
+model's blocks that fit, at the largest micro-batch that fits with all of them checkpointed; it
+may choose every block, so it stands for checkpointing where both are allowed),
+chunked_cross_entropy (the loss over the vocabulary in chunks), bf16, adafactor
+(torch.optim.Adafactor for the task's optimizer). Each rung is tried alone with micro-batches
+first; checkpointing and the chunked loss are combined only when neither fits alone (`_ladder`:
+a combination costs more predictions). Among the plans that keep the numerics the one with the
+least predicted time per step wins (service.step_time: the fleet's own fit for this card model
+and task, the fixed model before any measurement); bf16 and Adafactor are used only when nothing
+else fits. A plan that already ran out of memory on this card model (`plans_tried`) is never
+chosen again, nor any plan predicted to need as much; after an OOM, plans whose micro-batch is
+smaller than the smallest that ran out are searched first
 (a run can die above a micro-batch the prediction missed: a faster plan at the same micro-batch,
 say with checkpointing, would likely die the same way).
 """
@@ -35,6 +36,7 @@ from service.wire import (
     Calibration,
     MemoryPolicy,
     Plan,
+    PlanOptimizer,
     PlanOut,
     Prediction,
     StepTimeFit,
@@ -105,6 +107,12 @@ class _Stage:
     bf16: bool
     selective: bool = False
     chunked_loss: bool = False
+    optimizer: PlanOptimizer | None = None
+
+    @property
+    def changes_numerics(self) -> bool:
+        """bf16 and Adafactor change the numerics: tried only after every other stage."""
+        return self.bf16 or self.optimizer is not None
 
     def flags(self) -> dict[str, Any]:
         """The plan flags of the stage's smallest footprint (every block checkpointed)."""
@@ -112,6 +120,7 @@ class _Stage:
             "checkpointing": self.checkpointing,
             "bf16": self.bf16,
             "chunked_loss": self.chunked_loss,
+            "optimizer": self.optimizer,
         }
 
     def best_slowdown(self, batch: int, fit: StepTimeFit | None, blocks: int | None) -> float:
@@ -214,7 +223,7 @@ def _choose(
     ladder = _ladder(runner, policy, config)
     below_oom = _micro_batch_cap(chooser.batch, plans_tried)
     for precise, cap in _search_order(below_oom, chooser.batch):
-        tiers = [tier for tier in ladder if tier[0].bf16 != precise]
+        tiers = [tier for tier in ladder if tier[0].changes_numerics != precise]
         stages = [stage for tier in tiers for stage in tier]
         if not stages or (peak_of(first) > budget and not chooser.smallest_fits(stages, budget)):
             continue
@@ -389,8 +398,9 @@ def _ladder(runner: TrialRunner, policy: MemoryPolicy, config: Config) -> list[l
     rungs combined. The second is searched only when nothing of the first fits: combining costs
     predictions (a micro-batch solve and a bisection over blocks each) that a plan one rung
     can fit never needs. A rung the runner cannot take for this configuration is left out.
-    With bf16 listed, the same two tiers with bf16 follow (`_choose` searches them only when
-    no plan that keeps the numerics fits)."""
+    With bf16 listed, the same two tiers with bf16 follow, then with adafactor listed the two
+    with Adafactor, then with both listed the two with both (`_choose` searches them only when
+    no plan that keeps the numerics fits, each pair only when the one before fits nothing)."""
     allowed: set[str] = set(policy.resizes) if policy.allow_resize else set()
     base = _Stage(micro_batch="micro_batch" in allowed, checkpointing=False, bf16=False)
     found = (_checkpointing_rung(runner, config, allowed), _chunked_rung(runner, config, allowed))
@@ -399,10 +409,22 @@ def _ladder(runner: TrialRunner, policy: MemoryPolicy, config: Config) -> list[l
     singles += [base] if base.micro_batch else []
     singles += [_with(base, rung) for rung in rungs]
     combined = [_with(_with(base, rungs[0]), rungs[1])] if len(rungs) == 2 else []
-    tiers = [singles, combined]
-    if "bf16" in allowed and runner.can_bf16:
-        tiers += [[dataclasses.replace(s, bf16=True) for s in tier] for tier in tiers]
-    return [tier for tier in tiers if tier]
+    precise = [singles, combined]
+    changes = _numerics_changes(runner, allowed)
+    changed = [[dataclasses.replace(s, **c) for s in tier] for c in changes for tier in precise]
+    return [tier for tier in precise + changed if tier]
+
+
+def _numerics_changes(runner: TrialRunner, allowed: set[str]) -> list[dict[str, Any]]:
+    """The numerics-changing rungs the study lists and the runner can take, in the order the
+    ladder tries them: bf16, Adafactor, both (the smallest footprint, last). A runner swaps
+    the optimizer only when it says so (`can_swap_optimizer`: the worker's own loop does; the
+    Trainer and Lightning build theirs)."""
+    bf16 = [{"bf16": True}] if "bf16" in allowed and runner.can_bf16 else []
+    swap = "adafactor" in allowed and getattr(runner, "can_swap_optimizer", False)
+    adafactor: list[dict[str, Any]] = [{"optimizer": "adafactor"}] if swap else []
+    both = [{**bf16[0], **adafactor[0]}] if bf16 and adafactor else []
+    return bf16 + adafactor + both
 
 
 def _checkpointing_rung(runner: TrialRunner, config: Config, allowed: set[str]) -> str | None:
@@ -529,11 +551,12 @@ def describe(plan: Plan) -> str:
     if plan.checkpointing:
         blocks = plan.checkpoint_blocks
         parts.append("checkpointing" if blocks is None else f"checkpointing {blocks} blocks")
-    parts += [
-        name
-        for name, on in (("chunked cross-entropy", plan.chunked_loss), ("bf16", plan.bf16))
-        if on
-    ]
+    rungs = (
+        ("chunked cross-entropy", plan.chunked_loss),
+        ("bf16", plan.bf16),
+        ("Adafactor", plan.optimizer == "adafactor"),
+    )
+    parts += [name for name, on in rungs if on]
     return " + ".join(parts)
 
 

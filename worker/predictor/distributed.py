@@ -43,8 +43,9 @@ from torch.utils._pytree import tree_leaves
 from service.wire import Plan
 from worker.device.memory import MemoryTracker
 from worker.predictor.allocator import replay
+from worker.predictor.emulation import answer_scalar_reads
 from worker.predictor.trace import CannotTrace, correct_fake, untraceable_reason
-from worker.trial.steps import build_for_plan, train_step
+from worker.trial.steps import build_for_plan, build_optimizer_for_plan, train_step
 from worker.trial.task import Config, Task, TaskConfigError
 
 Strategy = Literal["ddp", "fsdp"]
@@ -136,7 +137,9 @@ def run_rank_steps(
     with torch.device(device):
         model = build_for_plan(task, config, plan, device)
     model = wrap_for_strategy(task, model, strategy, mesh)
-    optimizer = task.build_optimizer(model, config)
+    optimizer = build_optimizer_for_plan(task, model, config, plan)
+    if plan.optimizer is not None:
+        answer_scalar_reads(optimizer)
     tracker.watch_optimizer(optimizer)
     loss = None
     seconds = []

@@ -24,8 +24,10 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.library import Library, fallthrough_kernel
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 # torch 2.13's AutocastCUDA registrations (aten/src/ATen/autocast_mode.{h,cpp}), by policy.
@@ -345,6 +347,35 @@ def prefer_foreach(optimizer: torch.optim.Optimizer) -> None:
         undecided = "foreach" in group and group["foreach"] is None and not group.get("fused")
         if undecided and not group.get("differentiable", False):
             group["foreach"] = True
+
+
+class _ScalarReads(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """A fake tensor's value read in Python (`.item()`) answers 1: Adafactor reads its step
+    count and each parameter's and update's norm into Python floats that scale its updates in
+    place, never a tensor's size, so any value allocates what the real step does (1, not 0:
+    it divides by the step's square root)."""
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
+            return False if args[0].dtype is torch.bool else 1
+        return func(*args, **(kwargs or {}))
+
+
+def answer_scalar_reads(optimizer: torch.optim.Optimizer) -> None:
+    """Let `optimizer.step()` read fake scalars (see `_ScalarReads`) in a trace."""
+    step = optimizer.step
+
+    def step_reading_scalars(*args: Any, **kwargs: Any) -> Any:
+        with _ScalarReads():  # type: ignore[no-untyped-call]
+            return step(*args, **kwargs)
+
+    setattr(optimizer, "step", step_reading_scalars)  # noqa: B010 (mypy forbids assigning a method)
 
 
 # ---------------------------------------------------------------- the context

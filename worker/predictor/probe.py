@@ -23,7 +23,7 @@ import torch
 from service.wire import Plan, Prediction
 from worker.device.memory import MemoryTracker
 from worker.trial.runner import CardSpec, plan_for_micro_batch
-from worker.trial.steps import build_for_plan, train_step
+from worker.trial.steps import build_for_plan, build_optimizer_for_plan, train_step
 from worker.trial.task import Batch, Config, Task
 
 PROBE_STEPS = 2
@@ -157,7 +157,7 @@ def _steps(
 ) -> list[Peaks]:
     batch_size = micro_total(plan)
     model = build_for_plan(task, config, plan, device)
-    optimizer = task.build_optimizer(model, config)
+    optimizer = build_optimizer_for_plan(task, model, config, plan)
     phases: list[Peaks] = [(0, 0), (0, 0)]
 
     def boundary(phase: int) -> None:

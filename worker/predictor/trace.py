@@ -42,11 +42,16 @@ from torch.utils._pytree import tree_map_only
 from service.wire import Plan
 from worker.device.memory import MemoryLimitExceeded, MemoryTracker
 from worker.predictor.conversion import BuildFailed, build_for_trace
-from worker.predictor.emulation import cuda_emulation, prefer_foreach
+from worker.predictor.emulation import answer_scalar_reads, cuda_emulation, prefer_foreach
 from worker.predictor.evaluation import UNTRACED_BOUND, trace_evaluation
 from worker.predictor.opmodel import real_kernel_storages
 from worker.trial.runner import CardSpec
-from worker.trial.steps import evaluate_step, traced_micro_batch_sizes, train_step
+from worker.trial.steps import (
+    build_optimizer_for_plan,
+    evaluate_step,
+    traced_micro_batch_sizes,
+    train_step,
+)
 from worker.trial.task import Batch, Config, Task, TaskConfigError
 
 TRACED_STEPS = 2
@@ -194,9 +199,11 @@ def _run_steps(
     # the fake mode and converted when the build reads tensor values.
     model = build_for_trace(task, config, plan, device)
     refuse_compiled(model)
-    optimizer = task.build_optimizer(model, config)
+    optimizer = build_optimizer_for_plan(task, model, config, plan)
     if target.cuda:
         prefer_foreach(optimizer)
+    if plan.optimizer is not None:
+        answer_scalar_reads(optimizer)
     tracker.watch_optimizer(optimizer)
 
     def next_batch(size: int) -> Batch:

@@ -39,6 +39,7 @@ from worker.trial.runner import (
 from worker.trial.steps import (
     batch_feeder,
     build_for_plan,
+    build_optimizer_for_plan,
     evaluate_step,
     micro_batch_sizes,
     train_step,
@@ -282,7 +283,7 @@ class _Loop:
         model = build_for_plan(self.task, self.config, self.plan, self.device)
         if self.wrap is not None:
             model = self.wrap(model)
-        optimizer = self.task.build_optimizer(model, self.config)
+        optimizer = build_optimizer_for_plan(self.task, model, self.config, self.plan)
         next_batch = batch_feeder(batches)
         progress = _Progress(self.task.name, self.budget.max_steps)
         value: float | None = None
@@ -363,6 +364,8 @@ class TorchTaskRunner:
         # A task may say it has nothing to checkpoint or must stay in fp32.
         self.can_checkpoint = bool(getattr(task, "can_checkpoint", True))
         self.can_bf16 = bool(getattr(task, "can_bf16", True))
+        # This loop builds the optimizer (build_optimizer_for_plan): the adafactor rung.
+        self.can_swap_optimizer = True
 
     def batch_size(self, config: Config) -> int:
         """The configuration's effective batch size."""

@@ -27,7 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from service.wire import CategoricalParam, Name, Plan, StudyCreate
 from worker.predictor.conversion import build_for_trace
 from worker.trial.runner import trial_config
-from worker.trial.steps import build_for_plan, train_step
+from worker.trial.steps import build_for_plan, build_optimizer_for_plan, train_step
 from worker.trial.task import Batch, Task, TaskConfigError
 
 Config = Mapping[str, Any]
@@ -257,7 +257,7 @@ def first_step_loss(task: Task, config: Config, plan: Plan, on: torch.device) ->
     batch_size = int(config[task.batch_size_param])
     torch.manual_seed(0)
     model = build_for_plan(task, config, plan, on)
-    optimizer = task.build_optimizer(model, config)
+    optimizer = build_optimizer_for_plan(task, model, config, plan)
     batch = next(iter(task.batches(config, batch_size, on, seed=0)))
     torch.manual_seed(1)  # the same dropout masks in both runs
     return train_step(task, model, optimizer, slicer(batch), batch_size, plan, on)

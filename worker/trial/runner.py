@@ -132,6 +132,9 @@ class TrialRunner(Protocol):
         batch_size(config): the configuration's effective batch size (never changed by a plan).
         can_checkpoint: whether a plan may ask for activation checkpointing.
         can_bf16: whether a plan may ask for bf16 autocast.
+        can_swap_optimizer (optional, False when absent): whether a plan may swap the task's
+            optimizer for Adafactor (the adafactor rung; only a runner whose loop builds the
+            optimizer, `worker.trial.steps.build_optimizer_for_plan`, can).
         predict(config, plan, card): the predicted peak of running `config` under `plan` on
             `card`; never allocates device memory. A configuration that cannot be traced gives
             method "probe" (measured on the card) or "none" with a reason.

@@ -94,6 +94,20 @@ def build_for_plan(task: Task, config: Config, plan: Plan, device: torch.device)
     return model
 
 
+def build_optimizer_for_plan(
+    task: Task, model: nn.Module, config: Config, plan: Plan
+) -> torch.optim.Optimizer:
+    """The task's optimizer over `model`, or, when the plan swaps it (the adafactor rung,
+    which changes the numerics), `torch.optim.Adafactor` at the task optimizer's learning
+    rate: factored second moments, no first moment, so less state than Adam's two buffers.
+    The trainer and the predictor both build it here, so the prediction counts its state."""
+    optimizer = task.build_optimizer(model, config)
+    if plan.optimizer != "adafactor":
+        return optimizer
+    learning_rate = optimizer.param_groups[0]["lr"]  # the task's optimizer holds no state yet
+    return torch.optim.Adafactor(model.parameters(), lr=learning_rate)
+
+
 def _lives_on(model: nn.Module, device: torch.device) -> bool:
     """Whether every parameter and buffer of `model` is on `device` already."""
     return all(
