@@ -188,6 +188,23 @@ class MemoryPolicy(Wire):
 Strategy = Literal["ddp", "fsdp"]
 
 
+def world_size_field(description: str) -> Any:
+    """A plan's or run's ranks, left out of the JSON at 1: a one-card body reads as before
+    multi-GPU trials (an older server's models forbid unknown fields)."""
+    return Field(
+        1, ge=1, le=MAX_WORLD_SIZE, description=description, exclude_if=lambda size: size == 1
+    )
+
+
+def strategy_field() -> Any:
+    """The data-parallel wrapper beside `world_size_field`, left out of the JSON when None."""
+    return Field(
+        None,
+        description="The data-parallel wrapper; None: 1 rank.",
+        exclude_if=lambda strategy: strategy is None,
+    )
+
+
 def _both_strategies() -> list[Strategy]:
     return ["ddp", "fsdp"]
 
@@ -380,18 +397,8 @@ class PlanOut(Wire):
         exclude_if=lambda optimizer: optimizer is None,
     )
     # Left out for one card, as in Plan.
-    world_size: int = Field(
-        1,
-        ge=1,
-        le=MAX_WORLD_SIZE,
-        description="Ranks (cards) it ran on.",
-        exclude_if=lambda size: size == 1,
-    )
-    strategy: Strategy | None = Field(
-        None,
-        description="The data-parallel wrapper; None: 1 rank.",
-        exclude_if=lambda strategy: strategy is None,
-    )
+    world_size: int = world_size_field("Ranks (cards) it ran on.")
+    strategy: Strategy | None = strategy_field()
     reason: str = ""
 
 
@@ -633,18 +640,8 @@ class Plan(Wire):
     )
     # Left out for one card: a server that predates multi-GPU trials (its Plan forbids unknown
     # fields) still takes every one-card call of a newer worker.
-    world_size: int = Field(
-        1,
-        ge=1,
-        le=MAX_WORLD_SIZE,
-        description="Ranks (cards) it runs on.",
-        exclude_if=lambda size: size == 1,
-    )
-    strategy: Strategy | None = Field(
-        None,
-        description="The data-parallel wrapper; None: 1 rank.",
-        exclude_if=lambda strategy: strategy is None,
-    )
+    world_size: int = world_size_field("Ranks (cards) it runs on.")
+    strategy: Strategy | None = strategy_field()
     reason: ShortText = ""
 
     @model_validator(mode="after")
@@ -770,18 +767,10 @@ class StepTimeObservation(Wire):
     parameter_bytes: Bytes = Field(0, description="The model's parameters (its size).")
     as_asked_peak_bytes: Bytes = Field(0, description="Predicted footprint as asked (its work).")
     # Left out for one card, as in Plan: a one-card observation reads as before issue 31.
-    world_size: int = Field(
-        1,
-        ge=1,
-        le=MAX_WORLD_SIZE,
-        description="Ranks it ran on; the micro-batch fields are one rank's share.",
-        exclude_if=lambda size: size == 1,
+    world_size: int = world_size_field(
+        "Ranks it ran on; the micro-batch fields are one rank's share."
     )
-    strategy: Strategy | None = Field(
-        None,
-        description="The data-parallel wrapper; None: 1 rank.",
-        exclude_if=lambda strategy: strategy is None,
-    )
+    strategy: Strategy | None = strategy_field()
     predicted_step_s: Finite | None = Field(None, ge=0, description="The model's prediction.")
     measured_step_s: Finite | None = Field(None, ge=0, description="Training time / steps.")
 
