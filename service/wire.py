@@ -576,6 +576,13 @@ class NextRequest(Wire):
     """A worker asks for work, stating what it can give now."""
 
     free_bytes: Bytes
+    free_cards: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_WORLD_SIZE,
+        description="A node worker's cards that no trial of it holds now (each of `free_bytes`): "
+        "it is offered no trial known to need more. None: all its cards (a one-card worker).",
+    )
 
 
 class Assignment(Wire):
@@ -737,6 +744,20 @@ class StartRequest(LeaseCall, PlanChoice):
 
     plan: Plan
     prediction: Prediction | None = None
+    cards: list[Annotated[int, Field(ge=0, lt=MAX_WORLD_SIZE)]] | None = Field(
+        None,
+        max_length=MAX_WORLD_SIZE,
+        description="Which of a node worker's cards it runs on (indexes into its registered "
+        "`cards`), one per rank; None: a one-card worker's card.",
+    )
+
+    @model_validator(mode="after")
+    def _a_card_per_rank(self) -> StartRequest:
+        if self.cards is not None and (
+            len(set(self.cards)) != len(self.cards) or len(self.cards) != self.plan.world_size
+        ):
+            raise ValueError("cards: one distinct card per rank of the plan's world_size")
+        return self
 
 
 class ReportRequest(LeaseCall):

@@ -171,6 +171,9 @@ def node_devices(args: argparse.Namespace) -> tuple[str, ...]:
         if wrong or len(set(devices)) != len(devices):
             raise ValueError(f"--devices takes distinct cuda:N cards, got {args.devices!r}")
         return devices
+    if args.max_trials_per_card > 1 and (args.devices or args.ranks is not None or args.node):
+        # A node runs its trials side by side on disjoint cards (worker/loop/node.py).
+        raise ValueError("--max-trials-per-card packs one card; a node runs one trial per card")
     if args.ranks is not None:
         if args.device != "cpu" or not args.memory_limit:
             raise ValueError("--ranks simulates cards: use it with --device cpu --memory-limit")

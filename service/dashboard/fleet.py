@@ -107,7 +107,8 @@ def _worker(
         total_bytes=row.total_bytes,
         free_bytes=row.free_bytes,
         cards=row.cards,
-        busy_cards=sum(trial.world_size for trial in current),
+        # A node's trials hold disjoint cards (worker/run/cards.py): their world sizes add up.
+        busy_cards=min(row.cards, sum(trial.world_size for trial in current)),
         tasks=list(row.tasks or []),
         state=worker_state(row.stopped, age, stale_s, lost_s),
         last_heartbeat=schema.utc(row.last_heartbeat),
@@ -142,6 +143,7 @@ def _current_trials(
             TrialRow.number,
             StudyRow.name,
             TrialRow.plan,
+            LeaseRow.started_at,
         )
         .outerjoin(TrialRow, TrialRow.trial_id == LeaseRow.trial_id)
         .outerjoin(StudyRow, StudyRow.study_id == TrialRow.study_id)
@@ -151,14 +153,17 @@ def _current_trials(
     if allowed is not None:
         query = query.where(StudyRow.name.in_(allowed))
     found: dict[int, list[CurrentTrial]] = defaultdict(list)
-    for worker_id, trial_id, attempt, number, study, plan in session.execute(query):
+    for worker_id, trial_id, attempt, number, study, plan, started_at in session.execute(query):
+        # The stored plan is this attempt's once its lease started; before, an earlier
+        # attempt's (a retry after an OOM) or none: the trial holds one card while planned.
+        world_size = _world_size(plan) if started_at is not None else 1
         found[worker_id].append(
             CurrentTrial(
                 study=study,
                 number=number,
                 trial_id=trial_id,
                 attempt=attempt,
-                world_size=_world_size(plan),
+                world_size=world_size,
             )
         )
     return found

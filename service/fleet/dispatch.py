@@ -19,6 +19,7 @@ from sqlalchemy import bindparam, case, func, or_, select
 from sqlalchemy.orm import Session
 
 from service.db.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
+from service.errors import Invalid
 from service.fleet import predictions
 from service.fleet.leases import grant
 from service.fleet.routing import believed, largest_card, live_cards, plans_on
@@ -56,7 +57,13 @@ class _Call:
     state: AppState
     worker_id: int
     now: datetime
+    free_cards: int | None = None  # NextRequest.free_cards: None, all the worker's cards
     cards: dict[str, dict[int, int]] = field(default_factory=dict)
+
+    def placeable(self, worker: WorkerRow) -> int:
+        """How many cards a trial offered now may use: the node's free ones (routing counts
+        all its cards, since a trial that waits for them is placed once they are free)."""
+        return worker.cards if self.free_cards is None else min(worker.cards, self.free_cards)
 
     def live_cards(self, session: Session, task: str) -> dict[int, int]:
         """The live workers of ``task`` and their card sizes (routing.live_cards), cached."""
@@ -82,16 +89,17 @@ def next_assignment(
     ``token_id``: the caller's token, which must be the worker's. The sampler runs between
     two transactions, holding neither a lock nor a connection.
     """
-    call = _Call(state, worker_id, now)
+    call = _Call(state, worker_id, now, body.free_cards)
     with fleet_transaction(state, "next") as session, phase("next", "offer"):
         worker = running_worker(session, worker_id, token_id)
         check_free_bytes(worker, body.free_bytes)
+        check_free_cards(worker, body.free_cards)
         worker.free_bytes = body.free_bytes
         heard_from(worker, now, state.settings.worker_stale_s)
         if holds_its_share(session, worker):
             return None
         studies = _open_studies(session, worker.tasks, allowed)
-        offered = _offered(session, worker, studies, state.settings.max_card_bytes)
+        offered = _offered(session, worker, studies, state.settings.max_card_bytes, call)
         if offered is not None:
             study = next(row for row in studies if row.study_id == offered.study_id)
             return _lease(session, call, study, offered, worker)
@@ -178,7 +186,7 @@ def _ask_in_flight(
             worker = running_worker(session, call.worker_id)
             if holds_its_share(session, worker):
                 return None
-            offered = _offered(session, worker, [row], call.state.settings.max_card_bytes)
+            offered = _offered(session, worker, [row], call.state.settings.max_card_bytes, call)
             if offered is not None:
                 return _lease(session, call, row, offered, worker)
     return _draft_and_insert(call, row, number, count)
@@ -206,7 +214,7 @@ def _draft_and_insert(
         if holds_its_share(session, worker):
             return None  # a concurrent next of this worker leased meanwhile: drafts dropped
         bound = call.state.settings.max_card_bytes
-        asked = _record_asked(session, worker, row, drafts, call.now, bound)
+        asked = _record_asked(session, worker, row, drafts, call, bound)
         if asked:
             return _lease(session, call, row, asked[0], worker)
     return None
@@ -226,6 +234,13 @@ def holds_its_share(session: Session, worker: WorkerRow) -> bool:
     session.execute(_LOCK_WORKER, {"worker_id": worker.id})
     held = session.scalar(_ACTIVE_LEASES, {"worker_id": worker.id}) or 0
     return held >= worker.slots + LEASES_AHEAD
+
+
+def check_free_cards(worker: WorkerRow, free_cards: int | None) -> None:
+    """422 for more free cards than the worker registered."""
+    if free_cards is not None and free_cards > worker.cards:
+        message = f"{free_cards} is more than the {worker.cards} cards this worker registered"
+        raise Invalid("free_cards", message)
 
 
 def check_free_bytes(worker: WorkerRow, free_bytes: int) -> None:
@@ -337,17 +352,21 @@ def _open_studies(
 
 
 def _offered(
-    session: Session, worker: WorkerRow, studies: Sequence[StudyRow], believe_up_to: int
+    session: Session,
+    worker: WorkerRow,
+    studies: Sequence[StudyRow],
+    believe_up_to: int,
+    call: _Call,
 ) -> TrialRow | None:
-    """A pending or waiting trial this card can hold, as routing believes its size
-    (routing.believed); waiting ones (for a larger card) first."""
+    """A pending or waiting trial this card (or the free cards of this node) can hold, as
+    routing believes its size (routing.believed); waiting ones (for a larger card) first."""
     if not studies:
         return None
     card_bytes = believed(session, {worker.id: worker.total_bytes}, believe_up_to)[worker.id]
     params = {
         "study_ids": [row.study_id for row in studies],
         "card_bytes": card_bytes,
-        "cards": worker.cards,
+        "cards": call.placeable(worker),
         "worker_id": worker.id,
     }
     return session.scalar(_OFFERED, params)
@@ -386,7 +405,7 @@ def _record_asked(
     worker: WorkerRow,
     study: StudyRow,
     drafts: Sequence[FrozenTrial],
-    now: datetime,
+    call: _Call,
     believe_up_to: int,
 ) -> list[TrialRow]:
     """Insert drafted trials, Optuna's rows and vramtune's, as far as the budget still allows.
@@ -404,7 +423,8 @@ def _record_asked(
     with phase("next", "study_lock"):
         if not _lock_unpaused(session, study_id):
             return []  # paused or deleted meanwhile
-    inserted_meanwhile = _offered(session, worker, [study], believe_up_to)
+    inserted_meanwhile = _offered(session, worker, [study], believe_up_to, call)
+    now = call.now
     first, left = _counts(session, study)
     asked = optuna_rows.insert_trials(session, study_id, drafts[: max(left, 0)], now, first)
     trials = [

@@ -164,10 +164,12 @@ _OUTCOMES = {"infeasible": "infeasible", "pruned": "pruned"}
 def start(call: TrialCall, trial_id: int, body: StartRequest) -> TrialAck:
     """The worker chose its plan and runs it: store the plan and the prediction."""
     fenced = call.fence(trial_id, body.lease, "start")  # never a replay
+    _check_cards(body.cards, fenced.worker.cards)
     predicted = _predicted(body.prediction)
     plan = body.plan.model_dump(mode="json")
     attrs = {
         "plan": plan,
+        "cards": body.cards,
         "predicted_peak_bytes": predicted,
         "prediction": None if body.prediction is None else body.prediction.model_dump(),
         "worker": fenced.worker.name,
@@ -181,8 +183,16 @@ def start(call: TrialCall, trial_id: int, body: StartRequest) -> TrialAck:
     if fenced.lease.started_at is None:  # a second start keeps the first one's time
         set_columns(call.session, fenced.lease, started_at=call.now)
     resized = ran_as(body.plan, routed=False) == "resized"
-    _story(call, fenced, "resized" if resized else "planned", plan=plan, predicted_bytes=predicted)
+    kind: events.EventKind = "resized" if resized else "planned"
+    _story(call, fenced, kind, plan=plan, predicted_bytes=predicted, cards=body.cards)
     return _ack(fenced, "started", f"running as planned: {body.plan.reason}".strip(": "))
+
+
+def _check_cards(cards: list[int] | None, registered: int) -> None:
+    """422 for a card the worker did not register (its `cards` count them from 0)."""
+    beyond = [card for card in cards or [] if card >= registered]
+    if beyond:
+        raise Invalid("cards", f"{beyond} beyond the {registered} cards this worker registered")
 
 
 def _plan_chosen(call: TrialCall, fenced: Fenced, body: PlanChoice, attrs: dict[str, Any]) -> None:

@@ -920,6 +920,37 @@ def test_a_hand_back_naming_rank_needs_waits_for_a_node_with_enough_cards(env: E
     assert "no live node has 8 cards of 1.00 GiB" in back.json()["detail"]
 
 
+def test_a_node_is_offered_what_its_free_cards_hold_and_says_which_cards_run_it(
+    env: Env,
+) -> None:
+    env.create_study(n_trials=3, distributed={"max_world_size": 4})
+    single = env.worker("single", 4 * GIB, "Sim 4G")
+    node = env.worker("node", 4 * GIB, "Sim 4G", cards=4)
+    held = single.next()
+    assert held is not None
+    back = single.call(held, "handback", min_footprint_bytes=10 * GIB, rank_needs=[_need(4, GIB)])
+    assert back.json()["resolution"] == "waiting"
+    url = f"/workers/{node.id}/next"
+    two_free = env.http.post(url, json={"free_bytes": 4 * GIB, "free_cards": 2})
+    assert two_free.status_code == 200, two_free.text  # a new trial, not the one for 4 cards
+    beside = two_free.json()
+    assert beside["trial_id"] != held["trial_id"]
+    too_many = env.http.post(url, json={"free_bytes": 4 * GIB, "free_cards": 5})
+    assert too_many.status_code == 422 and "free_cards" in too_many.text
+    plan = {"world_size": 2, "strategy": "ddp"}
+    outside = node.call(beside, "start", plan=plan, cards=[3, 4])
+    assert outside.status_code == 422 and "cards" in outside.text  # card 4 of cards 0..3
+    not_per_rank = node.call(beside, "start", plan=plan, cards=[1])
+    assert not_per_rank.status_code == 422 and "cards" in not_per_rank.text
+    assert node.call(beside, "start", plan=plan, cards=[2, 3]).status_code == 200
+    all_free = env.http.post(url, json={"free_bytes": 4 * GIB, "free_cards": 4})
+    assert all_free.status_code == 200 and all_free.json()["trial_id"] == held["trial_id"]
+    assert env.page()[beside["trial_id"]]["user_attrs"]["vramtune.cards"] == [2, 3]
+    fleet = env.http.get("/dashboard/fleet", params={"limit": 500}).json()["workers"]
+    [shown] = [worker for worker in fleet if worker["id"] == node.id]
+    assert (shown["busy_cards"], shown["cards"]) == (3, 4)  # 2 ranks, and 1 leased, planning
+
+
 def test_a_plan_names_a_strategy_with_more_than_one_rank_only(env: Env) -> None:
     env.create_study()
     node = env.worker("node", 4 * GIB, "Sim 4G", cards=2)

@@ -66,7 +66,10 @@ def test_each_rank_gets_its_share_of_the_global_batch() -> None:
 
 
 def _args(**given: object) -> argparse.Namespace:
-    defaults = {"devices": None, "ranks": None, "device": "cuda:0", "memory_limit": None}
+    defaults = {
+        "devices": None, "ranks": None, "device": "cuda:0", "memory_limit": None,
+        "max_trials_per_card": 1,
+    }  # fmt: skip
     return argparse.Namespace(**{**defaults, "node": False, "all_gpus": False, **given})
 
 
@@ -78,6 +81,8 @@ def test_node_cards_come_from_devices_or_ranks() -> None:
         node_devices(_args(devices="cuda:0,cuda:0"))
     with pytest.raises(ValueError, match="--ranks simulates cards"):
         node_devices(_args(ranks=2))
+    with pytest.raises(ValueError, match="a node runs one trial per card"):
+        node_devices(_args(ranks=2, device="cpu", memory_limit=1, max_trials_per_card=2))
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])

@@ -6,8 +6,9 @@ step and goes back to the server as interrupted, to be re-offered, not failed.
 
 The parts around the loop live apart: the outcome mapping (worker/loop/outcomes.py), delivery of a
 trial's final call with its spool (worker/loop/delivery.py), the heartbeat thread
-(worker/loop/heartbeat.py), the structured log (worker/loop/events.py), and the packing loop that
-runs several trials at once on the card (worker/loop/packing.py, with `max_trials_per_card` > 1).
+(worker/loop/heartbeat.py), the structured log (worker/loop/events.py), the packing loop that
+runs several trials at once on the card (worker/loop/packing.py, with `max_trials_per_card` > 1),
+and the node loop that runs trials side by side on disjoint cards of a node (worker/loop/node.py).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from worker.loop.delivery import Delivery
 from worker.loop.events import AgentLog
 from worker.loop.heartbeat import Heartbeats, RunningTrial
 from worker.loop.lookahead import PlanAhead, Prepared
+from worker.loop.node import NodePacker
 from worker.loop.packing import Packer
 from worker.loop.spool import Spool
 from worker.plan.distributed import choose_distributed
@@ -201,7 +203,9 @@ class Agent:
             self.start()
             if not self._warmed_up():
                 return
-            if self.options.max_trials_per_card > 1:
+            if self.ranks > 1:
+                NodePacker(self).run()
+            elif self.options.max_trials_per_card > 1:
                 Packer(self).run()
             else:
                 self._run_one_at_a_time()
@@ -253,9 +257,10 @@ class Agent:
             self.heartbeats.release(assignment.trial_id)
         return True
 
-    def lease(self, free_bytes: int) -> Assignment | None:
-        """Ask for a trial, stating `free_bytes`; hold its lease (heartbeats renew it)."""
-        request = NextRequest(free_bytes=free_bytes)
+    def lease(self, free_bytes: int, free_cards: int | None = None) -> Assignment | None:
+        """Ask for a trial, stating `free_bytes` (and a node's `free_cards`); hold its lease
+        (heartbeats renew it)."""
+        request = NextRequest(free_bytes=free_bytes, free_cards=free_cards)
         assignment = self.client.next(self.worker_id, request, cancel=self.stop)
         return None if assignment is None else self._leased(assignment)
 
@@ -316,15 +321,18 @@ class Agent:
         decision: RunAsPlanned,
         choice: PlanChoice,
         how: dict[str, Any],
+        cards: list[int] | None = None,
         **fields: Any,
     ) -> None:
-        """Tell the server the trial runs as planned, and log it."""
-        self.client.start(assignment.trial_id, outcomes.started(assignment, decision, choice))
+        """Tell the server the trial runs as planned (on a node: on which `cards`), and log it."""
+        request = outcomes.started(assignment, decision, choice, cards)
+        self.client.start(assignment.trial_id, request)
         self.event(
             "started",
             assignment,
             plan=decision.plan.reason,
             predicted=peak_of(decision.prediction),
+            cards=cards,
             **how,
             **fields,
         )
@@ -565,13 +573,19 @@ class Agent:
                 for task, runner in self.runners.items()
                 if (keys := shape_keys(runner)) is not None
             },
-            slots=min(self.options.max_trials_per_card, MAX_SLOTS),
+            slots=self._slots(),
             batch_params={
                 task: param
                 for task, runner in self.runners.items()
                 if (param := batch_param(runner)) is not None
             },
         )
+
+    def _slots(self) -> int:
+        """Trials at once: a node's, one per card at most; a card's, its packing slots."""
+        if self.ranks > 1:
+            return self.ranks
+        return min(self.options.max_trials_per_card, MAX_SLOTS)
 
     def _step_fit(self, task: str) -> StepTimeFit | None:
         """The fleet's step-time model for this card model and task, when the server has one."""
@@ -592,10 +606,11 @@ class Agent:
 
     def _asks_next_with_complete(self) -> bool:
         """Whether a complete asks for the next trial (one request a trial less): one trial at
-        a time, nothing leased ahead, and another trial wanted."""
+        a time on one card, nothing leased ahead, and another trial wanted."""
         return (
             self.client.leases_on_complete
             and self.options.max_trials_per_card == 1
+            and self.ranks == 1
             and not self.options.plan_ahead
             and self.following is None
             and not self.stop.is_set()

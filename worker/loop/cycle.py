@@ -81,6 +81,7 @@ class TrialCycle(Protocol):
     """
 
     options: AgentOptions
+    card: CardSpec
     runners: dict[str, TrialRunner]
     stop: threading.Event
     heartbeats: Heartbeats
@@ -88,7 +89,7 @@ class TrialCycle(Protocol):
 
     def free_bytes(self) -> int: ...
 
-    def lease(self, free_bytes: int) -> Assignment | None: ...
+    def lease(self, free_bytes: int, free_cards: int | None = None) -> Assignment | None: ...
 
     def guarded(self, assignment: Assignment, work: Callable[[], T]) -> T | None: ...
 
@@ -112,6 +113,7 @@ class TrialCycle(Protocol):
         decision: RunAsPlanned,
         choice: PlanChoice,
         how: dict[str, Any],
+        cards: list[int] | None = None,
         **fields: Any,
     ) -> None: ...
 

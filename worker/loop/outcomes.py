@@ -115,10 +115,20 @@ def handed_back(assignment: Assignment, decision: HandBack, choice: PlanChoice) 
     )
 
 
-def started(assignment: Assignment, decision: RunAsPlanned, choice: PlanChoice) -> StartRequest:
-    """The start call of a trial that runs here as planned, with how the plan was chosen."""
+def started(
+    assignment: Assignment,
+    decision: RunAsPlanned,
+    choice: PlanChoice,
+    cards: list[int] | None = None,
+) -> StartRequest:
+    """The start call of a trial that runs here as planned (on a node: on `cards`), with how
+    the plan was chosen."""
     return StartRequest(
-        lease=assignment.lease, plan=decision.plan, prediction=decision.prediction, **dict(choice)
+        lease=assignment.lease,
+        plan=decision.plan,
+        prediction=decision.prediction,
+        cards=cards,
+        **dict(choice),
     )
 
 

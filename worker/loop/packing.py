@@ -16,7 +16,9 @@ the whole card, as if it ran alone, so packing never resizes a trial or hands it
   its prediction was wrong, so its retry runs alone, and one OOM stays one OOM.
 
 Each trial is seen to its end on a thread of its own (the REST calls, and in a packed trial the
-round trips with its process); the heartbeat thread renews every held lease.
+round trips with its process); the heartbeat thread renews every held lease. That part, the
+loop that asks while there is room, and the pool of trial processes are `TrialThreads`, which
+the node worker's loop (worker/loop/node.py: trials side by side on disjoint cards) shares.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 from common.memory import peak_of
 from service.wire import Assignment, Plan, PlanChoice, TrainBudget
@@ -58,7 +60,7 @@ class _InSlot:
 
 
 @dataclass(frozen=True)
-class _Placed:
+class Placed:
     """A trial with its plan chosen, ready to start once its reservation is granted."""
 
     assignment: Assignment
@@ -69,15 +71,39 @@ class _Placed:
     how: dict[str, Any]
 
 
-class Packer:
-    """Runs one agent's trials several at a time on its card (see the module's docstring)."""
+class Book(Protocol):
+    """What the loop asks of its accounting: a `SlotBook` (one card) or a `CardBook` (a node)."""
 
-    def __init__(self, agent: TrialCycle) -> None:
+    max_trials: int  # trials at once: trial processes are started for as many
+
+    def refresh_capacity(self, free_bytes: int) -> None: ...
+
+    def can_ask(self) -> bool: ...
+
+    def running(self) -> int: ...
+
+    def release(self, trial_id: int) -> None: ...
+
+    def wait_for_change(self, timeout_s: float) -> None: ...
+
+
+B = TypeVar("B", bound=Book)
+H = TypeVar("H")  # what a placed trial holds: a `Reservation`, or a node's `CardGrant`
+
+
+class TrialThreads(Generic[B, H]):
+    """Asks for trials while its book has room, and sees each to its end on its own thread.
+
+    A subclass places a leased trial (`_place`: choose its plan, wait for room, `_start_thread`)
+    and runs it (`_start_and_run`); the trial's hold on the book ends when its thread does.
+    """
+
+    def __init__(self, agent: TrialCycle, book: B, prestarted: int) -> None:
         self.agent = agent
-        slots = agent.options.max_trials_per_card
-        self.book = SlotBook(slots, agent.free_bytes())
+        self.book = book
+        self.prestarted = prestarted  # trial processes started with the loop
         self.source = agent.options.runner_source or Given(dict(agent.runners))
-        self.threads = threads_per_trial(slots)
+        self.threads = threads_per_trial(book.max_trials)
         self._idle_slots: list[SlotProcess] = []
         self._all_slots: list[SlotProcess] = []
         self._slots_lock = threading.Lock()
@@ -124,13 +150,17 @@ class Packer:
             agent.stop.wait(agent.options.idle_poll_s)
 
     def offered_bytes(self) -> int:
-        """What the card can still give a new trial (the free memory the server is told)."""
-        return self.book.available(self.agent.free_bytes())
+        """What a new trial could get (the free memory the server is told)."""
+        raise NotImplementedError
+
+    def offered_cards(self) -> int | None:
+        """The free cards the server is told (None: a one-card worker states none)."""
+        return None
 
     def ask(self) -> bool:
         """Ask for one trial and place it; False when the server had no work."""
         agent = self.agent
-        assignment = agent.lease(self.offered_bytes())
+        assignment = agent.lease(self.offered_bytes(), self.offered_cards())
         if assignment is None:
             return False
         handed_over = False
@@ -144,56 +174,25 @@ class Packer:
     # ------------------------------------------------------------ one trial
 
     def _place(self, assignment: Assignment) -> bool:
-        """Choose the plan, wait for room, start the trial's thread; True once it owns the
-        trial (the thread then releases its lease)."""
-        agent = self.agent
-        found = agent.runner_for(assignment)
-        if found is None:
-            return False
-        runner, config = found
-        capacity = self.book.capacity
-        chosen = agent.choose(assignment, runner, config, capacity)  # as if alone on the card
-        if chosen is None:
-            return False
-        decision, choice, how = chosen
-        if isinstance(decision, HandBack):
-            agent.hand_back(assignment, decision, choice, how)
-            return False
-        need, exclusive = self.hold_for(assignment, decision, capacity)
-        reservation = self.book.wait_to_reserve(
-            assignment.trial_id, need, exclusive, agent.stop, agent.options.idle_poll_s
-        )
-        if reservation is None:  # stopping before it could start: offered again, not failed
-            message = "the worker stopped before the trial could start"
-            agent.finish(assignment, outcomes.failed(assignment, "interrupted", message))
-            return False
-        placed = _Placed(assignment, runner, config, decision, choice, how)
+        """Choose the plan, wait for room, start the trial's thread (`_start_thread`); True
+        once that thread owns the trial (it then releases the lease)."""
+        raise NotImplementedError
+
+    def _start_and_run(self, placed: Placed, held: H) -> None:
+        """Tell the server the trial starts, run it, deliver its final call (its thread)."""
+        raise NotImplementedError
+
+    def _start_thread(self, placed: Placed, held: H) -> None:
         thread = threading.Thread(
-            target=self._run, args=(placed, reservation), name=f"trial-{assignment.trial_id}"
+            target=self._run, args=(placed, held), name=f"trial-{placed.assignment.trial_id}"
         )
         self._runs.append(thread)
         thread.start()
-        return True
 
-    def hold_for(
-        self, assignment: Assignment, decision: RunAsPlanned, capacity: int
-    ) -> tuple[int, bool]:
-        """The bytes the trial reserves and whether it runs exclusive (alone on the card)."""
-        policy = assignment.memory_policy
-        packable = (
-            policy.allow_packing
-            and not assignment.plans_tried  # ran out of memory here before: retried alone
-            and decision.prediction.method != "none"  # nothing to reserve by
-        )
-        need = reservation_bytes(peak_of(decision.prediction), policy.margin)
-        if not packable or need > capacity:
-            return capacity, True
-        return need, False
-
-    def _run(self, placed: _Placed, reservation: Reservation) -> None:
+    def _run(self, placed: Placed, held: H) -> None:
         agent, assignment = self.agent, placed.assignment
         try:
-            agent.guarded(assignment, lambda: self._start_and_run(placed, reservation))
+            agent.guarded(assignment, lambda: self._start_and_run(placed, held))
         except BaseException as error:  # ServerUnavailable at shutdown, or a bug: the loop ends
             agent.event("trial_thread_failed", assignment, error=repr(error))
             self._error = self._error or error
@@ -201,60 +200,13 @@ class Packer:
             self.book.release(assignment.trial_id)
             agent.heartbeats.release(assignment.trial_id)
 
-    def _start_and_run(self, placed: _Placed, reservation: Reservation) -> None:
-        agent, assignment, decision = self.agent, placed.assignment, placed.decision
-        agent.started(
-            assignment,
-            decision,
-            placed.choice,
-            placed.how,
-            packed=not reservation.exclusive,
-            reserved_bytes=reservation.nbytes,
-            beside=self.book.running() - 1,
-        )
-        if not reservation.exclusive:
-            self._run_in_slot(placed, reservation)
-            return
-        agent.run_planned(
-            assignment,
-            placed.runner,
-            placed.config,
-            decision.plan,
-            decision.prediction,
-            decision.step_time,
-        )
-
-    def _run_in_slot(self, placed: _Placed, reservation: Reservation) -> None:
-        slot = self._take_slot()
-        given_back = threading.Event()
-
-        def ended() -> None:  # once: the process back to the pool first, then the slot
-            if not given_back.is_set():
-                given_back.set()
-                self._give_slot(slot)
-                self.book.release(reservation.trial_id)
-                self.agent.event("slot_freed", placed.assignment, running=self.book.running())
-
-        try:
-            self.agent.run_planned(
-                placed.assignment,
-                _InSlot(slot, placed.assignment.task, reservation.nbytes, ended),
-                placed.config,
-                placed.decision.plan,
-                placed.decision.prediction,
-                placed.decision.step_time,
-                alone=False,
-            )
-        finally:
-            ended()
-
     # ------------------------------------------------------------ slot processes
 
     def _start_slots(self) -> None:
-        """Start every slot process now, as the worker loads its tasks at start: torch is
-        imported by then, not in the first packed trials' time (they start side by side)."""
+        """Start `prestarted` slot processes now, as the worker loads its tasks at start: torch
+        is imported by then, not in the first packed trials' time (they start side by side)."""
         with self._slots_lock:
-            for _ in range(self.book.max_trials - len(self._all_slots)):
+            for _ in range(self.prestarted - len(self._all_slots)):
                 slot = SlotProcess(self.source, self.threads)
                 self._all_slots.append(slot)
                 self._idle_slots.append(slot)
@@ -288,6 +240,109 @@ class Packer:
     def _reap(self) -> None:
         """Forget the threads of trials that ended."""
         self._runs = [thread for thread in self._runs if thread.is_alive()]
+
+
+class Packer(TrialThreads[SlotBook, Reservation]):
+    """Runs one agent's trials several at a time on its card (see the module's docstring)."""
+
+    def __init__(self, agent: TrialCycle) -> None:
+        slots = agent.options.max_trials_per_card
+        super().__init__(agent, SlotBook(slots, agent.free_bytes()), prestarted=slots)
+
+    def offered_bytes(self) -> int:
+        """What the card can still give a new trial (the free memory the server is told)."""
+        return self.book.available(self.agent.free_bytes())
+
+    # ------------------------------------------------------------ one trial
+
+    def _place(self, assignment: Assignment) -> bool:
+        """Choose the plan, wait for room, start the trial's thread; True once it owns the
+        trial (the thread then releases its lease)."""
+        agent = self.agent
+        found = agent.runner_for(assignment)
+        if found is None:
+            return False
+        runner, config = found
+        capacity = self.book.capacity
+        chosen = agent.choose(assignment, runner, config, capacity)  # as if alone on the card
+        if chosen is None:
+            return False
+        decision, choice, how = chosen
+        if isinstance(decision, HandBack):
+            agent.hand_back(assignment, decision, choice, how)
+            return False
+        need, exclusive = self.hold_for(assignment, decision, capacity)
+        reservation = self.book.wait_to_reserve(
+            assignment.trial_id, need, exclusive, agent.stop, agent.options.idle_poll_s
+        )
+        if reservation is None:  # stopping before it could start: offered again, not failed
+            message = "the worker stopped before the trial could start"
+            agent.finish(assignment, outcomes.failed(assignment, "interrupted", message))
+            return False
+        self._start_thread(Placed(assignment, runner, config, decision, choice, how), reservation)
+        return True
+
+    def hold_for(
+        self, assignment: Assignment, decision: RunAsPlanned, capacity: int
+    ) -> tuple[int, bool]:
+        """The bytes the trial reserves and whether it runs exclusive (alone on the card)."""
+        policy = assignment.memory_policy
+        packable = (
+            policy.allow_packing
+            and not assignment.plans_tried  # ran out of memory here before: retried alone
+            and decision.prediction.method != "none"  # nothing to reserve by
+        )
+        need = reservation_bytes(peak_of(decision.prediction), policy.margin)
+        if not packable or need > capacity:
+            return capacity, True
+        return need, False
+
+    def _start_and_run(self, placed: Placed, reservation: Reservation) -> None:
+        agent, assignment, decision = self.agent, placed.assignment, placed.decision
+        agent.started(
+            assignment,
+            decision,
+            placed.choice,
+            placed.how,
+            packed=not reservation.exclusive,
+            reserved_bytes=reservation.nbytes,
+            beside=self.book.running() - 1,
+        )
+        if not reservation.exclusive:
+            self._run_in_slot(placed, reservation)
+            return
+        agent.run_planned(
+            assignment,
+            placed.runner,
+            placed.config,
+            decision.plan,
+            decision.prediction,
+            decision.step_time,
+        )
+
+    def _run_in_slot(self, placed: Placed, reservation: Reservation) -> None:
+        slot = self._take_slot()
+        given_back = threading.Event()
+
+        def ended() -> None:  # once: the process back to the pool first, then the slot
+            if not given_back.is_set():
+                given_back.set()
+                self._give_slot(slot)
+                self.book.release(reservation.trial_id)
+                self.agent.event("slot_freed", placed.assignment, running=self.book.running())
+
+        try:
+            self.agent.run_planned(
+                placed.assignment,
+                _InSlot(slot, placed.assignment.task, reservation.nbytes, ended),
+                placed.config,
+                placed.decision.plan,
+                placed.decision.prediction,
+                placed.decision.step_time,
+                alone=False,
+            )
+        finally:
+            ended()
 
 
 def _now() -> float:

@@ -90,11 +90,16 @@ class RankJob:
 
 
 class RankGroupRunner:
-    """Runs a planned trial on `devices[:plan.world_size]`, one process per rank."""
+    """Runs a planned trial on `devices[:plan.world_size]`, one process per rank.
 
-    def __init__(self, runner: Any, devices: Sequence[str]) -> None:
+    `threads`: torch threads per rank; None shares the cores among this trial's ranks (a node
+    running trials side by side shares them among all its cards instead).
+    """
+
+    def __init__(self, runner: Any, devices: Sequence[str], threads: int | None = None) -> None:
         self.runner = runner
         self.devices = list(devices)
+        self.threads = threads
         self.pids: list[int] = []  # the ranks of the run under way (tests watch them)
 
     def run(
@@ -106,7 +111,7 @@ class RankGroupRunner:
             raise RunFailed(f"cannot run {world_size} ranks on {len(self.devices)} cards")
         shared = rank_config(config, self.runner.task.batch_size_param, world_size)
         group = _Group(world_size, reporter)
-        port, threads = _free_port(), max(1, (os.cpu_count() or 1) // world_size)
+        port, threads = _free_port(), self.threads or max(1, (os.cpu_count() or 1) // world_size)
         for rank in range(world_size):
             device, _ = rank_device(self.devices[rank])
             job = RankJob(

@@ -272,6 +272,7 @@ def limit_memory(card: CardSpec, limit_bytes: int) -> CardSpec:
         import torch
 
         index = _torch_device(card).index or 0
+        torch.cuda.set_device(index)  # a node's slot runs on the card it is given, not cuda:0
         total = torch.cuda.get_device_properties(index).total_memory
         context = int(card.constants.get("cuda_context_bytes", 0))
         torch.cuda.set_per_process_memory_fraction(
