@@ -70,7 +70,8 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     worker.add_argument(
         "--devices",
         metavar="cuda:0,cuda:1,...",
-        help="a node worker over these GPUs, one process per rank (NCCL) for a trial on several",
+        help="a node worker over these GPUs: trials side by side on disjoint cards, one process "
+        "per rank (NCCL) for a trial on several",
     )
     worker.add_argument(
         "--ranks",
@@ -88,7 +89,7 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         metavar="N",
         help="run up to N trials at once on the card, each in its own process limited to its "
         "predicted peak plus the margin, for studies whose memory policy allows packing "
-        "(default 1: one trial at a time)",
+        "(default 1: one trial at a time; a node worker runs one trial per card instead)",
     )
     worker.add_argument(
         "--plan-ahead",

@@ -15,13 +15,15 @@ from __future__ import annotations
 import os
 import signal
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from service.testing import ServerProcess
-from tests.e2e.conftest import Studies, WorkerFactory, WorkerProcess, finished
+from tests.e2e.conftest import Studies, WorkerFactory, WorkerProcess, dashboard_trial, finished
 
 # Distributed trials spawn processes that import torch: minutes each at the loads seen here (30).
 pytestmark = pytest.mark.timeout(1800)
@@ -75,6 +77,85 @@ def test_large_trials_run_on_the_fewest_ranks_and_one_no_node_holds_is_infeasibl
     assert "8 cards" in infeasible.user_attrs["vramtune.fail_reason"]
     started = sum(w.logs().count('"event": "started"') for w in (node, card))
     assert started == 3  # batches 16, 64 and 128, each once
+
+
+ONE_CARD_S = 60.0  # the one-card trial trains this long: the 2-rank trial starts meanwhile
+
+
+def test_a_node_runs_two_trials_at_once_on_disjoint_cards(
+    fleet_server: ServerProcess, start_worker: WorkerFactory, studies: Studies
+) -> None:
+    node = start_worker(fleet_server.url, CARD, *DIGITS, "--ranks", "4")
+    node.wait_for('"event": "registered"')
+    # The older study is offered first: the one-card trial, which trains for ONE_CARD_S; then,
+    # while it trains, the 2-rank one on two of the three cards left.
+    long = {"max_steps": 10**6, "max_seconds": ONE_CARD_S, "eval_every": 10**6}
+    one_card = studies.create(_batches(16), **{**SPEC, "budget": long}, n_trials=1)
+    two_ranks = studies.create(_batches(64), **SPEC, n_trials=1)
+    busy = _busy_cards_until(fleet_server.url, node, studies, two_ranks)
+    first = studies.wait_until(one_card, finished(1), timeout=SLOW_S)[0]
+    second = studies.wait_until(two_ranks, finished(1), timeout=SLOW_S)[0]
+    for trial in (first, second):
+        assert trial.state == "COMPLETE" and trial.attempt == 0, node.logs()[-4000:]
+        assert trial.worker == node.name
+    assert first.plan is not None and first.plan.world_size == 1
+    assert second.plan is not None and second.plan.world_size == 2
+    one, two = set(first.user_attrs["vramtune.cards"]), set(second.user_attrs["vramtune.cards"])
+    assert len(one) == 1 and len(two) == 2 and not one & two, (one, two)
+    windows = [_ran(fleet_server, name) for name in (one_card, two_ranks)]
+    (began_1, ended_1), (began_2, ended_2) = windows
+    assert began_2 < ended_1 and began_1 < ended_2, windows  # they overlapped in time
+    # The fleet page counted both: 1 + 2 of the node's 4 cards, never more than it has.
+    assert max(busy) == 3, busy
+    assert node.logs().count('"event": "started"') == 2  # each trial ran once
+
+
+def test_sigterm_stops_both_trials_of_a_node_and_each_goes_back(
+    fleet_server: ServerProcess, start_worker: WorkerFactory, studies: Studies
+) -> None:
+    node = start_worker(fleet_server.url, CARD, *DIGITS, "--ranks", "4")
+    node.wait_for('"event": "registered"')
+    endless = {"max_steps": 10**6, "eval_every": 1}  # a value every step: it trains
+    one_card = studies.create(_batches(16), **{**SPEC, "budget": endless}, n_trials=1)
+    two_ranks = studies.create(_batches(64), **{**SPEC, "budget": endless}, n_trials=1)
+    for name in (one_card, two_ranks):
+        studies.wait_until(name, lambda ts: bool(ts) and bool(ts[0].intermediate), timeout=SLOW_S)
+    ranks = _rank_processes(node)
+    assert len(ranks) == 2
+    node.signal(signal.SIGTERM)
+    assert node.wait(timeout=SLOW_S) == 0
+    for name in (one_card, two_ranks):
+        [trial] = studies.trials(name)
+        assert trial.state == "RUNNING" and trial.attempt == 0  # offered again, not failed
+    assert node.logs().count('"kind": "interrupted"') == 2
+    assert not [pid for pid in ranks if _running(pid)]  # no rank outlives its trial
+
+
+def _running(pid: int) -> bool:
+    """Whether the process is alive (a zombie is dead, only not reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _ran(server: ServerProcess, study: str) -> tuple[datetime, datetime]:
+    """When the study's one trial started (its plan chosen) and completed, by its story."""
+    story = dashboard_trial(server, study, 0)["events"]
+    [planned] = [event["at"] for event in story if event["kind"] == "planned"]
+    [completed] = [event["at"] for event in story if event["kind"] == "completed"]
+    return datetime.fromisoformat(planned), datetime.fromisoformat(completed)
+
+
+def _busy_cards_until(server: str, node: WorkerProcess, studies: Studies, study: str) -> list[int]:
+    """The node's busy cards on the fleet page, read until the study's trial has finished."""
+    seen = []
+    deadline = time.monotonic() + SLOW_S
+    while not finished(1)(studies.trials(study)) and time.monotonic() < deadline:
+        response = httpx.get(f"{server}/api/v1/dashboard/fleet", params={"limit": 500}, timeout=30)
+        seen += [w["busy_cards"] for w in response.json()["workers"] if w["name"] == node.name]
+        time.sleep(0.2)
+    return seen
 
 
 def _rank_processes(worker: WorkerProcess) -> list[int]:

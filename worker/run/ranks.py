@@ -156,10 +156,12 @@ class _Group:
     def wait(self) -> RunResult:
         """Relay messages until every rank is done or one fails (then raise for the trial)."""
         while len(self.done) < self.world_size:
+            # Before every message, not only when none came: rank 0 reporting each step would
+            # otherwise keep the queue busy and a stop (SIGTERM, a pruned trial) unseen.
+            self._check_stop()
             try:
                 message = self.messages.get(timeout=POLL_S)
             except queue.Empty:
-                self._check_stop()
                 self._check_alive()
                 continue
             self._handle(message)
