@@ -61,7 +61,9 @@ def plan_words(plan: Mapping[str, Any] | None) -> str:
 def _planned(detail: Mapping[str, Any]) -> str:
     predicted = detail.get("predicted_bytes")
     at = f", predicted {human_bytes(predicted)}" if predicted else ""
-    return f"runs {plan_words(detail.get('plan'))} on {_card(detail)}{at}"
+    cards = detail.get("cards")  # which of a node's cards
+    on = f", card{'s' if len(cards) > 1 else ''} {', '.join(map(str, cards))}" if cards else ""
+    return f"runs {plan_words(detail.get('plan'))} on {_card(detail)}{on}{at}"
 
 
 def _handed_back(detail: Mapping[str, Any]) -> str:

@@ -946,6 +946,9 @@ def test_a_node_is_offered_what_its_free_cards_hold_and_says_which_cards_run_it(
     all_free = env.http.post(url, json={"free_bytes": 4 * GIB, "free_cards": 4})
     assert all_free.status_code == 200 and all_free.json()["trial_id"] == held["trial_id"]
     assert env.page()[beside["trial_id"]]["user_attrs"]["vramtune.cards"] == [2, 3]
+    story = env.http.get(f"/dashboard/studies/{env.study}/trials/{beside['number']}").json()
+    [planned] = [event for event in story["events"] if event["kind"] == "planned"]
+    assert planned["detail"]["cards"] == [2, 3] and "node (4.00 GiB), cards 2, 3" in planned["text"]
     fleet = env.http.get("/dashboard/fleet", params={"limit": 500}).json()["workers"]
     [shown] = [worker for worker in fleet if worker["id"] == node.id]
     assert (shown["busy_cards"], shown["cards"]) == (3, 4)  # 2 ranks, and 1 leased, planning
