@@ -4,10 +4,21 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass, field
+from typing import Any, cast
 
 import pytest
 
+from service.wire import CardInfo, Plan, TrainBudget
+from tests.worker.test_agent_quadratic import Recorder
+from worker.loop.agent import Agent
+from worker.loop.api import ServerClient
+from worker.loop.cycle import AgentOptions
+from worker.loop.node import NodePacker, _OnCard
 from worker.run.cards import CardBook, CardGrant
+from worker.run.slot_process import SlotProcess
+from worker.tasks.quadratic import QuadraticTask
+from worker.trial.runner import CardSpec
 
 MIB = 2**20
 
@@ -67,3 +78,44 @@ def test_the_capacity_is_read_while_no_trial_runs_and_no_memory_means_no_ask() -
     assert book.capacity == 0 and not book.can_ask()
     with pytest.raises(ValueError, match="at least one card"):
         CardBook(0, MIB)
+
+
+# ---------------------------------------------------------------- the node loop's side
+
+
+def _node_agent(cards: int) -> Agent:
+    info = CardInfo(model="sim", total_bytes=12 * MIB, free_bytes=12 * MIB, simulated=True)
+    options = AgentOptions(name="node", device="cpu", devices=("cpu",) * cards)
+    client = ServerClient("http://127.0.0.1:9")  # never called here
+    return Agent(client, {"quadratic": QuadraticTask()}, CardSpec(info=info), options)
+
+
+def test_a_node_tells_the_server_its_free_cards_and_what_one_card_gives() -> None:
+    packer = NodePacker(_node_agent(4))
+    assert (packer.offered_cards(), packer.offered_bytes()) == (4, 12 * MIB)
+    packer.book.take(1, 3)
+    assert (packer.offered_cards(), packer.offered_bytes()) == (1, 12 * MIB)
+    packer.book.take(2, 1)
+    assert (packer.offered_cards(), packer.offered_bytes()) == (0, 0)
+
+
+@dataclass
+class _Slot:
+    """A trial process that records what it was asked to run."""
+
+    asked: list[tuple[str, int]] = field(default_factory=list)
+
+    def run(self, task: str, config: Any, plan: Plan, budget: Any, card: CardSpec, limit: int,
+            reporter: Any) -> Any:  # fmt: skip
+        self.asked.append((card.device, limit))
+        return "ran"
+
+
+def test_a_one_card_trial_of_a_node_runs_on_the_card_it_was_given() -> None:
+    slot = _Slot()
+    on_card = _OnCard(cast(SlotProcess, slot), "quadratic", "cuda:2", 12 * MIB)
+    card = CardSpec(
+        info=CardInfo(model="H100", total_bytes=80 * 2**30, free_bytes=0), device="cuda:0"
+    )
+    assert on_card.run({}, Plan(), TrainBudget(), card, Recorder()) == "ran"
+    assert slot.asked == [("cuda:2", 12 * MIB)]
