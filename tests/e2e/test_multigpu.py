@@ -114,13 +114,14 @@ def test_sigterm_stops_both_trials_of_a_node_and_each_goes_back(
     fleet_server: ServerProcess, start_worker: WorkerFactory, studies: Studies
 ) -> None:
     node = start_worker(fleet_server.url, CARD, *DIGITS, "--ranks", "4")
-    node.wait_for('"event": "registered"')
+    node.wait_for('"event": "slots_ready"')
+    slot = _spawned(node)  # the node's one-card trial process, started with its loop
     endless = {"max_steps": 10**6, "eval_every": 1}  # a value every step: it trains
     one_card = studies.create(_batches(16), **{**SPEC, "budget": endless}, n_trials=1)
     two_ranks = studies.create(_batches(64), **{**SPEC, "budget": endless}, n_trials=1)
     for name in (one_card, two_ranks):
         studies.wait_until(name, lambda ts: bool(ts) and bool(ts[0].intermediate), timeout=SLOW_S)
-    ranks = _rank_processes(node)
+    ranks = _ranks(node, slot)
     assert len(ranks) == 2
     node.signal(signal.SIGTERM)
     assert node.wait(timeout=SLOW_S) == 0
@@ -158,8 +159,14 @@ def _busy_cards_until(server: str, node: WorkerProcess, studies: Studies, study:
     return seen
 
 
-def _rank_processes(worker: WorkerProcess) -> list[int]:
-    """The worker's spawned rank processes (multiprocessing's spawn children)."""
+def _ranks(worker: WorkerProcess, slot: list[int]) -> list[int]:
+    """The worker's rank processes: what it spawned, less its one-card trial process."""
+    return [pid for pid in _spawned(worker) if pid not in slot]
+
+
+def _spawned(worker: WorkerProcess) -> list[int]:
+    """The worker's spawned processes (multiprocessing's spawn children): its ranks, and its
+    one-card trial process (worker/loop/node.py)."""
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -177,14 +184,15 @@ def test_a_rank_killed_mid_trial_fails_the_trial_once_and_leaves_no_rank(
     fleet_server: ServerProcess, start_worker: WorkerFactory, studies: Studies
 ) -> None:
     node = start_worker(fleet_server.url, CARD, *DIGITS, "--ranks", "4")
-    node.wait_for('"event": "registered"')
+    node.wait_for('"event": "slots_ready"')
+    slot = _spawned(node)
     # A value reported every step: the first one shows the ranks joined and train.
     long_run = {**SPEC, "budget": {"max_steps": 100_000, "eval_every": 1}}
     name = studies.create(_batches(64), **long_run, n_trials=1)
     studies.wait_until(
         name, lambda trials: bool(trials) and bool(trials[0].intermediate), timeout=SLOW_S
     )
-    ranks = _rank_processes(node)
+    ranks = _ranks(node, slot)
     assert len(ranks) == 2, node.logs()[-4000:]
     os.kill(ranks[-1], signal.SIGKILL)
     [trial] = studies.wait_until(name, finished(1), timeout=SLOW_S)
@@ -192,7 +200,7 @@ def test_a_rank_killed_mid_trial_fails_the_trial_once_and_leaves_no_rank(
     assert "died (killed by SIGKILL)" in trial.user_attrs["vramtune.fail_reason"]
     assert trial.attempt == 0
     deadline = time.monotonic() + 30
-    while _rank_processes(node) and time.monotonic() < deadline:
+    while _ranks(node, slot) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _rank_processes(node) == []
+    assert _ranks(node, slot) == []
     assert node.process.poll() is None  # the worker lives on
