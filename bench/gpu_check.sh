@@ -5,7 +5,8 @@
 #   bash bench/gpu_check.sh
 #
 # It installs nothing. It runs the `gpu`-marked tests (the fake-cuda prediction against the
-# card's measured peak, the CUDA training loop) and the GPU predictor benchmark on the zoo
+# card's measured peak, LoRA and QLoRA's int8/nf4 bases included when peft and torchao are
+# installed, the CUDA training loop) and the GPU predictor benchmark on the zoo
 # (predicted allocated/reserved against torch.cuda.max_memory_allocated/reserved and NVML's
 # per-process peak, bench/predictor_accuracy.py --gpu), and writes
 #   bench/results/gpu_tests.md

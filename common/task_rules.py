@@ -24,9 +24,13 @@ BYTE_VOCAB = 128
 MIN_RESOLUTION = 16
 """Below this no ImageNet classifier of timm or torchvision runs (most need 32 or more)."""
 
-LORA_OVERRIDES = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
+LORA_OVERRIDES = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "quantized_base")
 """hf-causal-lm's top-level names that override `finetune`'s LoRA settings (so a study can
 sample them)."""
+
+QUANTIZED_BASES = ("none", "int8", "nf4")
+"""How hf-causal-lm may store a LoRA model's frozen base (`quantized_base`): float, or
+quantized by torchao (QLoRA)."""
 
 MODEL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 MAX_COMBINATIONS = 4096
@@ -70,9 +74,18 @@ def hf_problems(values: Mapping[str, Any]) -> Iterator[Problem]:
 
 def _finetune_problems(values: Mapping[str, Any]) -> Iterator[Problem]:
     finetune = values.get("finetune")
+    nested = finetune.get("quantized_base") if isinstance(finetune, Mapping) else None
+    flat = values.get("quantized_base")
+    for field, quantized in (("quantized_base", flat), ("finetune", nested)):
+        if quantized is not None and quantized not in QUANTIZED_BASES:
+            yield (
+                field,
+                f"unknown quantized base {quantized!r}; use one of {list(QUANTIZED_BASES)}",
+            )
+            return
     if finetune is None:
         for name in LORA_OVERRIDES:
-            if values.get(name) is not None:
+            if values.get(name) not in (None, "none"):
                 yield name, "needs finetune: {method: lora} in task_config"
                 return
         return

@@ -48,3 +48,20 @@ def test_lora_settings_without_lora_or_another_method_are_refused() -> None:
         "task_config.finetune",
         "unknown method 'dora': only lora (finetune: lora, or a mapping)",
     )
+
+
+def test_a_quantized_base_is_one_of_the_known_kinds_and_needs_lora() -> None:
+    lora = {"finetune": "lora"}
+    assert study_problem("hf-causal-lm", lora, {"quantized_base": ["none", "int8", "nf4"]}) is None
+    assert study_problem("hf-causal-lm", lora, {"quantized_base": ["int8", "int4"]}) == (
+        "search_space.quantized_base",
+        "unknown quantized base 'int4'; use one of ['none', 'int8', 'nf4']",
+    )
+    nested = {"finetune": {"method": "lora", "quantized_base": "fp4"}}
+    problem = study_problem("hf-causal-lm", nested, {})
+    assert problem is not None and problem[0] == "task_config.finetune" and "'fp4'" in problem[1]
+    assert study_problem("hf-causal-lm", {"quantized_base": "int8"}, {}) == (
+        "task_config.quantized_base",
+        "needs finetune: {method: lora} in task_config",
+    )
+    assert study_problem("hf-causal-lm", {"quantized_base": "none"}, {}) is None

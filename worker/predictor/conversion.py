@@ -8,6 +8,12 @@ fails (`.item()` has no value on meta), for real on the CPU, and converts it: ea
 buffer and tensor attribute is replaced by a fake tensor made inside the trace's modes, so the
 tracker counts it as a build inside them would have.
 
+A tensor subclass that wraps others (torchao's quantized weights: int8 codes and scales in an
+`Int8Tensor`, 4-bit codes in an `NF4Tensor`) is converted through its own flatten/unflatten
+protocol: the tensors it holds become fake, the wrapper is rebuilt around them, so the trace
+counts the packed storage the real run holds (not a float tensor of the wrapper's shape) and
+runs the subclass's own kernels.
+
 The conversion keys on storage identity: a parameter that two modules share (tied embeddings)
 becomes one fake parameter, and tensors that view one storage view one fake storage. (Applying
 `fake_mode.from_tensor` module by module made two parameters of a tied one: twice its gradient
@@ -17,12 +23,14 @@ probe), with both reasons.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
 
 from service.wire import Plan
 from worker.device.memory import MemoryLimitExceeded
@@ -114,7 +122,7 @@ class _Converter:
     def parameter(self, parameter: nn.Parameter) -> nn.Parameter:
         made = self._memo(
             parameter,
-            lambda: nn.Parameter(self._data(parameter), requires_grad=parameter.requires_grad),
+            lambda: nn.Parameter(self._content(parameter), requires_grad=parameter.requires_grad),
         )
         assert isinstance(made, nn.Parameter)
         return made
@@ -122,7 +130,20 @@ class _Converter:
     def tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         if isinstance(tensor, nn.Parameter):
             return self.parameter(tensor)
-        return self._memo(tensor, lambda: self._data(tensor).requires_grad_(tensor.requires_grad))
+        return self._memo(
+            tensor, lambda: self._content(tensor).requires_grad_(tensor.requires_grad)
+        )
+
+    def _content(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`_data` for a plain tensor; a wrapper subclass rebuilt around its converted tensors."""
+        if not is_traceable_wrapper_subclass(tensor):
+            return self._data(tensor)
+        names, context = tensor.__tensor_flatten__()
+        inner = {name: self.tensor(getattr(tensor, name)) for name in names}
+        rebuilt: torch.Tensor = type(tensor).__tensor_unflatten__(
+            inner, _on_device(context, self.device), tensor.size(), tensor.stride()
+        )
+        return rebuilt
 
     def _memo(self, tensor: torch.Tensor, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         key = id(tensor)
@@ -156,6 +177,22 @@ class _Converter:
                     f"tensors of {on_storage.dtype} and {tensor.dtype} share one storage"
                 )
             return on_storage.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
+
+
+def _on_device(context: Any, device: torch.device) -> Any:
+    """A wrapper's flatten context with each device it names set to `device`: torchao's NF4
+    tensor keeps its own device there (a dataclass), and a model built on meta would otherwise
+    come back as a wrapper on meta around fake tensors on the trace device."""
+    if isinstance(context, torch.device):
+        return device
+    if isinstance(context, dict):
+        return {key: _on_device(value, device) for key, value in context.items()}
+    if dataclasses.is_dataclass(context) and not isinstance(context, type):
+        fields = {f.name: getattr(context, f.name) for f in dataclasses.fields(context) if f.init}
+        return dataclasses.replace(
+            context, **{name: _on_device(value, device) for name, value in fields.items()}
+        )
+    return context
 
 
 def _covers(tensor: torch.Tensor, elements: int) -> bool:

@@ -15,6 +15,15 @@ lora_dropout, target_modules}`, or `finetune: lora` with the flat `lora_r`, `lor
 values, and these may be hyperparameters (they take precedence over the mapping's). Needs
 ``pip install 'vramtune[peft]'``; without peft a configuration that asks for LoRA fails with a
 TaskConfigError naming the extra.
+
+QLoRA: `finetune.quantized_base` (flat: `quantized_base`) stores the frozen base's linear
+layers quantized before peft wraps them, through torchao: `int8` (weight-only int8, one scale
+per output row: `Int8WeightOnlyConfig`) or `nf4` (QLoRA's 4-bit NormalFloat with double-quantized
+scales: `to_nf4`); `none` (the default) keeps them in float. The output layer stays in float
+(as bitsandbytes' QLoRA keeps it), and GPT-2's Conv1D layers become the nn.Linear layers they
+compute (weights transposed) so that torchao and peft treat them as any other family's. Both
+kinds run on the CPU, so their prediction is checked against real CPU runs. Needs
+``pip install 'vramtune[qlora]'``.
 """
 
 from __future__ import annotations
@@ -59,6 +68,10 @@ class LoRASettings(BaseModel):
         None, min_length=1, description="Module names to adapt; None: peft's default per family."
     )
 
+    quantized_base: Literal["none", "int8", "nf4"] = Field(
+        "none", description="The frozen base's linear layers: float, torchao int8 or nf4 (QLoRA)."
+    )
+
     @field_validator("target_modules", mode="before")
     @classmethod
     def _comma_separated(cls, value: object) -> object:
@@ -96,6 +109,9 @@ class HFCausalLMConfig(BaseModel):
     lora_dropout: float | None = Field(None, ge=0.0, lt=1.0, description="Overrides its dropout.")
     lora_target_modules: str | None = Field(
         None, min_length=1, max_length=4096, description="Overrides its target_modules (a,b,c)."
+    )
+    quantized_base: Literal["none", "int8", "nf4"] | None = Field(
+        None, description="Overrides finetune.quantized_base."
     )
 
     @field_validator("finetune", mode="before")
@@ -178,16 +194,25 @@ class HFCausalLMTask:
             "lora_r",
             "lora_dropout",  # p = 0: peft uses no dropout module
             "lora_target_modules",
+            "quantized_base",
         }
     )
     metric = Metric("val_loss", "minimize")
 
     def settings(self, config: Config) -> HFCausalLMConfig:
-        """The validated configuration (LoRA without peft installed is a TaskConfigError)."""
+        """The validated configuration (LoRA without peft installed, or a quantized base without
+        torchao, is a TaskConfigError naming the extra)."""
         settings = parse_config(self.name, HFCausalLMConfig, config)
-        if settings.finetune is not None and importlib.util.find_spec("peft") is None:
+        lora = settings.lora()
+        if lora is not None and importlib.util.find_spec("peft") is None:
             raise TaskConfigError(
                 f"{self.name}: finetune.method lora needs peft: pip install 'vramtune[peft]'"
+            )
+        quantized = "none" if lora is None else lora.quantized_base
+        if quantized != "none" and importlib.util.find_spec("torchao") is None:
+            raise TaskConfigError(
+                f"{self.name}: finetune.quantized_base {quantized} needs torchao: "
+                "pip install 'vramtune[qlora]'"
             )
         return settings
 
@@ -201,7 +226,15 @@ class HFCausalLMTask:
             settings.transformers_config(), attn_implementation="sdpa"
         )
         lora = settings.lora()
-        return model if lora is None else _with_lora(model, lora, settings.model_type == "gpt2")
+        if lora is None:
+            return model
+        conv1d = settings.model_type == "gpt2"
+        if lora.quantized_base != "none":
+            if conv1d:
+                _conv1d_as_linear(model)
+                conv1d = False
+            _quantize_base(model, lora.quantized_base)
+        return _with_lora(model, lora, conv1d)
 
     def build_optimizer(self, model: nn.Module, config: Config) -> torch.optim.Optimizer:
         """AdamW over the trainable parameters (a frozen base keeps no state); foreach spelled
@@ -306,6 +339,68 @@ def _with_lora(model: nn.Module, lora: LoRASettings, conv1d: bool) -> nn.Module:
     )
     wrapped: nn.Module = peft.get_peft_model(model, adapters)
     return wrapped
+
+
+NF4_BLOCK = 64
+NF4_SCALER_BLOCK = 256
+"""torchao's NF4 defaults (QLoRA's): 64 weights share a scale, 256 scales share their own."""
+
+
+def _quantize_base(model: nn.Module, kind: str) -> None:
+    """Store the frozen base's linear layers, all but the output layer, quantized by torchao.
+
+    `int8`: `quantize_` with `Int8WeightOnlyConfig` (int8 weights, one float scale per row).
+    `nf4`: each weight replaced by `to_nf4` of it (4-bit codes, double-quantized block scales);
+    torchao's NF4 tensor computes `linear` by dequantizing, and never takes a gradient.
+    """
+    head = model.get_output_embeddings()  # type: ignore[operator]
+    layers = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and module is not head
+    ]
+    quantization = load(NAME, "qlora", "torchao.quantization")
+    if kind == "int8":
+        chosen = {id(module) for _, module in layers}
+        quantization.quantize_(
+            model,
+            quantization.Int8WeightOnlyConfig(),
+            filter_fn=lambda module, _name: id(module) in chosen,
+        )
+        return
+    for name, module in layers:
+        scaler_block = _nf4_scaler_block(name, module.weight.numel())
+        nf4 = quantization.to_nf4(module.weight.detach(), NF4_BLOCK, scaler_block)
+        module.weight = nn.Parameter(nf4, requires_grad=False)
+
+
+def _nf4_scaler_block(layer: str, elements: int) -> int:
+    """`NF4_SCALER_BLOCK`, or the largest power of two below it that divides the layer's
+    blocks (torchao's NF4 needs whole blocks of both; a grouped-query k_proj may have 128).
+    A weight of a number of elements not a multiple of `NF4_BLOCK` is a TaskConfigError."""
+    if elements % NF4_BLOCK:
+        raise TaskConfigError(
+            f"{NAME}: finetune.quantized_base nf4: {layer}'s weight has {elements} elements, "
+            f"not a multiple of {NF4_BLOCK} (torchao's NF4 block); choose widths that are, "
+            "or int8"
+        )
+    blocks = elements // NF4_BLOCK
+    return math.gcd(blocks, NF4_SCALER_BLOCK)
+
+
+def _conv1d_as_linear(model: nn.Module) -> None:
+    """Replace GPT-2's Conv1D layers (x @ W + b, W stored in x out) by the nn.Linear layers
+    they compute (W transposed), so torchao quantizes them and peft adapts them as Linear."""
+    conv1d = load(NAME, "hf", "transformers.pytorch_utils").Conv1D
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, conv1d):
+                fan_in, fan_out = child.weight.shape
+                linear = nn.Linear(fan_in, fan_out, device="meta")
+                with torch.no_grad():
+                    linear.weight = nn.Parameter(child.weight.t().contiguous())
+                linear.bias = child.bias
+                setattr(parent, name, linear)
 
 
 CHUNKED_LOSS = "_vramtune_chunked_loss"
