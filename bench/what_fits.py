@@ -5,17 +5,28 @@ Predicted only (nothing runs): the worker's own plan choice (worker/plan/policy.
 cards, traced on fake cpu with CUDA's kernel choices emulated (a GPU worker traces on fake
 cuda). Two ladders, both with the policy's 10 % margin:
 
-- old: examples/hf-causal-lm.yaml's own `resizes` (micro_batch, checkpointing, bf16);
-- new: micro_batch, selective_checkpointing, checkpointing, chunked_cross_entropy, bf16.
+- old: the ladder before issue 32, examples/hf-causal-lm.yaml's `resizes` (OLD);
+- new: every rung in NEW, one entry each (a rung that lands later is one more entry; the
+  report names the rungs service.wire.Resize has that NEW leaves out).
 
 A configuration counts as "new rungs only" when the old ladder hands it back and the new one
-runs it. Workloads: a seeded sample of examples/hf-causal-lm.yaml's search space (the whole
-space is 3,402 configurations; a plan choice costs a few traces each, too many for this
-2-core machine), and a 1B-parameter Llama-style config (Llama 3.2 1B's shapes: 16 layers,
-width 2048, 32 heads / 8 KV heads, MLP 8192, vocabulary 128,256, tied embeddings) at 2,048
-tokens, full training and LoRA r = 16, batch 1 and 8, built from its config, never downloaded.
-The slowdown of each rung is the step-time model's prior (no fleet runs here): the median, over
-the plans that used the rung, of the predicted time per step against as asked.
+runs it. Workloads: a seeded sample of examples/hf-causal-lm.yaml's search space, the space's
+largest configuration of each model type (every shape parameter at its largest: the peak grows
+with each, so where these run as asked the whole space does), and a 1B-parameter Llama-style
+config (Llama 3.2 1B's shapes: 16 layers, width 2048, 32 heads / 8 KV heads, MLP 8192,
+vocabulary 128,256, tied embeddings) at 2,048 tokens, full training and LoRA r = 16, batch 1
+and 8, built from its config, never downloaded. The slowdown of each rung is the step-time
+model's prior (no fleet runs here): the median, over the plans that used the rung, of the
+predicted time per step against as asked.
+
+Cost: a prediction does not depend on the card's size (only the budget does), so the
+predictor's own cache (worker/predictor/core.py, keyed by task, shapes, plan and card
+constants) serves all five cards and both ladders: each plan is traced once. What costs is
+the trace of the evaluation, which runs every held-out chunk at the plan's micro-batch (twice:
+a warm-up, then the counted run); the 1B config evaluates 8 windows rather than the task's
+default 64, which leaves every peak as it is (each chunk allocates what the first does; checked
+to the byte, bench/results/what_fits.md) and costs a 1B micro-batch-1 trace 16 forward
+passes instead of 96.
 
 Writes ``what_fits.{md,json}`` under ``--out`` (default bench/results/), with the 1-minute load
 average at the start and end of each workload.
@@ -33,7 +44,7 @@ import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import yaml
 
@@ -41,12 +52,20 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.report import write_report  # noqa: E402
+from common.memory import peak_of  # noqa: E402
 from common.plans import rungs_of  # noqa: E402
-from service.wire import CardInfo, MemoryPolicy, Resize  # noqa: E402
-from worker.plan.policy import RunAsPlanned, choose_plan, expected_slowdown  # noqa: E402
+from service.wire import CardInfo, MemoryPolicy, Plan, Resize  # noqa: E402
+from worker.plan.policy import (  # noqa: E402
+    Decision,
+    RunAsPlanned,
+    choose_plan,
+    describe,
+    expected_slowdown,
+)
+from worker.predictor import core as predictor  # noqa: E402
 from worker.run.training import TorchTaskRunner  # noqa: E402
 from worker.tasks.hf import HFCausalLMTask  # noqa: E402
-from worker.trial.runner import CardSpec  # noqa: E402
+from worker.trial.runner import CardSpec, plan_for_micro_batch  # noqa: E402
 from worker.trial.task import TaskConfigError  # noqa: E402
 
 GIB = 1024**3
@@ -62,6 +81,7 @@ NEW: list[Resize] = [
     "checkpointing",
     "chunked_cross_entropy",
     "bf16",
+    "adafactor",
 ]
 LLAMA_1B = {
     "model_type": "llama",
@@ -73,9 +93,14 @@ LLAMA_1B = {
     "vocab_size": 128256,
     "tie_word_embeddings": True,
     "seq_len": 2048,
+    "eval_windows": 8,  # the largest batch: every plan's evaluation chunks, 8 passes at most
 }
 BATCHES_1B = (1, 8)
 OUTCOMES = ["as asked", "old ladder", "new rungs only", "infeasible"]
+SAMPLE = "examples/hf-causal-lm.yaml (seeded sample)"
+LARGEST = "examples/hf-causal-lm.yaml (largest configuration of each model type)"
+LLAMA = "Llama-style 1B at 2,048 tokens (full and LoRA r = 16)"
+DETAILED = 6  # a workload of at most this many configurations lists each row's plans
 
 
 def example_space() -> list[dict[str, Any]]:
@@ -96,6 +121,23 @@ def _values(spec: dict[str, Any]) -> list[Any]:
     if spec["type"] == "categorical":
         return list(spec["choices"])
     return list(range(spec["low"], spec["high"] + 1, spec.get("step", 1)))
+
+
+def largest_per_model_type() -> list[dict[str, Any]]:
+    """The space's largest configuration of each model type: every int at its high end, every
+    other categorical at its largest choice (the most heads and KV heads that build)."""
+    space = example_space()
+    by_type: dict[str, dict[str, Any]] = {}
+    for config in space:
+        best = by_type.get(config["model_type"])
+        if best is None or _size(config) > _size(best):
+            by_type[config["model_type"]] = config
+    return list(by_type.values())
+
+
+def _size(config: dict[str, Any]) -> tuple[int, ...]:
+    keys = ("num_hidden_layers", "hidden_size", "seq_len", "batch_size", "num_attention_heads")
+    return (*(config[k] for k in keys), config["num_key_value_heads"])
 
 
 def llama_1b() -> list[dict[str, Any]]:
@@ -122,7 +164,16 @@ def classify(runner: TorchTaskRunner, config: dict[str, Any], size_gib: int) -> 
         outcome = "as asked" if not rungs_of(old.plan) else "old ladder"
     else:
         outcome = "new rungs only" if isinstance(new, RunAsPlanned) else "infeasible"
-    row: dict[str, Any] = {"card_gib": size_gib, "outcome": outcome, "new_rungs": []}
+    as_asked = peak_of(runner.predict(config, Plan(), spec))  # cached: the choice made it
+    row: dict[str, Any] = {
+        "card_gib": size_gib,
+        "outcome": outcome,
+        "as_asked_gib": as_asked / GIB,
+        "old": _words(old),
+        "new": _words(new),
+        "new_rungs": [],
+        "seconds": old.seconds + new.seconds,
+    }
     if isinstance(new, RunAsPlanned):
         blocks = runner.checkpoint_block_count(config)
         row["new_rungs"] = rungs_of(new.plan)
@@ -131,25 +182,78 @@ def classify(runner: TorchTaskRunner, config: dict[str, Any], size_gib: int) -> 
     return row
 
 
+def _words(decision: Decision) -> str:
+    """The plan chosen in words, or why the trial is handed back (its smallest plan's need)."""
+    if isinstance(decision, RunAsPlanned):
+        return describe(decision.plan)
+    return f"hand back (smallest plan needs {decision.min_footprint_bytes / GIB:.2f} GiB)"
+
+
 def measure(name: str, configs: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """Every configuration on every card, with the load before and after and the seconds."""
     runner = TorchTaskRunner(HFCausalLMTask())
     load_start, started = os.getloadavg()[0], time.perf_counter()
+    traced_before = len(predictor._PREDICTIONS)  # the predictor's cache: one entry a trace
     rows = []
     for config in configs:
-        for size in CARDS_GIB:
+        for size in CARDS_GIB:  # largest first or not: the cache serves every card alike
             try:
                 row = classify(runner, config, size)
             except TaskConfigError as error:
                 row = {"card_gib": size, "outcome": "cannot build", "error": str(error)}
             rows.append({**row, "config": config})
+            print(f"{name}: {size} GiB {row['outcome']}: {row.get('new', '')}", flush=True)
     return {
         "workload": name,
         "rows": rows,
         "seconds": time.perf_counter() - started,
+        "traces": len(predictor._PREDICTIONS) - traced_before,
         "load_1min_start": load_start,
         "load_1min_end": os.getloadavg()[0],
     }
+
+
+def eval_windows_check() -> list[dict[str, Any]]:
+    """The 1B config's shapes at 2 layers, predicted with 64 held-out windows (the task's
+    default) and with 8 (the bench's), as asked and at micro-batch 1 with checkpointing: the
+    bytes must be equal, only the seconds differ."""
+    task, (spec, _) = HFCausalLMTask(), card(CARDS_GIB[0])
+    rows = []
+    for plan in (Plan(), plan_for_micro_batch(8, 1, checkpointing=True)):
+        for windows in (64, 8):
+            config = {**LLAMA_1B, "num_hidden_layers": 2, "batch_size": 8, "eval_windows": windows}
+            prediction = predictor.predict(task, config, plan, spec)
+            rows.append(
+                {
+                    "plan": describe(plan),
+                    "eval_windows": windows,
+                    "peak_allocated_bytes": prediction.peak_allocated_bytes,
+                    "peak_reserved_bytes": prediction.peak_reserved_bytes,
+                    "evaluation_peak_bytes": prediction.evaluation_peak_bytes,
+                    "seconds": prediction.seconds,
+                    "load_1min": os.getloadavg()[0],
+                }
+            )
+    return rows
+
+
+def _eval_windows_section(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "## Held-out windows: the 1B config evaluates 8, which leaves every peak as it is",
+        "",
+        "The 1B shapes at 2 layers on the 8 GiB card's trace, with the task's default 64",
+        "windows (48 at 2,048 tokens in the held-out text) and with the bench's 8:",
+        "",
+        "| plan | windows | peak allocated | peak reserved | evaluation peak | s | load |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['plan']} | {row['eval_windows']} | {row['peak_allocated_bytes']:,} "
+            f"| {row['peak_reserved_bytes']:,} | {row['evaluation_peak_bytes'] or 0:,} "
+            f"| {row['seconds']:.0f} | {row['load_1min']:.1f} |"
+        )
+    return [*lines, ""]
 
 
 def counts(result: dict[str, Any]) -> dict[int, dict[str, int]]:
@@ -161,43 +265,32 @@ def counts(result: dict[str, Any]) -> dict[int, dict[str, int]]:
     return table
 
 
-def slowdowns(results: list[dict[str, Any]]) -> dict[str, tuple[int, float]]:
-    """Per rung, how many chosen plans used it and their median predicted slowdown."""
-    by_rung: dict[str, list[float]] = {}
-    for result in results:
-        for row in result["rows"]:
-            for rung in row.get("new_rungs", []):
-                by_rung.setdefault(rung, []).append(row["slowdown"])
-    return {rung: (len(v), statistics.median(v)) for rung, v in sorted(by_rung.items())}
-
-
-def report(results: list[dict[str, Any]], sample: int, space_size: int) -> str:
+def report(
+    results: list[dict[str, Any]], sample: int, space_size: int, windows: list[dict[str, Any]]
+) -> str:
+    left_out = [rung for rung in get_args(Resize) if rung not in NEW]
     lines = [
         "# What fits: configurations per card size, old ladder against the new rungs",
         "",
         "Predicted only (`bench/what_fits.py`, the worker's own plan choice on CUDA cards traced",
         "on fake cpu with CUDA's kernels emulated; margin 10 %; the card's free memory is its",
-        "size less a 400 MiB CUDA context). Old ladder: micro_batch, checkpointing, bf16 (the",
-        "example's). New: micro_batch, selective_checkpointing, checkpointing,",
-        "chunked_cross_entropy, bf16. 'new rungs only': the old ladder hands it back, the new",
-        f"one runs it. The example's space has {space_size} configurations (lr aside); a seeded",
-        f"sample of {sample} is classified (every plan choice costs a few traces).",
+        "size less a 400 MiB CUDA context).",
+        "",
+        f"- Old ladder (before issue 32, the example's `resizes`): {', '.join(OLD)}.",
+        f"- New ladder (every rung in main when this ran): {', '.join(NEW)}.",
+        "- Rungs service.wire.Resize has that the new ladder leaves out: "
+        + (", ".join(left_out) if left_out else "none")
+        + ".",
+        "",
+        "'new rungs only': the old ladder hands it back, the new one runs it. The example's",
+        f"space has {space_size} configurations (lr aside); a seeded sample of {sample} is",
+        "classified, and the largest configuration of each model type bounds the rest.",
         "",
     ]
     for result in results:
-        lines += [
-            f"## {result['workload']}",
-            "",
-            f"{len(result['rows']) // len(CARDS_GIB)} configurations, "
-            f"{result['seconds']:.0f} s, load (1 min) {result['load_1min_start']:.1f} at the "
-            f"start, {result['load_1min_end']:.1f} at the end.",
-            "",
-            "| card | " + " | ".join(OUTCOMES) + " |",
-            "|---|" + "---|" * len(OUTCOMES),
-        ]
-        for size, row in counts(result).items():
-            lines.append(f"| {size} GiB | " + " | ".join(str(row[o]) for o in OUTCOMES) + " |")
-        lines.append("")
+        lines += _workload_section(result)
+    lines += _bound_check(results)
+    lines += _eval_windows_section(windows)
     lines += [
         "## Predicted slowdown of each rung (the new ladder's chosen plans)",
         "",
@@ -205,12 +298,94 @@ def report(results: list[dict[str, Any]], sample: int, space_size: int) -> str:
         "a fleet's fit replaces it): median over the plans that used the rung, which may use",
         "others too.",
         "",
-        "| rung | plans | median slowdown |",
-        "|---|---|---|",
+        "| rung | plans | median slowdown | range |",
+        "|---|---|---|---|",
     ]
-    for rung, (n, median) in slowdowns(results).items():
-        lines.append(f"| {rung} | {n} | {median:.2f}x |")
+    for rung, (n, median, low, high) in slowdowns(results).items():
+        lines.append(f"| {rung} | {n} | {median:.2f}x | {low:.2f}x-{high:.2f}x |")
     return "\n".join(lines) + "\n"
+
+
+def _workload_section(result: dict[str, Any]) -> list[str]:
+    """One workload's counts per card, and each row's plans when there are few."""
+    configs = len(result["rows"]) // len(CARDS_GIB)
+    lines = [
+        f"## {result['workload']}",
+        "",
+        f"{configs} configurations x {len(CARDS_GIB)} cards x 2 ladders, "
+        f"{result['seconds']:.0f} s, {result['traces']} traces; load (1 min) "
+        f"{result['load_1min_start']:.1f} at the start, {result['load_1min_end']:.1f} at the end.",
+        "",
+        "| card | " + " | ".join(OUTCOMES) + " |",
+        "|---|" + "---|" * len(OUTCOMES),
+    ]
+    for size, row in counts(result).items():
+        lines.append(f"| {size} GiB | " + " | ".join(str(row[o]) for o in OUTCOMES) + " |")
+    lines.append("")
+    if configs > DETAILED:
+        return lines
+    lines += [
+        "| config | as asked needs | card | outcome | old ladder | new ladder | slowdown |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        slowdown = f"{row['slowdown']:.2f}x" if "slowdown" in row else ""
+        lines.append(
+            f"| {_config_words(row['config'])} | {row.get('as_asked_gib', 0):.2f} GiB "
+            f"| {row['card_gib']} GiB | {row['outcome']} | {row.get('old', '')} "
+            f"| {row.get('new', '')} | {slowdown} |"
+        )
+    return [*lines, ""]
+
+
+def _config_words(config: dict[str, Any]) -> str:
+    """A configuration in a few words: the model type, its size, the batch, LoRA."""
+    words = (
+        f"{config['model_type']} L{config['num_hidden_layers']} d{config['hidden_size']} "
+        f"T{config['seq_len']} b{config['batch_size']}"
+    )
+    finetune = config.get("finetune")
+    return words + (f" LoRA r{finetune['r']}" if finetune else "")
+
+
+def _bound_check(results: list[dict[str, Any]]) -> list[str]:
+    """Whether every sampled configuration needs at most its model type's largest one."""
+    by_name = {result["workload"]: result for result in results}
+    if SAMPLE not in by_name or LARGEST not in by_name:
+        return []
+    largest = {
+        row["config"]["model_type"]: row["as_asked_gib"]
+        for row in by_name[LARGEST]["rows"]
+        if "as_asked_gib" in row
+    }
+    sampled = [
+        row
+        for row in by_name[SAMPLE]["rows"]
+        if "as_asked_gib" in row and row["card_gib"] == CARDS_GIB[0]
+    ]
+    below = sum(row["as_asked_gib"] <= largest[row["config"]["model_type"]] for row in sampled)
+    return [
+        "## The whole space, bounded by its largest configurations",
+        "",
+        "As asked, the largest configuration of each model type needs "
+        + ", ".join(f"{kind} {gib:.2f} GiB" for kind, gib in sorted(largest.items()))
+        + f"; {below} of {len(sampled)} sampled configurations need no more than"
+        " their model type's largest. The peak grows with every shape parameter, so a card"
+        " whose budget holds the largest runs the whole space as asked.",
+        "",
+    ]
+
+
+def slowdowns(results: list[dict[str, Any]]) -> dict[str, tuple[int, float, float, float]]:
+    """Per rung: how many chosen plans used it, their median, least and largest slowdown."""
+    by_rung: dict[str, list[float]] = {}
+    for result in results:
+        for row in result["rows"]:
+            for rung in row.get("new_rungs", []):
+                by_rung.setdefault(rung, []).append(row["slowdown"])
+    return {
+        rung: (len(v), statistics.median(v), min(v), max(v)) for rung, v in sorted(by_rung.items())
+    }
 
 
 def main() -> None:
@@ -221,12 +396,14 @@ def main() -> None:
     args = parser.parse_args()
     space = example_space()
     sample = random.Random(args.seed).sample(space, min(args.sample, len(space)))
-    results = [
-        measure("examples/hf-causal-lm.yaml (sample)", sample),
-        measure("Llama-style 1B at 2,048 tokens (full and LoRA r = 16)", llama_1b()),
-    ]
-    text = report(results, len(sample), len(space))
-    write_report(args.out, "what_fits", {"results": results}, text)
+    windows = eval_windows_check()
+    workloads = [(SAMPLE, sample), (LARGEST, largest_per_model_type()), (LLAMA, llama_1b())]
+    results: list[dict[str, Any]] = []
+    for name, configs in workloads:  # written after each: a cut-off run keeps what it measured
+        results.append(measure(name, configs))
+        text = report(results, len(sample), len(space), windows)
+        figures = {"new": NEW, "old": OLD, "results": results, "eval_windows_check": windows}
+        write_report(args.out, "what_fits", figures, text)
 
 
 if __name__ == "__main__":
