@@ -51,6 +51,7 @@ def rungs_of(plan: Plan | PlanOut) -> list[str]:
         "selective_checkpointing": plan.checkpointing and plan.checkpoint_blocks is not None,
         "chunked_cross_entropy": plan.chunked_loss,
         "bf16": plan.bf16,
+        "adamw_8bit": plan.optimizer == "adamw_8bit",
         "adafactor": plan.optimizer == "adafactor",
     }
     return [name for name, on in used.items() if on]
@@ -63,6 +64,7 @@ RUNG_WORDS = {
     "selective_checkpointing": "selective checkpointing",
     "chunked_cross_entropy": "chunked cross-entropy",
     "bf16": "bf16",
+    "adamw_8bit": "8-bit AdamW optimizer (changes numerics)",
     "adafactor": "Adafactor optimizer (changes numerics)",
 }
 
@@ -86,8 +88,8 @@ def plan_in_words(plan: Plan | PlanOut | None) -> str | None:
         parts.append(RUNG_WORDS["chunked_cross_entropy"])
     if plan.bf16:
         parts.append(RUNG_WORDS["bf16"])
-    if plan.optimizer == "adafactor":
-        parts.append(RUNG_WORDS["adafactor"])
+    if plan.optimizer is not None:
+        parts.append(RUNG_WORDS[plan.optimizer])
     return ", ".join(parts) or "as asked"
 
 

@@ -150,13 +150,14 @@ Resize = Literal[
     "selective_checkpointing",
     "chunked_cross_entropy",
     "bf16",
+    "adamw_8bit",
     "adafactor",
 ]
-"""The rungs of the plan ladder by name (docs/concepts/plans.md). All but bf16 and adafactor
-keep the numerics: those two are used only when a study lists them."""
+"""The rungs of the plan ladder by name (docs/concepts/plans.md). All but bf16, adamw_8bit and
+adafactor keep the numerics: those three are used only when a study lists them."""
 
-PlanOptimizer = Literal["adafactor"]
-"""An optimizer a plan swaps in for the task's own (the adafactor rung)."""
+PlanOptimizer = Literal["adamw_8bit", "adafactor"]
+"""An optimizer a plan swaps in for the task's own (the adamw_8bit and adafactor rungs)."""
 
 
 def _default_resizes() -> list[Resize]:
@@ -172,10 +173,12 @@ class MemoryPolicy(Wire):
         description=(
             "Rungs allowed, in any order: micro_batch, checkpointing (every block), "
             "selective_checkpointing (the fewest blocks that fit), chunked_cross_entropy (the "
-            "vocabulary's logits in chunks), bf16 and adafactor (torch.optim.Adafactor for the "
-            "task's optimizer; each changes the numerics: only when listed, and only when "
-            "nothing else fits). Each rung is tried alone with micro-batches; checkpointing and "
-            "the chunked loss are combined when neither fits alone. The fitting plan of least "
+            "vocabulary's logits in chunks), bf16, adamw_8bit (torchao's AdamW8bit for the "
+            "task's optimizer: its state in 8 bits; the worker needs the optim8bit extra) and "
+            "adafactor (torch.optim.Adafactor for the task's optimizer); these three change the "
+            "numerics: only when listed, and only when nothing else fits. Each rung is tried "
+            "alone with micro-batches; checkpointing and the chunked loss are combined when "
+            "neither fits alone. The fitting plan of least "
             "predicted step time wins."
         ),
     )
@@ -641,8 +644,10 @@ class Plan(Wire):
     # Left out when None, as world_size is: a plan without it reads (and keys) as before.
     optimizer: PlanOptimizer | None = Field(
         None,
-        description="adafactor: torch.optim.Adafactor at the task's learning rate instead of "
-        "the task's optimizer (changes the numerics); None: the task's own.",
+        description="adamw_8bit: torchao's AdamW8bit (AdamW, its state in 8 bits) at the task "
+        "optimizer's hyperparameters; adafactor: torch.optim.Adafactor at the task's learning "
+        "rate; either instead of the task's optimizer (changes the numerics); None: the task's "
+        "own.",
         exclude_if=lambda optimizer: optimizer is None,
     )
     # Left out for one card: a server that predates multi-GPU trials (its Plan forbids unknown

@@ -57,10 +57,15 @@ def shape_hash(shape: Mapping[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+OPTIMIZER_COLUMNS = {"adafactor": ":ada", "adamw_8bit": ":a8"}
+"""A swapped optimizer's mark in a plan's column (short: the column is String(64))."""
+
+
 def plan_column(plan: Plan) -> str:
     """The plan's key (common.plans.plan_key) as the index's string, e.g. '16x4:ckpt=1:bf16=0',
-    with ':blocks=k', ':cce=1', ':ws=W:strategy' and ':ada' (Adafactor) only for the rungs
-    and the several-card plans that add them (a one-card plan's key stays what it was)."""
+    with ':blocks=k', ':cce=1', ':ws=W:strategy', ':ada' (Adafactor) and ':a8' (8-bit AdamW)
+    only for the rungs and the several-card plans that add them (a one-card plan's key stays
+    what it was)."""
     key = plan_key(plan)
     micro, accumulation, checkpointing, bf16, blocks, chunked, world_size, strategy, opt = key
     column = f"{micro or 'all'}x{accumulation}:ckpt={int(checkpointing)}:bf16={int(bf16)}"
@@ -68,7 +73,7 @@ def plan_column(plan: Plan) -> str:
         column += f":blocks={blocks}"
     column += ":cce=1" if chunked else ""
     column += f":ws={world_size}:{strategy}" if world_size > 1 else ""
-    return column + (":ada" if opt == "adafactor" else "")
+    return column + (OPTIMIZER_COLUMNS[opt] if opt is not None else "")
 
 
 def torch_version_of(worker: WorkerRow) -> str:

@@ -53,3 +53,13 @@ def test_an_adafactor_plan_keys_apart_and_a_plan_without_it_keeps_its_json() -> 
     assert "optimizer" not in PlanOut().model_dump(mode="json")
     ran = PlanOut.model_validate(swapped.model_dump(mode="json"))
     assert plan_key(ran) == plan_key(swapped)
+
+
+def test_an_8bit_adamw_plan_keys_apart_from_adafactor_and_the_task_optimizer() -> None:
+    plans = [
+        Plan(micro_batch=2, accumulation=2, optimizer=o) for o in (None, "adafactor", "adamw_8bit")
+    ]
+    assert len({plan_key(plan) for plan in plans}) == 3
+    assert plan_column(plans[2]) == "2x2:ckpt=0:bf16=0:a8"
+    ran = PlanOut.model_validate(plans[2].model_dump(mode="json"))
+    assert plan_key(ran) == plan_key(plans[2])

@@ -286,8 +286,8 @@ BAD_INPUT: list[tuple[str, dict[str, Any], str]] = [
     ("unknown field", {"colour": "blue"}, "colour"),
     (
         "unknown rung",
-        {"memory_policy": {"resizes": ["adafactor", "offload_everything"]}},
-        "memory_policy.resizes.1",
+        {"memory_policy": {"resizes": ["adafactor", "adamw_8bit", "offload_everything"]}},
+        "memory_policy.resizes.2",
     ),
     # Built-in model families: what the server can tell without torch (service/task_rules.py).
     (

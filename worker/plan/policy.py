@@ -2,20 +2,20 @@
 
 Plans are tried in the order DESIGN.md section 2 step 4 gives: as asked → a smaller micro-batch
 with gradient accumulation (the effective batch, a hyperparameter, never changes) → + a rung that
-keeps the numerics → + bf16 autocast, then Adafactor, then both (only when the study lists them:
-they change the numerics). The study's `memory_policy.resizes` names the rungs allowed, in any
-order: micro_batch, checkpointing (every block), selective_checkpointing (the fewest of the
-model's blocks that fit, at the largest micro-batch that fits with all of them checkpointed; it
-may choose every block, so it stands for checkpointing where both are allowed),
-chunked_cross_entropy (the loss over the vocabulary in chunks), bf16, adafactor
-(torch.optim.Adafactor for the task's optimizer). Each rung is tried alone with micro-batches
-first; checkpointing and the chunked loss are combined only when neither fits alone (`_ladder`:
-a combination costs more predictions). Among the plans that keep the numerics the one with the
-least predicted time per step wins (service.step_time: the fleet's own fit for this card model
-and task, the fixed model before any measurement); bf16 and Adafactor are used only when nothing
-else fits. A plan that already ran out of memory on this card model (`plans_tried`) is never
-chosen again, nor any plan predicted to need as much; after an OOM, plans whose micro-batch is
-smaller than the smallest that ran out are searched first
+keeps the numerics → + bf16 autocast, then 8-bit AdamW, then Adafactor, then bf16 with each (only
+when the study lists them: they change the numerics). The study's `memory_policy.resizes` names
+the rungs allowed, in any order: micro_batch, checkpointing (every block), selective_checkpointing
+(the fewest of the model's blocks that fit, at the largest micro-batch that fits with all of them
+checkpointed; it may choose every block, so it stands for checkpointing where both are allowed),
+chunked_cross_entropy (the loss over the vocabulary in chunks), bf16, adamw_8bit (torchao's
+AdamW8bit), adafactor (torch.optim.Adafactor; both for the task's optimizer). Each rung is tried
+alone with micro-batches first; checkpointing and the chunked loss are combined only when neither
+fits alone (`_ladder`: a combination costs more predictions). Among the plans that keep the
+numerics the one with the least predicted time per step wins (service.step_time: the fleet's own
+fit for this card model and task, the fixed model before any measurement); bf16 and the swapped
+optimizers are used only when nothing else fits. A plan that already ran out of memory on this
+card model (`plans_tried`) is never chosen again, nor any plan predicted to need as much; after an
+OOM, plans whose micro-batch is smaller than the smallest that ran out are searched first
 (a run can die above a micro-batch the prediction missed: a faster plan at the same micro-batch,
 say with checkpointing, would likely die the same way).
 """
@@ -43,11 +43,13 @@ from service.wire import (
     StepTimeObservation,
 )
 from worker.trial.runner import (
+    OPTIM8BIT_EXTRA,
     CardSpec,
     Config,
     PlanRungs,
     RunResult,
     TrialRunner,
+    adamw_8bit_available,
     plan_for_micro_batch,
 )
 
@@ -111,7 +113,8 @@ class _Stage:
 
     @property
     def changes_numerics(self) -> bool:
-        """bf16 and Adafactor change the numerics: tried only after every other stage."""
+        """bf16 and a swapped optimizer change the numerics: tried only after every other
+        stage."""
         return self.bf16 or self.optimizer is not None
 
     def flags(self) -> dict[str, Any]:
@@ -390,6 +393,7 @@ class _Chooser:
         )
         if cannot_run.method == "none":
             reason += f"; smaller micro-batches cannot run: {cannot_run.reason}"
+        reason += _missing_packages(self.runner, policy)
         return HandBack(need, plan.model_copy(update={"reason": reason}), reason)
 
 
@@ -398,9 +402,10 @@ def _ladder(runner: TrialRunner, policy: MemoryPolicy, config: Config) -> list[l
     rungs combined. The second is searched only when nothing of the first fits: combining costs
     predictions (a micro-batch solve and a bisection over blocks each) that a plan one rung
     can fit never needs. A rung the runner cannot take for this configuration is left out.
-    With bf16 listed, the same two tiers with bf16 follow, then with adafactor listed the two
-    with Adafactor, then with both listed the two with both (`_choose` searches them only when
-    no plan that keeps the numerics fits, each pair only when the one before fits nothing)."""
+    With bf16 listed, the same two tiers with bf16 follow, then those with each optimizer rung
+    listed (8-bit AdamW, Adafactor), then with bf16 and each (`_numerics_changes`; `_choose`
+    searches them only when no plan that keeps the numerics fits, each pair only when the one
+    before fits nothing)."""
     allowed: set[str] = set(policy.resizes) if policy.allow_resize else set()
     base = _Stage(micro_batch="micro_batch" in allowed, checkpointing=False, bf16=False)
     found = (_checkpointing_rung(runner, config, allowed), _chunked_rung(runner, config, allowed))
@@ -417,14 +422,34 @@ def _ladder(runner: TrialRunner, policy: MemoryPolicy, config: Config) -> list[l
 
 def _numerics_changes(runner: TrialRunner, allowed: set[str]) -> list[dict[str, Any]]:
     """The numerics-changing rungs the study lists and the runner can take, in the order the
-    ladder tries them: bf16, Adafactor, both (the smallest footprint, last). A runner swaps
-    the optimizer only when it says so (`can_swap_optimizer`: the worker's own loop does; the
-    Trainer and Lightning build theirs)."""
+    ladder tries them: bf16, 8-bit AdamW, Adafactor, then bf16 with each (the smallest
+    footprint, last). 8-bit AdamW comes before Adafactor: it keeps AdamW's update and rounds
+    only its state (≈ 2 bytes a parameter), where Adafactor changes the update to keep less.
+    A runner swaps the optimizer only when it says so (`can_swap_optimizer`: the worker's own
+    loop does; the Trainer and Lightning build theirs); adamw_8bit also needs torchao here
+    (`_missing_packages` says so in a hand-back)."""
     bf16 = [{"bf16": True}] if "bf16" in allowed and runner.can_bf16 else []
-    swap = "adafactor" in allowed and getattr(runner, "can_swap_optimizer", False)
-    adafactor: list[dict[str, Any]] = [{"optimizer": "adafactor"}] if swap else []
-    both = [{**bf16[0], **adafactor[0]}] if bf16 and adafactor else []
-    return bf16 + adafactor + both
+    swaps: list[dict[str, Any]] = [
+        {"optimizer": name}
+        for name in _SWAPS_IN_ORDER
+        if name in allowed
+        and getattr(runner, "can_swap_optimizer", False)
+        and (name != "adamw_8bit" or adamw_8bit_available())
+    ]
+    both = [{**bf16[0], **swap} for swap in swaps] if bf16 else []
+    return bf16 + swaps + both
+
+
+_SWAPS_IN_ORDER: tuple[PlanOptimizer, ...] = ("adamw_8bit", "adafactor")
+"""The optimizer rungs from the least change to the numerics to the smallest state."""
+
+
+def _missing_packages(runner: TrialRunner, policy: MemoryPolicy) -> str:
+    """Why a listed rung was not tried on this worker, for a hand-back's reason ('' if none)."""
+    listed = policy.allow_resize and "adamw_8bit" in policy.resizes
+    if listed and getattr(runner, "can_swap_optimizer", False) and not adamw_8bit_available():
+        return f"; the adamw_8bit rung is listed but torchao is not installed: {OPTIM8BIT_EXTRA}"
+    return ""
 
 
 def _checkpointing_rung(runner: TrialRunner, config: Config, allowed: set[str]) -> str | None:
@@ -554,6 +579,7 @@ def describe(plan: Plan) -> str:
     rungs = (
         ("chunked cross-entropy", plan.chunked_loss),
         ("bf16", plan.bf16),
+        ("8-bit AdamW", plan.optimizer == "adamw_8bit"),
         ("Adafactor", plan.optimizer == "adafactor"),
     )
     parts += [name for name, on in rungs if on]

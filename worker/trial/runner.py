@@ -8,6 +8,7 @@ protocol can be exercised without torch.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -16,6 +17,16 @@ from typing import Any, Protocol, runtime_checkable
 from service.wire import CardInfo, Measured, Plan, Prediction, StopReason, TrainBudget
 
 Config = Mapping[str, Any]
+
+
+OPTIM8BIT_EXTRA = "pip install 'vramtune[optim8bit]'"
+"""What installs the adamw_8bit rung's package (torchao) on a worker."""
+
+
+def adamw_8bit_available() -> bool:
+    """Whether torchao, the adamw_8bit rung's package, is installed on this worker (asked here
+    without importing torch: the fit policy is torch-free)."""
+    return importlib.util.find_spec("torchao") is not None
 
 
 def plan_for_micro_batch(batch_size: int, micro_batch: int, **flags: Any) -> Plan:
@@ -133,8 +144,9 @@ class TrialRunner(Protocol):
         can_checkpoint: whether a plan may ask for activation checkpointing.
         can_bf16: whether a plan may ask for bf16 autocast.
         can_swap_optimizer (optional, False when absent): whether a plan may swap the task's
-            optimizer for Adafactor (the adafactor rung; only a runner whose loop builds the
-            optimizer, `worker.trial.steps.build_optimizer_for_plan`, can).
+            optimizer for 8-bit AdamW or Adafactor (the adamw_8bit and adafactor rungs; only a
+            runner whose loop builds the optimizer, `worker.trial.steps.
+            build_optimizer_for_plan`, can; adamw_8bit also needs `adamw_8bit_available`).
         predict(config, plan, card): the predicted peak of running `config` under `plan` on
             `card`; never allocates device memory. A configuration that cannot be traced gives
             method "probe" (measured on the card) or "none" with a reason.

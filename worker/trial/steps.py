@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from service.wire import Plan
+from worker.trial.optimizers import swapped_optimizer
 from worker.trial.runner import plan_for_micro_batch as plan_for_micro_batch  # torch-free home
 from worker.trial.task import Batch, Config, Task, TaskConfigError
 
@@ -97,15 +98,15 @@ def build_for_plan(task: Task, config: Config, plan: Plan, device: torch.device)
 def build_optimizer_for_plan(
     task: Task, model: nn.Module, config: Config, plan: Plan
 ) -> torch.optim.Optimizer:
-    """The task's optimizer over `model`, or, when the plan swaps it (the adafactor rung,
-    which changes the numerics), `torch.optim.Adafactor` at the task optimizer's learning
-    rate: factored second moments, no first moment, so less state than Adam's two buffers.
-    The trainer and the predictor both build it here, so the prediction counts its state."""
+    """The task's optimizer over `model`, or, when the plan swaps it (the adamw_8bit and
+    adafactor rungs, which change the numerics), the one it names built from the task's
+    (`worker.trial.optimizers`: 8-bit AdamW's state is a quarter of AdamW's, Adafactor keeps
+    factored second moments and no first moment). The trainer and the predictor both build it
+    here, so the prediction counts its state."""
     optimizer = task.build_optimizer(model, config)
-    if plan.optimizer != "adafactor":
+    if plan.optimizer is None:
         return optimizer
-    learning_rate = optimizer.param_groups[0]["lr"]  # the task's optimizer holds no state yet
-    return torch.optim.Adafactor(model.parameters(), lr=learning_rate)
+    return swapped_optimizer(plan.optimizer, optimizer)
 
 
 def _lives_on(model: nn.Module, device: torch.device) -> bool:
