@@ -135,6 +135,10 @@ class TrialRunner(Protocol):
         can_swap_optimizer (optional, False when absent): whether a plan may swap the task's
             optimizer for Adafactor (the adafactor rung; only a runner whose loop builds the
             optimizer, `worker.trial.steps.build_optimizer_for_plan`, can).
+        can_offload (optional, False when absent): whether a plan may keep the saved
+            activations or the optimizer on the host (the offload rungs, offered on CUDA cards
+            only; a runner whose loop runs `worker.trial.steps.train_step` and builds the
+            optimizer there can).
         predict(config, plan, card): the predicted peak of running `config` under `plan` on
             `card`; never allocates device memory. A configuration that cannot be traced gives
             method "probe" (measured on the card) or "none" with a reason.

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from service.wire import Plan
+from worker.trial.offload import host_for, offload_activations, offload_optimizer, offloads
 from worker.trial.runner import plan_for_micro_batch as plan_for_micro_batch  # torch-free home
 from worker.trial.task import Batch, Config, Task, TaskConfigError
 
@@ -81,7 +82,10 @@ def checkpoint_forward(module: nn.Module) -> None:
 
 
 def build_for_plan(task: Task, config: Config, plan: Plan, device: torch.device) -> nn.Module:
-    """Build the task's model on `device` with the plan's checkpointing applied."""
+    """Build the task's model on `device` with the plan's checkpointing applied (a plan that
+    offloads to the host is refused on a device without one: `host_for`)."""
+    if offloads(plan):
+        host_for(device)
     model = task.build_model(config)
     if not _lives_on(model, device):
         # Module.to swaps fake parameters, which FakeTensorMode's weakrefs forbid: the predictor
@@ -100,12 +104,14 @@ def build_optimizer_for_plan(
     """The task's optimizer over `model`, or, when the plan swaps it (the adafactor rung,
     which changes the numerics), `torch.optim.Adafactor` at the task optimizer's learning
     rate: factored second moments, no first moment, so less state than Adam's two buffers.
-    The trainer and the predictor both build it here, so the prediction counts its state."""
+    The trainer and the predictor both build it here, so the prediction counts its state.
+    The optimizer_offload rung then runs it on host copies of the parameters
+    (worker/trial/offload.py): its state never reaches the card."""
     optimizer = task.build_optimizer(model, config)
-    if plan.optimizer != "adafactor":
-        return optimizer
-    learning_rate = optimizer.param_groups[0]["lr"]  # the task's optimizer holds no state yet
-    return torch.optim.Adafactor(model.parameters(), lr=learning_rate)
+    if plan.optimizer == "adafactor":
+        learning_rate = optimizer.param_groups[0]["lr"]  # the task's optimizer holds no state
+        optimizer = torch.optim.Adafactor(model.parameters(), lr=learning_rate)
+    return offload_optimizer(optimizer, model) if plan.optimizer_offload else optimizer
 
 
 def _lives_on(model: nn.Module, device: torch.device) -> bool:
@@ -141,7 +147,7 @@ def train_step(
     total = torch.zeros((), device=device)
     for size in sizes if sizes is not None else micro_batch_sizes(batch_size, plan):
         batch = next_batch(size)
-        with autocast_for(plan, device):
+        with autocast_for(plan, device), offload_activations(plan, device):
             loss = task.loss(model, batch) * (size / batch_size)
         torch.autograd.backward(loss)
         total = total + loss.detach().float()
