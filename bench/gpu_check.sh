@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One command for a person with one CUDA GPU: checks the predictor against the card in < 5 min.
+# One command for a person with one CUDA GPU: checks the predictor against the card in < 10 min.
 #
 #   bash scripts/setup.sh            # once, with a CUDA build of torch (VRAMTUNE_TORCH_VERSION)
 #   bash bench/gpu_check.sh
@@ -11,6 +11,7 @@
 # per-process peak, bench/predictor_accuracy.py --gpu), and writes
 #   bench/results/gpu_tests.md
 #   bench/results/gpu_predictor_accuracy.{md,json}
+#   bench/results/gpu_offload.{md,json} (the offload rungs: predicted vs measured, step time)
 #   bench/results/gpu_ranks.{md,json}   (with 2+ GPUs: per-rank prediction vs NCCL ranks)
 # Without a CUDA device it says so and exits with status 2, writing nothing.
 set -euo pipefail
@@ -21,6 +22,7 @@ RESULTS=bench/results
 TESTS_TIMEOUT_S=${TESTS_TIMEOUT_S:-90}
 BENCH_BUDGET_S=${BENCH_BUDGET_S:-180}
 RANKS_BUDGET_S=${RANKS_BUDGET_S:-300}
+OFFLOAD_BUDGET_S=${OFFLOAD_BUDGET_S:-180}
 
 if [ ! -x "$PYTHON" ]; then
   echo "gpu_check: no Python at $PYTHON; run scripts/setup.sh first (or set PYTHON=...)" >&2
@@ -74,7 +76,14 @@ for ext in md json; do
   fi
 done
 
-# 3. Per-rank prediction against NCCL ranks (bench/gpu_ranks.py), on a machine with 2+ GPUs.
+# 3. The offload rungs (issue 32): each rung's prediction on fake cuda against the card's
+#    max_memory_allocated, and its step time against as asked (bench/gpu_offload.py).
+set +e
+timeout "$OFFLOAD_BUDGET_S" "$PYTHON" bench/gpu_offload.py --out "$RESULTS"
+offload_rc=$?
+set -e
+
+# 4. Per-rank prediction against NCCL ranks (bench/gpu_ranks.py), on a machine with 2+ GPUs.
 ranks_rc=0
 if [ "$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
   set +e
@@ -84,7 +93,7 @@ if [ "$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ];
 else
   echo "gpu_check: one GPU, so no per-rank run (bench/gpu_ranks.py needs 2 or more)"
 fi
-echo "gpu_check: wrote $RESULTS/gpu_tests.md and $RESULTS/gpu_predictor_accuracy.{md,json}" \
-  "(tests exit $tests_rc, benchmark exit $bench_rc, ranks exit $ranks_rc;" \
-  "load average $(cut -d' ' -f1 /proc/loadavg))"
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$ranks_rc" -eq 0 ]
+echo "gpu_check: wrote $RESULTS/gpu_tests.md, $RESULTS/gpu_predictor_accuracy.{md,json}" \
+  "and $RESULTS/gpu_offload.{md,json} (tests exit $tests_rc, benchmark exit $bench_rc," \
+  "offload exit $offload_rc, ranks exit $ranks_rc; load average $(cut -d' ' -f1 /proc/loadavg))"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$offload_rc" -eq 0 ] && [ "$ranks_rc" -eq 0 ]

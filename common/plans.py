@@ -8,13 +8,16 @@ from typing import Any
 
 from service.wire import ParamValue, Plan, PlanOut
 
-PlanKey = tuple[int | None, int, bool, bool, int | None, bool, int, str | None, str | None]
+PlanKey = tuple[
+    int | None, int, bool, bool, int | None, bool, int, str | None, str | None, bool, bool
+]
 
 
 def plan_key(plan: Plan | PlanOut) -> PlanKey:
     """What makes two plans the same run: micro-batch, accumulation, checkpointing, bf16,
     the checkpointed blocks, the chunked loss, the world size, the data-parallel strategy and
-    the optimizer swapped in (the reason is only words). A 2-rank and a 4-rank plan, or DDP
+    the optimizer swapped in, then the activation and optimizer offloads (the reason is only
+    words). A 2-rank and a 4-rank plan, or DDP
     and FSDP at one world size, hold different bytes per rank: they never share a key
     (issue 31)."""
     blocks = plan.checkpoint_blocks if plan.checkpointing else None
@@ -28,6 +31,8 @@ def plan_key(plan: Plan | PlanOut) -> PlanKey:
         plan.world_size,
         plan.strategy,
         plan.optimizer,
+        plan.activation_offload,
+        plan.optimizer_offload,
     )
 
 
@@ -40,6 +45,8 @@ def plan_flags(plan: Plan | PlanOut) -> dict[str, Any]:
         "chunked_loss": plan.chunked_loss,
         "bf16": plan.bf16,
         "optimizer": plan.optimizer,
+        "activation_offload": plan.activation_offload,
+        "optimizer_offload": plan.optimizer_offload,
     }
 
 
@@ -50,6 +57,8 @@ def rungs_of(plan: Plan | PlanOut) -> list[str]:
         "checkpointing": plan.checkpointing and plan.checkpoint_blocks is None,
         "selective_checkpointing": plan.checkpointing and plan.checkpoint_blocks is not None,
         "chunked_cross_entropy": plan.chunked_loss,
+        "activation_offload": plan.activation_offload,
+        "optimizer_offload": plan.optimizer_offload,
         "bf16": plan.bf16,
         "adamw_8bit": plan.optimizer == "adamw_8bit",
         "adafactor": plan.optimizer == "adafactor",
@@ -63,6 +72,8 @@ RUNG_WORDS = {
     "checkpointing": "checkpointing",
     "selective_checkpointing": "selective checkpointing",
     "chunked_cross_entropy": "chunked cross-entropy",
+    "activation_offload": "activations offloaded to host memory",
+    "optimizer_offload": "optimizer offloaded to host memory",
     "bf16": "bf16",
     "adamw_8bit": "8-bit AdamW optimizer (changes numerics)",
     "adafactor": "Adafactor optimizer (changes numerics)",
@@ -86,6 +97,9 @@ def plan_in_words(plan: Plan | PlanOut | None) -> str | None:
         )
     if plan.chunked_loss:
         parts.append(RUNG_WORDS["chunked_cross_entropy"])
+    for offload in ("activation_offload", "optimizer_offload"):
+        if getattr(plan, offload):
+            parts.append(RUNG_WORDS[offload])
     if plan.bf16:
         parts.append(RUNG_WORDS["bf16"])
     if plan.optimizer is not None:

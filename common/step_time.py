@@ -18,13 +18,28 @@ DEFAULT_RANK_DOUBLING_SLOWDOWN = 1.07
 reduced, parameters gathered) beyond its share of the batch, which the micro-batch terms count."""
 DEFAULT_FSDP_SLOWDOWN = 1.1
 """The fixed model: FSDP2 gathers each unit's parameters in forward and backward, DDP does not."""
+DEFAULT_ACTIVATION_OFFLOAD_SLOWDOWN = 2.0
+"""The fixed model: `save_on_cpu` copies every tensor the forward saves to pinned host memory
+and back in backward, on the compute stream (no overlap). A transformer block saves ~34·d
+values a token and computes ~72·d² flops on them (forward and backward); over PCIe (~25 GB/s
+pinned on gen4) against fp32/TF32 matmuls the copies take as long as the compute around
+d ≈ 2-4k and longer below: about doubling a step is the middle of that range, and more than
+checkpointing's third (4/3), so the ladder takes checkpointing first where both fit. The
+fleet's runs refine it."""
+DEFAULT_OPTIMIZER_OFFLOAD_SLOWDOWN = 1.5
+"""The fixed model: the optimizer state on the host costs, per step, the gradients' copy to the
+host and the parameters' copy back (8 B a fp32 parameter each way over PCIe) and an AdamW step
+on the CPU (~28 B of host memory traffic a parameter) after the backward. It does not grow
+with the batch as the compute (6 flops a parameter a token) does: at a few thousand tokens a
+step it is about half the step's compute on a fp32 model; smaller steps pay more, larger ones
+less. The fleet's runs refine it."""
 STEP_TIME_MIN_RUNS = 3
 """Runs needed before an absolute step time is predicted (the intercept needs data)."""
 
 
 def step_time_prior() -> list[float]:
     """The fixed model's coefficients (intercept, samples, checkpointing, bf16, sizes, chunked
-    loss, world size, FSDP)."""
+    loss, world size, FSDP, activation offload, optimizer offload)."""
     return [
         0.0,
         1.0,
@@ -35,6 +50,8 @@ def step_time_prior() -> list[float]:
         math.log(DEFAULT_CHUNKED_LOSS_SLOWDOWN),
         math.log(DEFAULT_RANK_DOUBLING_SLOWDOWN) / math.log(2),
         math.log(DEFAULT_FSDP_SLOWDOWN),
+        math.log(DEFAULT_ACTIVATION_OFFLOAD_SLOWDOWN),
+        math.log(DEFAULT_OPTIMIZER_OFFLOAD_SLOWDOWN),
     ]
 
 
@@ -65,6 +82,8 @@ def step_time_features(x: StepTimeObservation, overhead: float) -> list[float]:
         float(x.chunked_loss),
         math.log(x.world_size),
         float(x.strategy == "fsdp"),
+        float(x.activation_offload),
+        float(x.optimizer_offload),
     ]
 
 
@@ -87,6 +106,8 @@ def step_time_slowdown(fit: StepTimeFit, x: StepTimeObservation) -> float:
             "bf16": False,
             "world_size": 1,
             "strategy": None,
+            "activation_offload": False,
+            "optimizer_offload": False,
         }
     )
     ours = step_time_features(x, fit.overhead_samples)

@@ -152,9 +152,12 @@ Resize = Literal[
     "bf16",
     "adamw_8bit",
     "adafactor",
+    "activation_offload",
+    "optimizer_offload",
 ]
 """The rungs of the plan ladder by name (docs/concepts/plans.md). All but bf16, adamw_8bit and
-adafactor keep the numerics: those three are used only when a study lists them."""
+adafactor keep the numerics: those three are used only when a study lists them. The two offload
+rungs are offered on CUDA cards only (on the CPU host and card are one memory)."""
 
 PlanOptimizer = Literal["adamw_8bit", "adafactor"]
 """An optimizer a plan swaps in for the task's own (the adamw_8bit and adafactor rungs)."""
@@ -176,10 +179,12 @@ class MemoryPolicy(Wire):
             "vocabulary's logits in chunks), bf16, adamw_8bit (torchao's AdamW8bit for the "
             "task's optimizer: its state in 8 bits; the worker needs the optim8bit extra) and "
             "adafactor (torch.optim.Adafactor for the task's optimizer); these three change the "
-            "numerics: only when listed, and only when nothing else fits. Each rung is tried "
-            "alone with micro-batches; checkpointing and the chunked loss are combined when "
-            "neither fits alone. The fitting plan of least "
-            "predicted step time wins."
+            "numerics: only when listed, and only when nothing else fits. activation_offload "
+            "and optimizer_offload (the forward's saved activations, or the optimizer's state "
+            "and step, kept in host memory: CUDA cards only, the numerics kept, slower by the "
+            "PCIe transfers). Each rung is tried alone with micro-batches; the rungs that keep "
+            "the numerics are combined (each pair, then all) when none fits alone. The fitting "
+            "plan of least predicted step time wins."
         ),
     )
     margin: Finite = Field(
@@ -197,6 +202,16 @@ def world_size_field(description: str) -> Any:
     return Field(
         1, ge=1, le=MAX_WORLD_SIZE, description=description, exclude_if=lambda size: size == 1
     )
+
+
+def offload_field(description: str) -> Any:
+    """An offload rung's flag, left out of the JSON when off: a plan without offload reads
+    (and keys) as before the rung existed (an older server's models forbid unknown fields)."""
+    return Field(False, description=description, exclude_if=lambda on: not on)
+
+
+ACTIVATION_OFFLOAD = "The forward's saved activations kept in pinned host memory (CUDA only)."
+OPTIMIZER_OFFLOAD = "The optimizer's state and step kept in host memory (CUDA only)."
 
 
 def strategy_field() -> Any:
@@ -399,6 +414,9 @@ class PlanOut(Wire):
         description="The optimizer swapped in (changes the numerics); None: the task's own.",
         exclude_if=lambda optimizer: optimizer is None,
     )
+    # Left out when off, as in Plan.
+    activation_offload: bool = offload_field(ACTIVATION_OFFLOAD)
+    optimizer_offload: bool = offload_field(OPTIMIZER_OFFLOAD)
     # Left out for one card, as in Plan.
     world_size: int = world_size_field("Ranks (cards) it ran on.")
     strategy: Strategy | None = strategy_field()
@@ -650,6 +668,9 @@ class Plan(Wire):
         "own.",
         exclude_if=lambda optimizer: optimizer is None,
     )
+    # Left out when off, as optimizer is when None.
+    activation_offload: bool = offload_field(ACTIVATION_OFFLOAD)
+    optimizer_offload: bool = offload_field(OPTIMIZER_OFFLOAD)
     # Left out for one card: a server that predates multi-GPU trials (its Plan forbids unknown
     # fields) still takes every one-card call of a newer worker.
     world_size: int = world_size_field("Ranks (cards) it runs on.")
@@ -660,6 +681,14 @@ class Plan(Wire):
     def _strategy_with_ranks(self) -> Plan:
         if (self.world_size > 1) != (self.strategy is not None):
             raise ValueError("a strategy goes with a world size above 1, and only then")
+        return self
+
+    @model_validator(mode="after")
+    def _offload_on_one_card(self) -> Plan:
+        # The offload rungs are one card's (worker/trial/offload.py): no ladder of ranks offers
+        # them, and their plan_column suffixes fit the key's 64 characters beside no ranks.
+        if self.world_size > 1 and (self.activation_offload or self.optimizer_offload):
+            raise ValueError("the offload rungs run on one card: world_size must be 1")
         return self
 
 
@@ -790,6 +819,9 @@ class StepTimeObservation(Wire):
     )
     chunked_loss: bool = False
     bf16: bool = False
+    # Left out when off, as in Plan: an observation without offload reads as before.
+    activation_offload: bool = offload_field(ACTIVATION_OFFLOAD)
+    optimizer_offload: bool = offload_field(OPTIMIZER_OFFLOAD)
     parameter_bytes: Bytes = Field(0, description="The model's parameters (its size).")
     as_asked_peak_bytes: Bytes = Field(0, description="Predicted footprint as asked (its work).")
     # Left out for one card, as in Plan: a one-card observation reads as before issue 31.
@@ -807,9 +839,9 @@ class StepTimeFit(Wire):
     card_model: str
     task: str
     overhead_samples: float = Field(description="A micro-batch's fixed cost, in samples.")
-    # 6 before chunked_loss had a term, 7 before the world size and FSDP had theirs (issue 31):
-    # such a fit reads the rest from the prior.
-    coefficients: list[float] = Field(min_length=6, max_length=9)
+    # 6 before chunked_loss had a term, 7 before the world size and FSDP had theirs (issue 31),
+    # 9 before the offload rungs had theirs: such a fit reads the rest from the prior.
+    coefficients: list[float] = Field(min_length=6, max_length=11)
     n_observations: int = 0
     median_error: float | None = Field(None, description="In-sample |pred - meas| / meas.")
 

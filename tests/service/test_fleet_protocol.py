@@ -1483,3 +1483,22 @@ def test_next_and_complete_count_as_hearing_from_a_worker(env: Env) -> None:
     assert worker.complete(assignment, 1.0).status_code == 200  # a replay is a call too
     assert (utcnow() - _last_heard(env, worker)).total_seconds() < 5
     assert worker.out()["state"] == "live"
+
+
+def test_an_offload_plan_is_recorded_and_a_bad_one_names_its_field(env: Env) -> None:
+    env.create_study()
+    worker = env.worker("gpu", 4 * GIB, "Sim 4G")
+    held = worker.next()
+    assert held is not None
+    wrong = worker.call(held, "start", plan={"activation_offload": "sometimes"})
+    assert wrong.status_code == 422, wrong.text
+    locs = [".".join(map(str, error["loc"])) for error in wrong.json()["detail"]]
+    assert any(loc.endswith("plan.activation_offload") for loc in locs), locs
+    plan = {"micro_batch": 1, "accumulation": 2, "optimizer_offload": True}
+    done = worker.call(
+        held, "complete", values=[1.0], plan=plan, duration_s=1.0,
+        measured={"peak_allocated_bytes": GIB}, prediction=_prediction(GIB),
+    )  # fmt: skip
+    assert done.status_code == 200, done.text
+    shown = env.page()[held["trial_id"]]["plan"]
+    assert shown["optimizer_offload"] is True and "activation_offload" not in shown

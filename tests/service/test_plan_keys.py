@@ -5,6 +5,9 @@ is what it was before."""
 
 from __future__ import annotations
 
+import pytest
+from pydantic import ValidationError
+
 from common.plans import plan_key
 from service.fleet.predictions import plan_column
 from service.wire import MAX_WORLD_SIZE, Plan, PlanOut
@@ -43,6 +46,13 @@ def test_a_one_card_plan_keeps_its_column_and_a_several_card_one_adds_its_ranks(
         optimizer="adafactor",
     )
     assert len(plan_column(longest)) <= 64  # vramtune_predictions.plan_key is String(64)
+    offloaded = longest.model_copy(
+        update={"world_size": 1, "strategy": None, "activation_offload": True}
+    )
+    offloaded = offloaded.model_copy(update={"optimizer_offload": True})
+    assert len(plan_column(offloaded)) <= 64  # the offload rungs run on one card only
+    with pytest.raises(ValidationError, match="offload rungs run on one card"):
+        Plan(world_size=2, strategy="ddp", optimizer_offload=True)
 
 
 def test_an_adafactor_plan_keys_apart_and_a_plan_without_it_keeps_its_json() -> None:

@@ -289,6 +289,11 @@ BAD_INPUT: list[tuple[str, dict[str, Any], str]] = [
         {"memory_policy": {"resizes": ["adafactor", "adamw_8bit", "offload_everything"]}},
         "memory_policy.resizes.2",
     ),
+    (
+        "misspelt offload rung",
+        {"memory_policy": {"resizes": ["activation_offload", "optimiser_offload"]}},
+        "memory_policy.resizes.1",
+    ),
     # Built-in model families: what the server can tell without torch (service/task_rules.py).
     (
         "hf heads do not divide the width",

@@ -26,3 +26,15 @@ def test_the_gpu_check_refuses_clearly_without_a_cuda_device() -> None:
     assert done.returncode == 2
     assert "no CUDA device" in done.stderr and "needs one NVIDIA GPU" in done.stderr
     assert sorted((REPO / "bench" / "results").glob("gpu_*")) == before
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_the_offload_check_refuses_clearly_without_a_cuda_device(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu_offload.py"), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1 and "no CUDA device visible" in done.stderr
+    assert not list(tmp_path.iterdir())

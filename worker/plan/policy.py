@@ -7,22 +7,26 @@ when the study lists them: they change the numerics). The study's `memory_policy
 the rungs allowed, in any order: micro_batch, checkpointing (every block), selective_checkpointing
 (the fewest of the model's blocks that fit, at the largest micro-batch that fits with all of them
 checkpointed; it may choose every block, so it stands for checkpointing where both are allowed),
-chunked_cross_entropy (the loss over the vocabulary in chunks), bf16, adamw_8bit (torchao's
-AdamW8bit), adafactor (torch.optim.Adafactor; both for the task's optimizer). Each rung is tried
-alone with micro-batches first; checkpointing and the chunked loss are combined only when neither
-fits alone (`_ladder`: a combination costs more predictions). Among the plans that keep the
-numerics the one with the least predicted time per step wins (service.step_time: the fleet's own
-fit for this card model and task, the fixed model before any measurement); bf16 and the swapped
-optimizers are used only when nothing else fits. A plan that already ran out of memory on this
-card model (`plans_tried`) is never chosen again, nor any plan predicted to need as much; after an
-OOM, plans whose micro-batch is smaller than the smallest that ran out are searched first
-(a run can die above a micro-batch the prediction missed: a faster plan at the same micro-batch,
-say with checkpointing, would likely die the same way).
+chunked_cross_entropy (the loss over the vocabulary in chunks), activation_offload and
+optimizer_offload (the saved activations, or the optimizer's state and step, in host memory:
+offered on CUDA cards only, worker/trial/offload.py), bf16, adamw_8bit (torchao's AdamW8bit),
+adafactor (torch.optim.Adafactor; both for the task's optimizer). Each rung is tried alone with
+micro-batches first; the rungs that keep the numerics are combined (each pair, then all of them)
+only when none fits alone (`_ladder`: a combination costs more predictions). Among the plans that
+keep the numerics the one with the least predicted time per step wins (service.step_time: the
+fleet's own fit for this card model and task, the fixed model before any measurement); bf16 and
+the swapped optimizers are used only when nothing else fits. A plan that already ran out of
+memory on this card model (`plans_tried`) is never chosen again, nor any plan predicted to need
+as much; after an OOM, plans whose micro-batch is smaller than the smallest that ran out are
+searched first (a run can die above a micro-batch the prediction missed: a faster plan at the
+same micro-batch, say with checkpointing, would likely die the same way).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -110,6 +114,8 @@ class _Stage:
     selective: bool = False
     chunked_loss: bool = False
     optimizer: PlanOptimizer | None = None
+    activation_offload: bool = False
+    optimizer_offload: bool = False
 
     @property
     def changes_numerics(self) -> bool:
@@ -124,6 +130,8 @@ class _Stage:
             "bf16": self.bf16,
             "chunked_loss": self.chunked_loss,
             "optimizer": self.optimizer,
+            "activation_offload": self.activation_offload,
+            "optimizer_offload": self.optimizer_offload,
         }
 
     def best_slowdown(self, batch: int, fit: StepTimeFit | None, blocks: int | None) -> float:
@@ -156,6 +164,8 @@ def step_features(
         checkpointed_fraction=_checkpointed_fraction(plan, blocks),
         chunked_loss=plan.chunked_loss,
         bf16=plan.bf16,
+        activation_offload=plan.activation_offload,
+        optimizer_offload=plan.optimizer_offload,
         parameter_bytes=0 if prediction is None else prediction.breakdown.get("parameters", 0),
         as_asked_peak_bytes=as_asked_bytes,
     )
@@ -223,7 +233,7 @@ def _choose(
         return _blind_plan(chooser.batch, policy, plans_tried, first)
     margin_budget = int(free_bytes * (1.0 - policy.margin))
     budget = chooser.below_tried(margin_budget, plans_tried)
-    ladder = _ladder(runner, policy, config)
+    ladder = _ladder(runner, policy, config, card)
     below_oom = _micro_batch_cap(chooser.batch, plans_tried)
     for precise, cap in _search_order(below_oom, chooser.batch):
         tiers = [tier for tier in ladder if tier[0].changes_numerics != precise]
@@ -397,11 +407,14 @@ class _Chooser:
         return HandBack(need, plan.model_copy(update={"reason": reason}), reason)
 
 
-def _ladder(runner: TrialRunner, policy: MemoryPolicy, config: Config) -> list[list[_Stage]]:
+def _ladder(
+    runner: TrialRunner, policy: MemoryPolicy, config: Config, card: CardSpec
+) -> list[list[_Stage]]:
     """The allowed plans' stages in two tiers: each rung alone (with micro-batches), then the
-    rungs combined. The second is searched only when nothing of the first fits: combining costs
-    predictions (a micro-batch solve and a bisection over blocks each) that a plan one rung
-    can fit never needs. A rung the runner cannot take for this configuration is left out.
+    rungs combined (each pair, then all of them: the smallest footprint, last). The second is
+    searched only when nothing of the first fits: combining costs predictions (a micro-batch
+    solve and a bisection over blocks each) that a plan one rung can fit never needs. A rung
+    the runner cannot take for this configuration, or this card (the offloads), is left out.
     With bf16 listed, the same two tiers with bf16 follow, then those with each optimizer rung
     listed (8-bit AdamW, Adafactor), then with bf16 and each (`_numerics_changes`; `_choose`
     searches them only when no plan that keeps the numerics fits, each pair only when the one
@@ -409,11 +422,13 @@ def _ladder(runner: TrialRunner, policy: MemoryPolicy, config: Config) -> list[l
     allowed: set[str] = set(policy.resizes) if policy.allow_resize else set()
     base = _Stage(micro_batch="micro_batch" in allowed, checkpointing=False, bf16=False)
     found = (_checkpointing_rung(runner, config, allowed), _chunked_rung(runner, config, allowed))
-    rungs = [rung for rung in found if rung is not None]
+    rungs = [rung for rung in found if rung is not None] + _offload_rungs(runner, card, allowed)
     singles = [_Stage(micro_batch=False, checkpointing=False, bf16=False)]
     singles += [base] if base.micro_batch else []
     singles += [_with(base, rung) for rung in rungs]
-    combined = [_with(_with(base, rungs[0]), rungs[1])] if len(rungs) == 2 else []
+    pairs = [_with(_with(base, a), b) for a, b in itertools.combinations(rungs, 2)]
+    every = [functools.reduce(_with, rungs, base)] if len(rungs) > 2 else []
+    combined = pairs + every
     precise = [singles, combined]
     changes = _numerics_changes(runner, allowed)
     changed = [[dataclasses.replace(s, **c) for s in tier] for c in changes for tier in precise]
@@ -452,6 +467,15 @@ def _missing_packages(runner: TrialRunner, policy: MemoryPolicy) -> str:
     return ""
 
 
+def _offload_rungs(runner: TrialRunner, card: CardSpec, allowed: set[str]) -> list[str]:
+    """The offload rungs allowed, on a CUDA card whose runner builds the loop and optimizer
+    (`can_offload`: the worker's own loop). On the CPU host and card are one memory: moving
+    tensors to the host would free nothing."""
+    if not card.device.startswith("cuda") or not getattr(runner, "can_offload", False):
+        return []
+    return [rung for rung in ("activation_offload", "optimizer_offload") if rung in allowed]
+
+
 def _checkpointing_rung(runner: TrialRunner, config: Config, allowed: set[str]) -> str | None:
     """Which checkpointing the ladder may use: the fewest blocks that fit (which may be every
     block) where allowed and possible, else every block where allowed."""
@@ -471,6 +495,10 @@ def _with(stage: _Stage, rung: str) -> _Stage:
     """`stage` with one more rung on (see `_ladder`)."""
     if rung == "chunked":
         return dataclasses.replace(stage, chunked_loss=True)
+    if rung == "activation_offload":
+        return dataclasses.replace(stage, activation_offload=True)
+    if rung == "optimizer_offload":
+        return dataclasses.replace(stage, optimizer_offload=True)
     return dataclasses.replace(stage, checkpointing=True, selective=rung == "selective")
 
 
@@ -578,6 +606,8 @@ def describe(plan: Plan) -> str:
         parts.append("checkpointing" if blocks is None else f"checkpointing {blocks} blocks")
     rungs = (
         ("chunked cross-entropy", plan.chunked_loss),
+        ("activations on the host", plan.activation_offload),
+        ("optimizer on the host", plan.optimizer_offload),
         ("bf16", plan.bf16),
         ("8-bit AdamW", plan.optimizer == "adamw_8bit"),
         ("Adafactor", plan.optimizer == "adafactor"),

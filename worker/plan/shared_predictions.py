@@ -62,6 +62,7 @@ class SharedPredictions:
         self.can_checkpoint = runner.can_checkpoint
         self.can_bf16 = runner.can_bf16
         self.can_swap_optimizer = bool(getattr(runner, "can_swap_optimizer", False))
+        self.can_offload = bool(getattr(runner, "can_offload", False))
         self.shape = shape_of(config, shape_keys(runner))
         # A prediction for another shape is not this trial's (a server keyed differently).
         self._fleet = {plan_key(s.plan): s for s in fleet if s.shape == self.shape}

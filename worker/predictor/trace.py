@@ -45,6 +45,7 @@ from worker.predictor.conversion import BuildFailed, build_for_trace
 from worker.predictor.emulation import answer_scalar_reads, cuda_emulation, prefer_foreach
 from worker.predictor.evaluation import UNTRACED_BOUND, trace_evaluation
 from worker.predictor.opmodel import real_kernel_storages
+from worker.trial.offload import traced_host
 from worker.trial.runner import CardSpec
 from worker.trial.steps import (
     build_optimizer_for_plan,
@@ -166,7 +167,14 @@ def trace_training(
     )
     fake = FakeTensorMode()
     try:
-        with fake, _FakeDeepcopy(), _emulation(target), real_kernel_storages(), tracker:
+        with (
+            fake,
+            _FakeDeepcopy(),
+            _emulation(target),
+            _host(target),
+            real_kernel_storages(),
+            tracker,
+        ):
             training = _run_steps(task, config, plan, target, (fake, tracker), real_first_step)
     except (TaskConfigError, MemoryLimitExceeded):
         raise
@@ -181,6 +189,15 @@ def trace_training(
 
 def _emulation(target: Target) -> AbstractContextManager[None]:
     return cuda_emulation() if target.emulate else nullcontext()
+
+
+def _host(target: Target) -> AbstractContextManager[None]:
+    """The host memory of a CUDA target's offload rungs, which its tracker does not count: fake
+    cpu beside fake cuda, meta beside fake cpu emulating a card. A CPU target has none (the
+    rungs are refused there: host and card are one memory)."""
+    if not target.cuda:
+        return nullcontext()
+    return traced_host(torch.device("cpu" if target.device.type == "cuda" else "meta"))
 
 
 def _run_steps(

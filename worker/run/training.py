@@ -366,6 +366,8 @@ class TorchTaskRunner:
         self.can_bf16 = bool(getattr(task, "can_bf16", True))
         # This loop builds the optimizer (build_optimizer_for_plan): the adafactor rung.
         self.can_swap_optimizer = True
+        # ... and runs the step (train_step): the offload rungs, on a CUDA card.
+        self.can_offload = True
 
     def batch_size(self, config: Config) -> int:
         """The configuration's effective batch size."""

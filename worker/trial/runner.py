@@ -147,6 +147,10 @@ class TrialRunner(Protocol):
             optimizer for 8-bit AdamW or Adafactor (the adamw_8bit and adafactor rungs; only a
             runner whose loop builds the optimizer, `worker.trial.steps.
             build_optimizer_for_plan`, can; adamw_8bit also needs `adamw_8bit_available`).
+        can_offload (optional, False when absent): whether a plan may keep the saved
+            activations or the optimizer on the host (the offload rungs, offered on CUDA cards
+            only; a runner whose loop runs `worker.trial.steps.train_step` and builds the
+            optimizer there can).
         predict(config, plan, card): the predicted peak of running `config` under `plan` on
             `card`; never allocates device memory. A configuration that cannot be traced gives
             method "probe" (measured on the card) or "none" with a reason.

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from service.wire import Plan
+from worker.trial.offload import host_for, offload_activations, offload_optimizer, offloads
 from worker.trial.optimizers import swapped_optimizer
 from worker.trial.runner import plan_for_micro_batch as plan_for_micro_batch  # torch-free home
 from worker.trial.task import Batch, Config, Task, TaskConfigError
@@ -82,7 +83,10 @@ def checkpoint_forward(module: nn.Module) -> None:
 
 
 def build_for_plan(task: Task, config: Config, plan: Plan, device: torch.device) -> nn.Module:
-    """Build the task's model on `device` with the plan's checkpointing applied."""
+    """Build the task's model on `device` with the plan's checkpointing applied (a plan that
+    offloads to the host is refused on a device without one: `host_for`)."""
+    if offloads(plan):
+        host_for(device)
     model = task.build_model(config)
     if not _lives_on(model, device):
         # Module.to swaps fake parameters, which FakeTensorMode's weakrefs forbid: the predictor
@@ -102,11 +106,12 @@ def build_optimizer_for_plan(
     adafactor rungs, which change the numerics), the one it names built from the task's
     (`worker.trial.optimizers`: 8-bit AdamW's state is a quarter of AdamW's, Adafactor keeps
     factored second moments and no first moment). The trainer and the predictor both build it
-    here, so the prediction counts its state."""
+    here, so the prediction counts its state. The optimizer_offload rung then runs it on host
+    copies of the parameters (worker/trial/offload.py): its state never reaches the card."""
     optimizer = task.build_optimizer(model, config)
-    if plan.optimizer is None:
-        return optimizer
-    return swapped_optimizer(plan.optimizer, optimizer)
+    if plan.optimizer is not None:
+        optimizer = swapped_optimizer(plan.optimizer, optimizer)
+    return offload_optimizer(optimizer, model) if plan.optimizer_offload else optimizer
 
 
 def _lives_on(model: nn.Module, device: torch.device) -> bool:
@@ -142,7 +147,7 @@ def train_step(
     total = torch.zeros((), device=device)
     for size in sizes if sizes is not None else micro_batch_sizes(batch_size, plan):
         batch = next_batch(size)
-        with autocast_for(plan, device):
+        with autocast_for(plan, device), offload_activations(plan, device):
             loss = task.loss(model, batch) * (size / batch_size)
         torch.autograd.backward(loss)
         total = total + loss.detach().float()
