@@ -5,6 +5,8 @@ digits-cnn at width 16, resolution 32 on 12 MiB simulated cards (10 % margin: 11
 as predicted here: batch 16 needs 5.2 MB (one card), 64 needs 20.3 MB (2 ranks of DDP: 10.3 MB
 each), 128 needs 40.5 MB (4 ranks: 10.3 MB each; 2 ranks need 20.4 MB), 256 needs 10.2 MB on each
 of 8 ranks, which no node has: infeasible. Resizing is off, so only more cards can hold a trial.
+The node runs a one-card and a 2-rank trial at once on disjoint cards; SIGTERM stops both, and a
+rank's fault ends its own trial only.
 
 Cost: several minutes on two loaded cores (each distributed trial spawns its ranks, which import
 torch), per database.
@@ -180,18 +182,19 @@ def _spawned(worker: WorkerProcess) -> list[int]:
     return found
 
 
-def test_a_rank_killed_mid_trial_fails_the_trial_once_and_leaves_no_rank(
+def test_a_rank_killed_mid_trial_fails_its_trial_once_and_leaves_no_rank(
     fleet_server: ServerProcess, start_worker: WorkerFactory, studies: Studies
 ) -> None:
     node = start_worker(fleet_server.url, CARD, *DIGITS, "--ranks", "4")
     node.wait_for('"event": "slots_ready"')
     slot = _spawned(node)
-    # A value reported every step: the first one shows the ranks joined and train.
+    # A value reported every step: the first one shows the ranks joined and train. A one-card
+    # trial trains beside them, on a card of its own, and goes on after their fault.
     long_run = {**SPEC, "budget": {"max_steps": 100_000, "eval_every": 1}}
+    beside = studies.create(_batches(16), **long_run, n_trials=1)
     name = studies.create(_batches(64), **long_run, n_trials=1)
-    studies.wait_until(
-        name, lambda trials: bool(trials) and bool(trials[0].intermediate), timeout=SLOW_S
-    )
+    for study in (beside, name):
+        studies.wait_until(study, lambda ts: bool(ts) and bool(ts[0].intermediate), SLOW_S)
     ranks = _ranks(node, slot)
     assert len(ranks) == 2, node.logs()[-4000:]
     os.kill(ranks[-1], signal.SIGKILL)
@@ -204,3 +207,7 @@ def test_a_rank_killed_mid_trial_fails_the_trial_once_and_leaves_no_rank(
         time.sleep(0.2)
     assert _ranks(node, slot) == []
     assert node.process.poll() is None  # the worker lives on
+    [going_on] = studies.trials(beside)
+    assert going_on.state == "RUNNING"  # the fault ended the 2-rank trial only
+    reported = len(going_on.intermediate)
+    studies.wait_until(beside, lambda ts: len(ts[0].intermediate) > reported, SLOW_S)

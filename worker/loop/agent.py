@@ -327,12 +327,13 @@ class Agent:
         """Tell the server the trial runs as planned (on a node: on which `cards`), and log it."""
         request = outcomes.started(assignment, decision, choice, cards)
         self.client.start(assignment.trial_id, request)
+        on = {} if cards is None else {"cards": cards}  # a one-card worker's line as before
         self.event(
             "started",
             assignment,
             plan=decision.plan.reason,
             predicted=peak_of(decision.prediction),
-            cards=cards,
+            **on,
             **how,
             **fields,
         )
