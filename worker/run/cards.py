@@ -18,6 +18,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+from worker.run.slots import TrialBook
+
 
 @dataclass(frozen=True)
 class CardGrant:
@@ -27,44 +29,20 @@ class CardGrant:
     cards: tuple[int, ...]
 
 
-class CardBook:
-    """Which of a node's cards each running trial holds; thread-safe, with waits.
-
-    `capacity` is what each card gives this worker with no trial of it running (the per-card
-    free bytes when idle); the worker refreshes it whenever the book is empty, as a `SlotBook`.
-    """
+class CardBook(TrialBook[CardGrant]):
+    """Which of a node's cards each running trial holds. `capacity` is what each card gives
+    this worker with no trial of it running."""
 
     def __init__(self, cards: int, capacity: int) -> None:
         if cards < 1:
             raise ValueError(f"a node has at least one card, got {cards}")
-        self.max_trials = cards  # at most one trial per card
+        super().__init__(cards, capacity)  # at most one trial per card
         self._cards = cards
-        self._capacity = capacity
-        self._held: dict[int, CardGrant] = {}
-        self._waiting = 0  # trials leased and waiting for cards: no new ask meanwhile
-        self._changed = threading.Condition()
 
     @property
     def cards(self) -> int:
         """How many cards the node has."""
         return self._cards
-
-    @property
-    def capacity(self) -> int:
-        """The bytes each card gives this worker when no trial runs."""
-        with self._changed:
-            return self._capacity
-
-    def refresh_capacity(self, free_bytes: int) -> None:
-        """A new reading of a card's free bytes counts only while nothing of ours runs."""
-        with self._changed:
-            if not self._held:
-                self._capacity = free_bytes
-
-    def running(self) -> int:
-        """How many trials hold cards now."""
-        with self._changed:
-            return len(self._held)
 
     def free(self) -> tuple[int, ...]:
         """The cards no trial holds, lowest index first."""
@@ -92,26 +70,12 @@ class CardBook:
         Until then no new trial is asked for (`can_ask` is False)."""
         with self._changed:
             self._check(trial_id, count)
-            self._waiting += 1
-            try:
-                while len(self._free()) < count:
-                    if stop.is_set():
-                        return None
-                    self._changed.wait(poll_s)  # woken by release; stop is polled
-                return self._grant(trial_id, count)
-            finally:
-                self._waiting -= 1
-
-    def release(self, trial_id: int) -> None:
-        """The trial's final call is delivered: its cards are free again."""
-        with self._changed:
-            self._held.pop(trial_id, None)
-            self._changed.notify_all()
-
-    def wait_for_change(self, timeout_s: float) -> None:
-        """Sleep until a trial releases its cards, or `timeout_s`."""
-        with self._changed:
-            self._changed.wait(timeout_s)
+            return self._wait_to_hold(
+                lambda: len(self._free()) >= count,
+                lambda: self._grant(trial_id, count),
+                stop,
+                poll_s,
+            )
 
     def _check(self, trial_id: int, count: int) -> None:
         if trial_id in self._held:

@@ -21,7 +21,11 @@ from __future__ import annotations
 import math
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+Hold = TypeVar("Hold")
 
 MAX_TRIALS_PER_CARD_CAP = 4
 """The default number of trials a card runs at once is at most this (and at most the cores)."""
@@ -78,25 +82,24 @@ class Reservation:
     exclusive: bool
 
 
-class SlotBook:
-    """Trials running on one card and their reservations; thread-safe, with waits.
+class TrialBook(Generic[Hold]):
+    """What a worker's running trials hold (a card's bytes, a node's cards); thread-safe, with
+    waits. `SlotBook` and worker.run.cards.`CardBook` keep the same books of different holds.
 
-    `capacity` is what the card gives with no trial of this worker on it (its free bytes when
-    idle); the worker refreshes it whenever the book is empty.
+    `capacity` is what a card gives this worker with no trial of it running (its free bytes
+    when idle); the worker refreshes it whenever the book is empty.
     """
 
     def __init__(self, max_trials: int, capacity: int) -> None:
-        if max_trials < 1:
-            raise ValueError(f"a card runs at least one trial at once, got {max_trials}")
         self.max_trials = max_trials
         self._capacity = capacity
-        self._held: dict[int, Reservation] = {}
+        self._held: dict[int, Hold] = {}
         self._waiting = 0  # trials leased and waiting for room: no new ask meanwhile
         self._changed = threading.Condition()
 
     @property
     def capacity(self) -> int:
-        """The bytes the card gives this worker when no trial runs."""
+        """The bytes a card gives this worker when no trial runs."""
         with self._changed:
             return self._capacity
 
@@ -107,9 +110,49 @@ class SlotBook:
                 self._capacity = free_bytes
 
     def running(self) -> int:
-        """How many trials hold a slot now."""
+        """How many trials hold something now."""
         with self._changed:
             return len(self._held)
+
+    def release(self, trial_id: int) -> None:
+        """The trial's run is over: what it held is free again."""
+        with self._changed:
+            self._held.pop(trial_id, None)
+            self._changed.notify_all()
+
+    def wait_for_change(self, timeout_s: float) -> None:
+        """Sleep until a trial releases what it held, or `timeout_s`."""
+        with self._changed:
+            self._changed.wait(timeout_s)
+
+    def _wait_to_hold(
+        self,
+        ready: Callable[[], bool],
+        hold: Callable[[], Hold],
+        stop: threading.Event,
+        poll_s: float,
+    ) -> Hold | None:
+        """`hold()` as soon as `ready()`, under the lock; None if `stop` is set first. Until
+        then no new trial is asked for (the books' `can_ask` see `_waiting`)."""
+        with self._changed:
+            self._waiting += 1
+            try:
+                while not ready():
+                    if stop.is_set():
+                        return None
+                    self._changed.wait(poll_s)  # woken by release; stop is polled
+                return hold()
+            finally:
+                self._waiting -= 1
+
+
+class SlotBook(TrialBook[Reservation]):
+    """Trials running on one card and their reservations."""
+
+    def __init__(self, max_trials: int, capacity: int) -> None:
+        if max_trials < 1:
+            raise ValueError(f"a card runs at least one trial at once, got {max_trials}")
+        super().__init__(max_trials, capacity)
 
     def reserved(self) -> int:
         """Bytes the running trials hold."""
@@ -146,38 +189,19 @@ class SlotBook:
                 raise ValueError(f"trial {trial_id} holds a slot already")
             if not self._fits(nbytes, exclusive):
                 raise ValueError(f"trial {trial_id} does not fit: {nbytes} bytes, {self._state()}")
-            reservation = Reservation(trial_id, nbytes, exclusive)
-            self._held[trial_id] = reservation
-            return reservation
+            return self._hold(Reservation(trial_id, nbytes, exclusive))
 
     def wait_to_reserve(
         self, trial_id: int, nbytes: int, exclusive: bool, stop: threading.Event, poll_s: float
     ) -> Reservation | None:
         """Reserve as soon as the trial fits; None if `stop` is set first. Until then no new
         trial is asked for (`can_ask` is False)."""
-        with self._changed:
-            self._waiting += 1
-            try:
-                while not self._fits(nbytes, exclusive):
-                    if stop.is_set():
-                        return None
-                    self._changed.wait(poll_s)  # woken by release; stop is polled
-                reservation = Reservation(trial_id, nbytes, exclusive)
-                self._held[trial_id] = reservation
-                return reservation
-            finally:
-                self._waiting -= 1
-
-    def release(self, trial_id: int) -> None:
-        """The trial's run is over: its slot and bytes are free again."""
-        with self._changed:
-            self._held.pop(trial_id, None)
-            self._changed.notify_all()
-
-    def wait_for_change(self, timeout_s: float) -> None:
-        """Sleep until a trial releases its slot, or `timeout_s`."""
-        with self._changed:
-            self._changed.wait(timeout_s)
+        return self._wait_to_hold(
+            lambda: self._fits(nbytes, exclusive),
+            lambda: self._hold(Reservation(trial_id, nbytes, exclusive)),
+            stop,
+            poll_s,
+        )
 
     def _fits(self, nbytes: int, exclusive: bool) -> bool:
         if exclusive:
@@ -187,6 +211,10 @@ class SlotBook:
             and not self._exclusive_held()
             and self._reserved() + nbytes <= self._capacity
         )
+
+    def _hold(self, reservation: Reservation) -> Reservation:
+        self._held[reservation.trial_id] = reservation
+        return reservation
 
     def _exclusive_held(self) -> bool:
         return any(r.exclusive for r in self._held.values())
