@@ -26,6 +26,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.gpu_common import HF_CONFIG, Quiet, relative_error  # noqa: E402
 from bench.report import write_report  # noqa: E402
 from service.wire import Plan, TrainBudget  # noqa: E402
 from worker.trial.runner import CardSpec  # noqa: E402
@@ -45,25 +46,6 @@ CHAR_CONFIG: Config = {
     "seq_len": 256,
     "batch_size": 16,
 }
-HF_CONFIG: Config = {
-    "model_type": "llama",
-    "num_hidden_layers": 2,
-    "hidden_size": 256,
-    "num_attention_heads": 4,
-    "seq_len": 256,
-    "batch_size": 16,
-    "lr": 1e-3,
-}
-
-
-class Quiet:
-    """A reporter that never prunes and never stops (the benchmark's stand-in for the agent)."""
-
-    def report(self, step: int, value: float) -> bool:
-        return False
-
-    def stop_reason(self) -> str | None:
-        return None
 
 
 def families() -> list[tuple[Task, Config]]:
@@ -81,11 +63,6 @@ def gpu_card() -> CardSpec:
 
     constants = dict(measure_card_constants("cuda:0").model_dump())
     return CardSpec(info=card_for_device("cuda:0"), constants=constants, device="cuda:0")
-
-
-def relative_error(predicted: int, measured: int | None) -> float | None:
-    """(predicted - measured) / measured; None without a measurement."""
-    return None if not measured else (predicted - measured) / measured
 
 
 def one_case(task: Task, config: Config, name: str, plan: Plan, card: CardSpec) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.gpu_common import HF_CONFIG, Quiet, relative_error  # noqa: E402
 from bench.report import write_report  # noqa: E402
 from service.wire import Plan, Strategy, TrainBudget  # noqa: E402
 from worker.trial.runner import CardSpec  # noqa: E402
@@ -36,26 +37,7 @@ from worker.trial.task import Config, Task  # noqa: E402
 WORLD_SIZES = (2, 4)
 STRATEGIES: tuple[Strategy, ...] = ("ddp", "fsdp")
 BUDGET = TrainBudget(max_steps=3, eval_every=3)
-HF_CONFIG: Config = {
-    "model_type": "llama",
-    "num_hidden_layers": 2,
-    "hidden_size": 256,
-    "num_attention_heads": 4,
-    "seq_len": 256,
-    "batch_size": 16,
-    "lr": 1e-3,
-}
 CNN_CONFIG: Config = {"width": 32, "depth": 3, "resolution": 64, "batch_size": 64, "lr": 0.05}
-
-
-class Quiet:
-    """A reporter that never prunes and never stops (the benchmark's stand-in for the agent)."""
-
-    def report(self, step: int, value: float) -> bool:
-        return False
-
-    def stop_reason(self) -> str | None:
-        return None
 
 
 def families() -> list[tuple[Task, Config]]:
@@ -64,11 +46,6 @@ def families() -> list[tuple[Task, Config]]:
     from worker.tasks.hf import HFCausalLMTask
 
     return [(HFCausalLMTask(), HF_CONFIG), (DigitsCNNTask(), CNN_CONFIG)]
-
-
-def relative_error(predicted: int, measured: int | None) -> float | None:
-    """(predicted - measured) / measured; None without a measurement."""
-    return None if not measured else (predicted - measured) / measured
 
 
 def gpu_card(device: str) -> CardSpec:
