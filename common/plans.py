@@ -8,15 +8,16 @@ from typing import Any
 
 from service.wire import ParamValue, Plan, PlanOut
 
-PlanKey = tuple[int | None, int, bool, bool, int | None, bool, int, str | None, str | None]
+PlanKey = tuple[int | None, int, bool, bool, int | None, bool, int, str | None, str | None, bool]
 
 
 def plan_key(plan: Plan | PlanOut) -> PlanKey:
     """What makes two plans the same run: micro-batch, accumulation, checkpointing, bf16,
     the checkpointed blocks, the chunked loss, the world size, the data-parallel strategy and
-    the optimizer swapped in (the reason is only words). A 2-rank and a 4-rank plan, or DDP
-    and FSDP at one world size, hold different bytes per rank: they never share a key
-    (issue 31)."""
+    the optimizer swapped in and whether FSDP2 reshards after forward (the reason is only
+    words). A 2-rank and a 4-rank plan, DDP and FSDP at one world size, or FSDP keeping its
+    parameters gathered and resharding them, hold different bytes per rank: they never share
+    a key (issue 31)."""
     blocks = plan.checkpoint_blocks if plan.checkpointing else None
     return (
         plan.micro_batch,
@@ -28,6 +29,7 @@ def plan_key(plan: Plan | PlanOut) -> PlanKey:
         plan.world_size,
         plan.strategy,
         plan.optimizer,
+        plan.reshard_after_forward,
     )
 
 
@@ -70,11 +72,12 @@ RUNG_WORDS = {
 def plan_in_words(plan: Plan | PlanOut | None) -> str | None:
     """A plan's rungs in words, e.g. 'micro-batch 4 × 8, checkpoint the first 9 blocks, chunked
     cross-entropy, bf16, Adafactor optimizer (changes numerics)', after its ranks when above
-    one ('2 ranks, ddp'); 'as asked' without any; None without a plan. The dashboard's trial
-    view and table and `vramtune study trials` all show this."""
+    one ('2 ranks, ddp'; '2 ranks, fsdp keeping parameters gathered' when FSDP2 does not
+    reshard after forward); 'as asked' without any; None without a plan. The dashboard's
+    trial view and table and `vramtune study trials` all show this."""
     if plan is None:
         return None
-    parts = [f"{plan.world_size} ranks, {plan.strategy}"] if plan.world_size > 1 else []
+    parts = [ranks_in_words(plan)] if plan.world_size > 1 else []
     if plan.micro_batch is not None and plan.accumulation > 1:
         parts.append(f"micro-batch {plan.micro_batch} × {plan.accumulation}")
     if plan.checkpointing:
@@ -89,6 +92,16 @@ def plan_in_words(plan: Plan | PlanOut | None) -> str | None:
     if plan.optimizer == "adafactor":
         parts.append(RUNG_WORDS["adafactor"])
     return ", ".join(parts) or "as asked"
+
+
+def ranks_in_words(plan: Plan | PlanOut) -> str:
+    """A several-card plan's ranks and wrapper: '2 ranks, fsdp', '2 ranks, fsdp keeping
+    parameters gathered' (reshard_after_forward off)."""
+    kept = "" if plan.reshard_after_forward else f" {KEPT_GATHERED_WORDS}"
+    return f"{plan.world_size} ranks, {plan.strategy}{kept}"
+
+
+KEPT_GATHERED_WORDS = "keeping parameters gathered"
 
 
 def rungs_in_words(plan: Plan | PlanOut) -> str:
