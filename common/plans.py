@@ -67,6 +67,8 @@ RUNG_WORDS = {
     "bf16": "bf16",
     "adafactor": "Adafactor optimizer (changes numerics)",
 }
+KEPT_GATHERED_WORDS = "keeping parameters gathered"
+"""FSDP2 with reshard_after_forward off, after its strategy ('2 ranks, fsdp keeping ...')."""
 
 
 def plan_in_words(plan: Plan | PlanOut | None) -> str | None:
@@ -99,9 +101,6 @@ def ranks_in_words(plan: Plan | PlanOut) -> str:
     parameters gathered' (reshard_after_forward off)."""
     kept = "" if plan.reshard_after_forward else f" {KEPT_GATHERED_WORDS}"
     return f"{plan.world_size} ranks, {plan.strategy}{kept}"
-
-
-KEPT_GATHERED_WORDS = "keeping parameters gathered"
 
 
 def rungs_in_words(plan: Plan | PlanOut) -> str:

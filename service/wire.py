@@ -212,6 +212,8 @@ def reshard_field(description: str) -> Any:
 
 
 Prefer = Literal["fewest_cards", "fastest"]
+"""How a distributed study chooses between more cards and resizing on one (worker/plan/
+distributed.py): the fewest cards that hold a trial as asked, or the fastest fitting plan."""
 
 
 def _both_strategies() -> list[Strategy]:
@@ -670,6 +672,7 @@ class Plan(Wire):
 
     @model_validator(mode="after")
     def _strategy_with_ranks(self) -> Plan:
+        """A strategy with several ranks only, and FSDP2's resharding choice with FSDP2 only."""
         if (self.world_size > 1) != (self.strategy is not None):
             raise ValueError("a strategy goes with a world size above 1, and only then")
         if not self.reshard_after_forward and self.strategy != "fsdp":
