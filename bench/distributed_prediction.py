@@ -6,7 +6,9 @@ that rank in a real run on W spawned CPU processes over gloo (`measure_rank_peak
 sizes 2 and 4,
 for hf-causal-lm (a tiny Llama from its config, one `fully_shard` per decoder layer then the
 root) and digits-cnn (its conv stages sharded, then the root), two global batch sizes, with and
-without activation checkpointing, one or two micro-batches per rank.
+without activation checkpointing, one or two micro-batches per rank; FSDP2 both ways: resharding
+each unit's parameters after forward (its default) and keeping them gathered until backward
+(`reshard_after_forward=False`, the plan ladder's faster FSDP2 rung).
 Target: within 0.1 % on every rank of every case.
 
 Then the prediction's cost: wall and CPU seconds of a trace at world sizes 2 to 64 (hf-causal-lm,
@@ -17,6 +19,8 @@ torn down in-process; it can, tested in tests/worker/test_distributed_prediction
 Run it alone on the machine:
 ``flock /tmp/bench.lock .venv/bin/python bench/distributed_prediction.py``
 Writes ``distributed_prediction.{md,json}`` under ``--out`` (default bench/results/).
+``--only-gathered`` measures only the cases keeping FSDP2's parameters gathered and merges them
+into the results already there (their other rows and timings kept, with their own dates).
 """
 
 from __future__ import annotations
@@ -73,8 +77,12 @@ def load_average() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
 
 
-def accuracy_runs(world_size: int) -> list[RankRun]:
-    """Every family x strategy x batch x checkpointing x accumulation (1 or 2) case."""
+def accuracy_runs(world_size: int, gathered: bool = False) -> list[RankRun]:
+    """Every family x strategy x batch x checkpointing x accumulation (1 or 2) case;
+    `gathered`: the FSDP2 cases keeping parameters gathered after forward instead."""
+    wrappers: list[tuple[Strategy, bool]] = (
+        [("fsdp", False)] if gathered else [(strategy, True) for strategy in STRATEGIES]
+    )
     return [
         RankRun(
             task,
@@ -82,11 +90,14 @@ def accuracy_runs(world_size: int) -> list[RankRun]:
             Plan(
                 checkpointing=checkpointing,
                 micro_batch=batch // (world_size * accumulation) if accumulation > 1 else None,
+                world_size=world_size,
+                strategy=strategy,
+                reshard_after_forward=reshard,
             ),
             strategy,
         )
         for task, model, batches in FAMILIES
-        for strategy in STRATEGIES
+        for strategy, reshard in wrappers
         for batch in batches
         for checkpointing in (False, True)
         for accumulation in ACCUMULATIONS
@@ -98,9 +109,9 @@ def accumulation_of(run: RankRun, world_size: int) -> int:
     return len(micro_batch_sizes(int(run.config["batch_size"]) // world_size, run.plan))
 
 
-def accuracy(world_size: int) -> list[dict[str, Any]]:
+def accuracy(world_size: int, gathered: bool = False) -> list[dict[str, Any]]:
     """Predicted vs measured peak of every rank of every case at `world_size`."""
-    runs = accuracy_runs(world_size)
+    runs = accuracy_runs(world_size, gathered)
     load_before = load_average()
     started = time.perf_counter()
     measured = measure_rank_peaks(runs, world_size)
@@ -118,6 +129,7 @@ def accuracy(world_size: int) -> list[dict[str, Any]]:
                 "task": run.task.name,
                 "world_size": world_size,
                 "strategy": run.strategy,
+                "reshard_after_forward": run.plan.reshard_after_forward,
                 "global_batch": run.config["batch_size"],
                 "checkpointing": run.plan.checkpointing,
                 "accumulation": accumulation_of(run, world_size),
@@ -209,6 +221,7 @@ def render(result: dict[str, Any]) -> str:
         "'Other ranks'). Models: "
         f"hf-causal-lm {HF_MODEL}; digits-cnn {CNN_MODEL}.",
         "",
+        *gathered_note(result),
         f"**{ranks - rank_misses} of {ranks} ranks in {len(rows) - len(misses)} of "
         f"{len(rows)} cases within {TOLERANCE:.1%}; largest error of any rank {worst:.4%}.**",
         "",
@@ -218,7 +231,7 @@ def render(result: dict[str, Any]) -> str:
     ]
     for r in rows:
         lines.append(
-            f"| {r['task']} | {r['world_size']} | {r['strategy']} | {r['global_batch']} | "
+            f"| {r['task']} | {r['world_size']} | {wrapper(r)} | {r['global_batch']} | "
             f"{r['accumulation']} | {'yes' if r['checkpointing'] else 'no'} | "
             f"{r['predicted_allocated']:,} | "
             f"{r['measured_rank0']:,} | {r['error']:+.4%} | {r['predicted_reserved']:,} | "
@@ -256,6 +269,25 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def gathered_note(result: dict[str, Any]) -> list[str]:
+    """When the kept-gathered cases were measured apart from the rest (`--only-gathered`)."""
+    if "gathered_started" not in result:
+        return []
+    return [
+        f"The FSDP2 cases keeping parameters gathered ('fsdp (kept gathered)') were measured "
+        f"{result['gathered_started']} (`--only-gathered`); the other rows and the timings "
+        f"{result['started']}.",
+        "",
+    ]
+
+
+def wrapper(row: dict[str, Any]) -> str:
+    """The row's strategy, FSDP2 keeping its parameters gathered named so (rows measured
+    before that case existed lack the key: they resharded)."""
+    kept = not row.get("reshard_after_forward", True)
+    return f"{row['strategy']} (kept gathered)" if kept else str(row["strategy"])
+
+
 def rank_spread(rows: list[dict[str, Any]]) -> list[str]:
     """The cases where another rank's peak differs from rank 0's: each rank, both ways."""
     spread = [
@@ -272,11 +304,20 @@ def rank_spread(rows: list[dict[str, Any]]) -> list[str]:
     ]
     for r in spread:
         lines.append(
-            f"- {r['task']} W={r['world_size']} {r['strategy']} batch {r['global_batch']} "
+            f"- {r['task']} W={r['world_size']} {wrapper(r)} batch {r['global_batch']} "
             f"accum. {r['accumulation']} ckpt {'yes' if r['checkpointing'] else 'no'}: "
             f"predicted {r['predicted_all_ranks']}, measured {r['measured_all_ranks']} bytes"
         )
     return lines
+
+
+def merged_gathered(saved: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """`saved` with its kept-gathered rows measured again (or for the first time)."""
+    resharding = [r for r in saved["accuracy"] if r.get("reshard_after_forward", True)]
+    started = datetime.now(UTC).isoformat(timespec="seconds")
+    measured = [row for w in (2, 4) for row in accuracy(w, gathered=True)]
+    result = {**saved, "accuracy": resharding + measured, "gathered_started": started}
+    return result, render(result)
 
 
 def main() -> None:
@@ -285,17 +326,28 @@ def main() -> None:
     parser.add_argument(
         "--render", type=Path, help="re-render the report from a results JSON, measuring nothing"
     )
+    parser.add_argument(
+        "--only-gathered",
+        action="store_true",
+        help="measure only the FSDP2 cases keeping parameters gathered, merged into --out's",
+    )
     args = parser.parse_args()
     if args.render is not None:
         saved = json.loads(args.render.read_text())
         write_report(args.out, "distributed_prediction", saved, render(saved))
+        return
+    if args.only_gathered:
+        saved = json.loads((args.out / "distributed_prediction.json").read_text())
+        write_report(args.out, "distributed_prediction", *merged_gathered(saved))
         return
 
     result: dict[str, Any] = {
         "started": datetime.now(UTC).isoformat(timespec="seconds"),
         "cores": os.cpu_count(),
         "tolerance": TOLERANCE,
-        "accuracy": [row for w in (2, 4) for row in accuracy(w)],
+        "accuracy": [
+            row for w in (2, 4) for gathered in (False, True) for row in accuracy(w, gathered)
+        ],
     }
     for strategy in STRATEGIES:  # warm-up: imports, first-trace costs
         trace_timing(strategy, 2, repeats=1)

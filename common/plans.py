@@ -9,17 +9,17 @@ from typing import Any
 from service.wire import ParamValue, Plan, PlanOut
 
 PlanKey = tuple[
-    int | None, int, bool, bool, int | None, bool, int, str | None, str | None, bool, bool
+    int | None, int, bool, bool, int | None, bool, int, str | None, str | None, bool, bool, bool
 ]
 
 
 def plan_key(plan: Plan | PlanOut) -> PlanKey:
     """What makes two plans the same run: micro-batch, accumulation, checkpointing, bf16,
     the checkpointed blocks, the chunked loss, the world size, the data-parallel strategy and
-    the optimizer swapped in, then the activation and optimizer offloads (the reason is only
-    words). A 2-rank and a 4-rank plan, or DDP
-    and FSDP at one world size, hold different bytes per rank: they never share a key
-    (issue 31)."""
+    the optimizer swapped in, the activation and optimizer offloads, and whether FSDP2 reshards
+    after forward (the reason is only words). A 2-rank and a 4-rank plan, DDP and FSDP at one
+    world size, or FSDP keeping its parameters gathered and resharding them, hold different
+    bytes per rank: they never share a key (issue 31)."""
     blocks = plan.checkpoint_blocks if plan.checkpointing else None
     return (
         plan.micro_batch,
@@ -33,6 +33,7 @@ def plan_key(plan: Plan | PlanOut) -> PlanKey:
         plan.optimizer,
         plan.activation_offload,
         plan.optimizer_offload,
+        plan.reshard_after_forward,
     )
 
 
@@ -78,16 +79,19 @@ RUNG_WORDS = {
     "adamw_8bit": "8-bit AdamW optimizer (changes numerics)",
     "adafactor": "Adafactor optimizer (changes numerics)",
 }
+KEPT_GATHERED_WORDS = "keeping parameters gathered"
+"""FSDP2 with reshard_after_forward off, after its strategy ('2 ranks, fsdp keeping ...')."""
 
 
 def plan_in_words(plan: Plan | PlanOut | None) -> str | None:
     """A plan's rungs in words, e.g. 'micro-batch 4 × 8, checkpoint the first 9 blocks, chunked
     cross-entropy, bf16, Adafactor optimizer (changes numerics)', after its ranks when above
-    one ('2 ranks, ddp'); 'as asked' without any; None without a plan. The dashboard's trial
-    view and table and `vramtune study trials` all show this."""
+    one ('2 ranks, ddp'; '2 ranks, fsdp keeping parameters gathered' when FSDP2 does not
+    reshard after forward); 'as asked' without any; None without a plan. The dashboard's
+    trial view and table and `vramtune study trials` all show this."""
     if plan is None:
         return None
-    parts = [f"{plan.world_size} ranks, {plan.strategy}"] if plan.world_size > 1 else []
+    parts = [ranks_in_words(plan)] if plan.world_size > 1 else []
     if plan.micro_batch is not None and plan.accumulation > 1:
         parts.append(f"micro-batch {plan.micro_batch} × {plan.accumulation}")
     if plan.checkpointing:
@@ -105,6 +109,13 @@ def plan_in_words(plan: Plan | PlanOut | None) -> str | None:
     if plan.optimizer is not None:
         parts.append(RUNG_WORDS[plan.optimizer])
     return ", ".join(parts) or "as asked"
+
+
+def ranks_in_words(plan: Plan | PlanOut) -> str:
+    """A several-card plan's ranks and wrapper: '2 ranks, fsdp', '2 ranks, fsdp keeping
+    parameters gathered' (reshard_after_forward off)."""
+    kept = "" if plan.reshard_after_forward else f" {KEPT_GATHERED_WORDS}"
+    return f"{plan.world_size} ranks, {plan.strategy}{kept}"
 
 
 def rungs_in_words(plan: Plan | PlanOut) -> str:

@@ -160,6 +160,8 @@ def _weighted_fit(card_model: str, task: str, design: _Design) -> StepTimeFit:
         beta = _ridge(columns, design.targets, weights, step_time_prior(), PRIOR_WEIGHT)
         beta[1:4] = [max(beta[1], 0.0), max(beta[2], 0.0), beta[3]]  # resizing never speeds up
         beta[6] = max(beta[6], 0.0)  # nor does the chunked loss
+        beta[9:11] = [max(beta[9], 0.0), max(beta[10], 0.0)]  # nor do the offloads
+        beta[11] = min(beta[11], 0.0)  # FSDP2 keeping its parameters gathered never slows down
         errors = design.log_errors(overhead, beta)
         sse = sum(map(operator.mul, weights, map(operator.mul, errors, errors)))
         if best is None or sse < best[0]:

@@ -223,6 +223,17 @@ def strategy_field() -> Any:
     )
 
 
+def reshard_field(description: str) -> Any:
+    """FSDP2's `reshard_after_forward` beside `strategy_field`, left out of the JSON at its
+    default (True), as the optimizer is when None: a body without it reads as before."""
+    return Field(True, description=description, exclude_if=lambda reshard: reshard)
+
+
+Prefer = Literal["fewest_cards", "fastest"]
+"""How a distributed study chooses between more cards and resizing on one (worker/plan/
+distributed.py): the fewest cards that hold a trial as asked, or the fastest fitting plan."""
+
+
 def _both_strategies() -> list[Strategy]:
     return ["ddp", "fsdp"]
 
@@ -242,6 +253,13 @@ class DistributedPolicy(Wire):
     )
     max_world_size: int = Field(
         8, ge=1, le=MAX_WORLD_SIZE, description="The most ranks (cards) one trial may use."
+    )
+    prefer: Prefer = Field(
+        "fewest_cards",
+        description="When one card cannot hold a trial as asked: 'fewest_cards' runs it as "
+        "asked on the fewest ranks that hold it, resizing on one card only when none does; "
+        "'fastest' runs whichever fitting plan (each world size and strategy as asked, or the "
+        "single-card resized plan) the step-time model predicts fastest.",
     )
 
     @field_validator("strategies")
@@ -420,6 +438,9 @@ class PlanOut(Wire):
     # Left out for one card, as in Plan.
     world_size: int = world_size_field("Ranks (cards) it ran on.")
     strategy: Strategy | None = strategy_field()
+    reshard_after_forward: bool = reshard_field(
+        "FSDP2: True freed each unit's gathered parameters after forward; False kept them."
+    )
     reason: str = ""
 
 
@@ -675,12 +696,20 @@ class Plan(Wire):
     # fields) still takes every one-card call of a newer worker.
     world_size: int = world_size_field("Ranks (cards) it runs on.")
     strategy: Strategy | None = strategy_field()
+    reshard_after_forward: bool = reshard_field(
+        "FSDP2: True frees each unit's gathered parameters after forward (usually the least "
+        "memory; gathered again in backward); False keeps them gathered until backward (one "
+        "all-gather a step fewer). Only FSDP2 plans may set it False."
+    )
     reason: ShortText = ""
 
     @model_validator(mode="after")
     def _strategy_with_ranks(self) -> Plan:
+        """A strategy with several ranks only, and FSDP2's resharding choice with FSDP2 only."""
         if (self.world_size > 1) != (self.strategy is not None):
             raise ValueError("a strategy goes with a world size above 1, and only then")
+        if not self.reshard_after_forward and self.strategy != "fsdp":
+            raise ValueError("reshard_after_forward=false goes with the fsdp strategy only")
         return self
 
     @model_validator(mode="after")
@@ -829,6 +858,9 @@ class StepTimeObservation(Wire):
         "Ranks it ran on; the micro-batch fields are one rank's share."
     )
     strategy: Strategy | None = strategy_field()
+    reshard_after_forward: bool = reshard_field(
+        "FSDP2: False when it kept gathered parameters through backward."
+    )
     predicted_step_s: Finite | None = Field(None, ge=0, description="The model's prediction.")
     measured_step_s: Finite | None = Field(None, ge=0, description="Training time / steps.")
 
@@ -840,8 +872,9 @@ class StepTimeFit(Wire):
     task: str
     overhead_samples: float = Field(description="A micro-batch's fixed cost, in samples.")
     # 6 before chunked_loss had a term, 7 before the world size and FSDP had theirs (issue 31),
-    # 9 before the offload rungs had theirs: such a fit reads the rest from the prior.
-    coefficients: list[float] = Field(min_length=6, max_length=11)
+    # 9 before the offload rungs had theirs, 11 before FSDP kept gathered: such a fit reads the
+    # rest from the prior.
+    coefficients: list[float] = Field(min_length=6, max_length=12)
     n_observations: int = 0
     median_error: float | None = Field(None, description="In-sample |pred - meas| / meas.")
 

@@ -76,11 +76,15 @@ def trial_rows(trials: Sequence[TrialOut]) -> str:
 
 
 def ranks_cell(trial: TrialOut) -> str | None:
-    """'2 fsdp' for a distributed run, '1' for one card, empty before a plan."""
+    """'2 fsdp' for a distributed run ('2 fsdp gathered': FSDP2 keeping its parameters gathered
+    after forward), '1' for one card, empty before a plan."""
     plan = trial.plan
     if plan is None:
         return None
-    return f"{plan.world_size} {plan.strategy}" if plan.strategy else str(plan.world_size)
+    if plan.strategy is None:
+        return str(plan.world_size)
+    gathered = "" if plan.reshard_after_forward else " gathered"
+    return f"{plan.world_size} {plan.strategy}{gathered}"
 
 
 def peak_cell(trial: TrialOut) -> str | None:

@@ -63,17 +63,20 @@ OPTIMIZER_COLUMNS = {"adafactor": ":ada", "adamw_8bit": ":a8"}
 
 def plan_column(plan: Plan) -> str:
     """The plan's key (common.plans.plan_key) as the index's string, e.g. '16x4:ckpt=1:bf16=0',
-    with ':blocks=k', ':cce=1', ':ws=W:strategy', ':ada' (Adafactor), ':a8' (8-bit AdamW),
-    ':aoff' and ':ooff' (activation and optimizer offload) only for the rungs and the
-    several-card plans that add them (a one-card plan's key stays what it was)."""
+    with ':blocks=k', ':cce=1', ':ws=W:strategy' (strategy 'fsdpg': FSDP2 keeping its
+    parameters gathered after forward, one letter so the longest key fits the column), ':ada'
+    (Adafactor), ':a8' (8-bit AdamW), ':aoff' and ':ooff' (activation and optimizer offload)
+    only for the rungs and the several-card plans that add them (a one-card plan's key stays
+    what it was)."""
     key = plan_key(plan)
     micro, accumulation, checkpointing, bf16, blocks, chunked, world_size, strategy = key[:8]
-    opt, activation_offload, optimizer_offload = key[8:]
+    opt, activation_offload, optimizer_offload, reshard = key[8:]
     column = f"{micro or 'all'}x{accumulation}:ckpt={int(checkpointing)}:bf16={int(bf16)}"
     if blocks is not None:
         column += f":blocks={blocks}"
     column += ":cce=1" if chunked else ""
-    column += f":ws={world_size}:{strategy}" if world_size > 1 else ""
+    wrapper = f"{strategy}{'' if reshard else 'g'}"
+    column += f":ws={world_size}:{wrapper}" if world_size > 1 else ""
     column += OPTIMIZER_COLUMNS[opt] if opt is not None else ""
     column += ":aoff" if activation_offload else ""
     return column + (":ooff" if optimizer_offload else "")

@@ -140,7 +140,14 @@ def test_study_trials_shows_ranks_and_each_rank_s_peak() -> None:
         rank_peak_bytes=[1000, 488],
     )
     one_card = TrialOut(id=2, number=1, state="RUNNING", params={}, plan=PlanOut())
-    table = trial_rows([distributed, one_card]).splitlines()
+    gathered = distributed.model_copy(
+        update={
+            "id": 3,
+            "plan": PlanOut(world_size=2, strategy="fsdp", reshard_after_forward=False),
+        }
+    )
+    table = trial_rows([distributed, one_card, gathered]).splitlines()
     assert "RANKS" in table[0] and "PEAK/RANK" in table[0]
-    assert "2 fsdp" in table[1] and "1000 -> 1000/488" in table[1]
+    assert "2 fsdp" in table[1] and "gathered" not in table[1] and "1000 -> 1000/488" in table[1]
+    assert "2 fsdp gathered" in table[3]
     assert table[2].split()[:2] == ["1", "RUNNING"] and " 1 " in table[2]

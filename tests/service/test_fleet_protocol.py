@@ -27,6 +27,7 @@ import pytest
 from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy import func, select
 
+from common.plans import plan_key
 from service.app import build_state
 from service.db.tables import (
     MAX_ROW_ID,
@@ -50,7 +51,7 @@ from service.testing import (
     sqlite_url,
     upgrade_database,
 )
-from service.wire import Assignment, NextRequest
+from service.wire import Assignment, NextRequest, Plan, PlanOut
 
 GIB = 2**30
 PLAN = {"micro_batch": None, "accumulation": 1, "checkpointing": False, "bf16": False}
@@ -952,6 +953,37 @@ def test_a_node_is_offered_what_its_free_cards_hold_and_says_which_cards_run_it(
     fleet = env.http.get("/dashboard/fleet", params={"limit": 500}).json()["workers"]
     [shown] = [worker for worker in fleet if worker["id"] == node.id]
     assert (shown["busy_cards"], shown["cards"]) == (3, 4)  # 2 ranks, and 1 leased, planning
+
+
+def test_fsdp_keeping_parameters_gathered_round_trips_and_keys_apart(env: Env) -> None:
+    env.create_study(n_trials=2, distributed={"max_world_size": 2, "prefer": "fastest"})
+    node = env.worker("node", 4 * GIB, "Sim 4G", cards=2)
+    first, second = node.next(), node.next()
+    assert first is not None and second is not None
+    assert first["distributed"]["prefer"] == "fastest"
+    gathered = {"world_size": 2, "strategy": "fsdp", "reshard_after_forward": False}
+    measured = {"peak_allocated_bytes": GIB, "rank_peak_bytes": [GIB, GIB - 512]}
+    done = node.call(
+        first, "complete", values=[1.0], plan=gathered, measured=measured, duration_s=1.0,
+        prediction=_prediction(GIB),
+    )  # fmt: skip
+    assert done.status_code == 200, done.text
+    shown = env.page()[first["trial_id"]]
+    assert shown["plan"]["reshard_after_forward"] is False
+    table = env.http.get(f"/dashboard/studies/{env.study}/trials").json()["rows"]
+    (row,) = [r for r in table if r["id"] == first["trial_id"]]
+    assert row["plan_words"] == "2 ranks, fsdp keeping parameters gathered"
+    # Out of memory keeping them gathered: the retry knows that plan apart from resharding.
+    oom = {"peak_allocated_bytes": 4 * GIB}
+    failed = node.call(second, "fail", kind="oom", message="rank 0", plan=gathered, measured=oom)
+    assert failed.json()["resolution"] == "retry"
+    again = node.next()
+    assert again is not None and again["trial_id"] == second["trial_id"]
+    tried = [PlanOut.model_validate(plan) for plan in again["plans_tried"]]
+    assert [plan_key(plan) for plan in tried] == [plan_key(Plan.model_validate(gathered))]
+    assert plan_key(tried[0]) != plan_key(Plan(world_size=2, strategy="fsdp"))
+    wrong = node.call(again, "start", plan={**gathered, "strategy": "ddp"})
+    assert wrong.status_code == 422 and "reshard_after_forward" in wrong.text
 
 
 def test_a_plan_names_a_strategy_with_more_than_one_rank_only(env: Env) -> None:

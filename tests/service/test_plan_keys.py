@@ -18,6 +18,7 @@ def test_plans_on_other_world_sizes_or_strategies_never_share_a_key() -> None:
         Plan(),
         Plan(world_size=2, strategy="ddp"),
         Plan(world_size=2, strategy="fsdp"),
+        Plan(world_size=2, strategy="fsdp", reshard_after_forward=False),
         Plan(world_size=4, strategy="fsdp"),
         Plan(world_size=4, strategy="fsdp", micro_batch=4, accumulation=2),
     ]
@@ -34,6 +35,8 @@ def test_a_one_card_plan_keeps_its_column_and_a_several_card_one_adds_its_ranks(
     assert plan_column(resized) == "16x4:ckpt=1:bf16=0:blocks=3"
     assert plan_column(Plan(chunked_loss=True, bf16=True)) == "allx1:ckpt=0:bf16=1:cce=1"
     assert plan_column(Plan(world_size=2, strategy="ddp")) == "allx1:ckpt=0:bf16=0:ws=2:ddp"
+    gathered = Plan(world_size=2, strategy="fsdp", reshard_after_forward=False)
+    assert plan_column(gathered) == "allx1:ckpt=0:bf16=0:ws=2:fsdpg"
     longest = Plan(
         micro_batch=10**6,
         accumulation=10**6,
@@ -43,6 +46,7 @@ def test_a_one_card_plan_keeps_its_column_and_a_several_card_one_adds_its_ranks(
         bf16=True,
         world_size=MAX_WORLD_SIZE,
         strategy="fsdp",
+        reshard_after_forward=False,
         optimizer="adafactor",
     )
     assert len(plan_column(longest)) <= 64  # vramtune_predictions.plan_key is String(64)
@@ -73,3 +77,15 @@ def test_an_8bit_adamw_plan_keys_apart_from_adafactor_and_the_task_optimizer() -
     assert plan_column(plans[2]) == "2x2:ckpt=0:bf16=0:a8"
     ran = PlanOut.model_validate(plans[2].model_dump(mode="json"))
     assert plan_key(ran) == plan_key(plans[2])
+
+
+def test_fsdp_resharding_after_forward_is_the_default_left_out_of_the_json() -> None:
+    resharding = Plan(world_size=2, strategy="fsdp")
+    assert "reshard_after_forward" not in resharding.model_dump(mode="json")
+    gathered = resharding.model_copy(update={"reshard_after_forward": False})
+    assert gathered.model_dump(mode="json")["reshard_after_forward"] is False
+    ran = PlanOut.model_validate(gathered.model_dump(mode="json"))
+    assert plan_key(ran) == plan_key(gathered) != plan_key(resharding)
+    for wrapper in ({}, {"world_size": 2, "strategy": "ddp"}):  # DDP and one card never reshard
+        with pytest.raises(ValidationError, match="reshard_after_forward=false goes with the fsdp"):
+            Plan.model_validate({**wrapper, "reshard_after_forward": False})

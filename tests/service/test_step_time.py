@@ -97,6 +97,46 @@ def test_the_fit_learns_what_each_world_size_and_fsdp_cost() -> None:
         assert relative_error(fit, x) < 0.1, (size, strategy)
 
 
+def _on_ranks(batch: int, size: int, strategy: Strategy, reshard: bool) -> StepTimeObservation:
+    share = batch // size
+    return run(batch, share).model_copy(
+        update={
+            "world_size": size,
+            "strategy": strategy,
+            "reshard_after_forward": reshard,
+            "micro_batches": 1,
+        }
+    )
+
+
+def test_fsdp_keeping_parameters_gathered_is_a_term_of_its_own() -> None:
+    """The fixed model: at one world size DDP, then FSDP2 keeping its parameters gathered (one
+    all-gather a step fewer), then resharding; the fit learns what keeping them saves."""
+    prior = default_step_time_fit()
+    ddp, gathered, resharding = (
+        slowdown(prior, _on_ranks(256, 4, strategy, reshard))
+        for strategy, reshard in (("ddp", True), ("fsdp", False), ("fsdp", True))
+    )
+    assert ddp < gathered < resharding
+    assert resharding / gathered == pytest.approx(1.05)
+    rng = random.Random(7)
+
+    def timed(x: StepTimeObservation) -> StepTimeObservation:
+        seconds = 1e-3 * (x.micro_batch + 32) * x.world_size ** math.log2(1.1)
+        if x.strategy == "fsdp":
+            seconds *= 1.3 if x.reshard_after_forward else 1.12
+        return x.model_copy(update={"measured_step_s": seconds * math.exp(rng.gauss(0, 0.02))})
+
+    shapes = [("ddp", True), ("fsdp", True), ("fsdp", False)]
+    runs = [
+        timed(_on_ranks(rng.choice([64, 128]), rng.choice([2, 4]), *rng.choice(shapes)))
+        for _ in range(300)
+    ]
+    fit = fit_step_time("card", "task", runs)
+    kept, resharded = _on_ranks(128, 2, "fsdp", False), _on_ranks(128, 2, "fsdp", True)
+    assert slowdown(fit, resharded) / slowdown(fit, kept) == pytest.approx(1.3 / 1.12, rel=0.05)
+
+
 def test_more_runs_predict_better_and_a_few_already_give_seconds() -> None:
     fresh = history(100, seed=2)
 

@@ -150,8 +150,12 @@ def test_create_get_list(api: httpx.Client, plain: RDBStorage, engine: Engine) -
 
 def test_distributed_policy_round_trips_with_defaults(api: httpx.Client) -> None:
     made = create(api, distributed={"max_world_size": 4})
-    assert made["spec"]["distributed"] == {"strategies": ["ddp", "fsdp"], "max_world_size": 4}
+    defaults = {"strategies": ["ddp", "fsdp"], "max_world_size": 4, "prefer": "fewest_cards"}
+    assert made["spec"]["distributed"] == defaults
     assert create(api)["spec"]["distributed"] is None  # one card a trial unless asked
+    fastest = create(api, distributed={"prefer": "fastest"})["spec"]["distributed"]
+    assert fastest["prefer"] == "fastest"
+    assert api.get(f"studies/{made['name']}").json()["spec"]["distributed"] == defaults
 
 
 def test_json_types_survive(api: httpx.Client) -> None:
@@ -283,6 +287,7 @@ BAD_INPUT: list[tuple[str, dict[str, Any], str]] = [
     ("world size 0", {"distributed": {"max_world_size": 0}}, "distributed.max_world_size"),
     ("world size 65", {"distributed": {"max_world_size": 65}}, "distributed.max_world_size"),
     ("unknown distributed key", {"distributed": {"nodes": 2}}, "distributed.nodes"),
+    ("unknown preference", {"distributed": {"prefer": "cheapest"}}, "distributed.prefer"),
     ("unknown field", {"colour": "blue"}, "colour"),
     (
         "unknown rung",

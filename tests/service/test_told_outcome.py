@@ -81,6 +81,12 @@ EVERY_RUNG = PlanOut(
         ),
         (PlanOut(checkpointing=True), "checkpoint every block", "checkpointing"),
         (PlanOut(), "as asked", "as asked"),
+        (PlanOut(world_size=2, strategy="fsdp"), "2 ranks, fsdp", "as asked"),
+        (
+            PlanOut(world_size=4, strategy="fsdp", reshard_after_forward=False, micro_batch=2),
+            "4 ranks, fsdp keeping parameters gathered",
+            "as asked",
+        ),
     ],
 )
 def test_a_plan_in_words(plan: PlanOut, words: str, rungs: str) -> None:

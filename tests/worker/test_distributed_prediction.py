@@ -1,7 +1,7 @@
 """Per-rank prediction: each rank of DDP and FSDP2 traced on a fake process group against real
 gloo ranks, and the fake group leaving nothing behind.
 
-Cost: about 30-60 s on two loaded cores (one spawn of 2 gloo ranks for four runs, a few
+Cost: about 30-60 s on two loaded cores (one spawn of 2 gloo ranks for eight runs, a few
 traces of a tiny CNN).
 """
 
@@ -35,6 +35,9 @@ TOLERANCE = 0.001
 def test_rank_zero_traced_on_the_fake_group_matches_real_gloo_ranks() -> None:
     plans = [Plan(), Plan(checkpointing=True), Plan(micro_batch=4)]  # 8 a rank: 2 x 4
     runs = [RankRun(TASK, CONFIG, plan, strategy) for strategy in STRATEGIES for plan in plans]
+    gathered = Plan(world_size=2, strategy="fsdp", reshard_after_forward=False)
+    runs += [RankRun(TASK, CONFIG, gathered, "fsdp")]  # FSDP2 without resharding after forward
+    runs += [RankRun(TASK, CONFIG, gathered.model_copy(update={"checkpointing": True}), "fsdp")]
     measured = measure_rank_peaks(runs, world_size=2)
     for run, measurement in zip(runs, measured, strict=True):
         for rank, real in enumerate(measurement.peaks):
@@ -65,6 +68,19 @@ def test_fsdp_shards_what_ddp_replicates() -> None:
     # A wrapper tensor's placeholder storage is not counted: a shard is 1/W of the state.
     assert state_bytes("fsdp", 2) == pytest.approx(replicated / 2, rel=0.02)
     assert state_bytes("fsdp", 4) == pytest.approx(replicated / 4, rel=0.05)
+
+
+def test_fsdp_keeping_parameters_gathered_holds_them_through_backward() -> None:
+    """Without resharding after forward every unit's gathered parameters stay live until its
+    backward: more per rank than resharding, by up to the unsharded parameters less a shard."""
+    wider = {**CONFIG, "width": 64, "depth": 3}
+    resharding = Plan(world_size=2, strategy="fsdp")
+    gathered = resharding.model_copy(update={"reshard_after_forward": False})
+    least = trace_rank(TASK, wider, resharding, "fsdp", 2)
+    kept = trace_rank(TASK, wider, gathered, "fsdp", 2)
+    parameters = trace_rank(TASK, wider, Plan(), "ddp", 2).breakdown["parameters"]
+    assert least.allocated_bytes < kept.allocated_bytes
+    assert kept.allocated_bytes - least.allocated_bytes <= parameters
 
 
 def test_the_fake_group_leaves_no_state_behind() -> None:

@@ -85,9 +85,9 @@ def test_node_cards_come_from_devices_or_ranks() -> None:
         node_devices(_args(ranks=2, device="cpu", memory_limit=1, max_trials_per_card=2))
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_ranks_train_and_each_measures_its_own_peak(strategy: str) -> None:
-    plan = Plan(world_size=2, strategy=strategy)
+@pytest.mark.parametrize(("strategy", "reshard"), [("ddp", True), ("fsdp", True), ("fsdp", False)])
+def test_two_ranks_train_and_each_measures_its_own_peak(strategy: str, reshard: bool) -> None:
+    plan = Plan(world_size=2, strategy=strategy, reshard_after_forward=reshard)
     reporter = _Quiet()
     budget = TrainBudget(max_steps=2, eval_every=2)
     result = RankGroupRunner(TorchTaskRunner(TASK), ["cpu", "cpu"]).run(

@@ -382,7 +382,7 @@ class Agent:
         if assignment.distributed is not None and hasattr(task, "batch_size_param"):
             decision = choose_distributed(
                 task, config, assignment.memory_policy, assignment.distributed, self.card,
-                free, self.ranks, on_one_card,
+                free, self.ranks, on_one_card, step_fit=fit,
             )  # fmt: skip
         else:
             decision = on_one_card(assignment.memory_policy)

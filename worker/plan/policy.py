@@ -160,6 +160,7 @@ def step_features(
         micro_batches=math.ceil(share / micro),
         world_size=plan.world_size,
         strategy=plan.strategy,
+        reshard_after_forward=plan.reshard_after_forward,
         checkpointing=plan.checkpointing,
         checkpointed_fraction=_checkpointed_fraction(plan, blocks),
         chunked_loss=plan.chunked_loss,

@@ -5,7 +5,9 @@ PyTorch's fake process group standing for the other ranks, and counts its storag
 same `MemoryTracker` that measures real runs. The model is wrapped as the real rank wraps it
 (`wrap_for_strategy`), so what is counted is what the wrappers allocate: FSDP2's sharded
 parameters, gradients and optimizer state, its all-gather and reduce-scatter buffers and
-prefetch; DDP's gradient buckets, built once at a first-step size and rebuilt before step 2.
+prefetch, and with the plan's `reshard_after_forward` off every unit's gathered parameters held
+from its forward to its backward; DDP's gradient buckets, built once at a first-step size and
+rebuilt before step 2.
 `measure_rank_peaks` is the real counterpart: W processes on `gloo`, each counting its own.
 
 The global batch is the hyperparameter: each rank runs batch / W examples, split into the
@@ -102,9 +104,18 @@ def shard_units(task: Task, model: nn.Module) -> list[nn.Module]:
 
 
 def wrap_for_strategy(
-    task: Task, model: nn.Module, strategy: Strategy, mesh: DeviceMesh
+    task: Task,
+    model: nn.Module,
+    strategy: Strategy,
+    mesh: DeviceMesh,
+    reshard_after_forward: bool = True,
 ) -> nn.Module:
-    """`model` as a rank trains it: DDP, or `fully_shard` per unit then the root."""
+    """`model` as a rank trains it: DDP, or `fully_shard` per unit then the root.
+
+    `reshard_after_forward` (FSDP2's, the plan's): True frees each unit's gathered parameters
+    after its forward and gathers them again in backward; False keeps them gathered until
+    backward is done (more memory, one all-gather a step fewer). DDP ignores it.
+    """
     if strategy == "ddp":
         if not _is_fake(model):
             return DistributedDataParallel(model, process_group=mesh.get_group())
@@ -113,9 +124,12 @@ def wrap_for_strategy(
         _bridge_fake_reducer(ddp)
         return ddp
     if strategy == "fsdp":
+        # None is FSDP2's default: every unit reshards after forward but the root, whose
+        # parameters backward would gather again at once. An explicit True would reshard it too.
+        reshard = None if reshard_after_forward else False
         for unit in shard_units(task, model):
-            fully_shard(unit, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
         return model
     raise TaskConfigError(f"unknown strategy {strategy!r}; use one of {STRATEGIES}")
 
@@ -136,7 +150,7 @@ def run_rank_steps(
     batch_size = rank_batch_size(task, config, mesh.size())
     with torch.device(device):
         model = build_for_plan(task, config, plan, device)
-    model = wrap_for_strategy(task, model, strategy, mesh)
+    model = wrap_for_strategy(task, model, strategy, mesh, plan.reshard_after_forward)
     optimizer = build_optimizer_for_plan(task, model, config, plan)
     if plan.optimizer is not None:
         answer_scalar_reads(optimizer)

@@ -3,7 +3,8 @@
 `RankGroupRunner.run` is a `RunsTrials`: the agent hands it a plan whose `world_size` is above 1
 and gets one `RunResult` back, as from a one-card run. Each rank builds the model with the same
 seed, wraps it as `worker.predictor.distributed.wrap_for_strategy` does (DDP, or FSDP2 per
-unit then the root: what the per-rank prediction traced), and trains its share of the global
+unit then the root, resharding after forward or not as the plan says: what the per-rank
+prediction traced), and trains its share of the global
 batch (batch / world size) with the worker's own loop and its own peak meter, so a simulated
 card's limit is per rank. Rank 0 reports intermediate values through the parent; the answer
 (prune or not) and any stop are broadcast to every rank, so all ranks leave at the same step.
@@ -342,7 +343,7 @@ def _train_rank(job: RankJob, device: str, reporter: RankReporter) -> tuple[Any,
     task = job.runner.task
 
     def wrap(model: Any) -> Any:
-        return wrap_for_strategy(task, model, job.strategy, mesh)
+        return wrap_for_strategy(task, model, job.strategy, mesh, job.plan.reshard_after_forward)
 
     card = job.card
     began = time.monotonic()
