@@ -128,9 +128,11 @@ def step_time_slowdown(fit: StepTimeFit, x: StepTimeObservation) -> float:
 
 
 def coefficients_of(fit: StepTimeFit) -> list[float]:
-    """The fit's coefficients; a fit made before a term existed takes the prior's for it."""
+    """The fit's coefficients for this version's terms: a fit made before a term existed takes
+    the prior's for it, and a newer server's terms past ours are dropped (its older terms keep
+    their places: terms are only ever appended)."""
     prior = step_time_prior()
-    return [*fit.coefficients, *prior[len(fit.coefficients) :]]
+    return [*fit.coefficients[: len(prior)], *prior[len(fit.coefficients) :]]
 
 
 def _dot(a: list[float], b: list[float]) -> float:

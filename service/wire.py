@@ -865,6 +865,10 @@ class StepTimeObservation(Wire):
     measured_step_s: Finite | None = Field(None, ge=0, description="Training time / steps.")
 
 
+MAX_STEP_TIME_TERMS = 32
+"""The most step-time coefficients a fit may carry: room for terms later versions add."""
+
+
 class StepTimeFit(Wire):
     """The step-time model of one (card model, task), fitted by service.step_time."""
 
@@ -873,8 +877,10 @@ class StepTimeFit(Wire):
     overhead_samples: float = Field(description="A micro-batch's fixed cost, in samples.")
     # 6 before chunked_loss had a term, 7 before the world size and FSDP had theirs (issue 31),
     # 9 before the offload rungs had theirs, 11 before FSDP kept gathered: such a fit reads the
-    # rest from the prior.
-    coefficients: list[float] = Field(min_length=6, max_length=12)
+    # rest from the prior. Up to MAX_STEP_TIME_TERMS: a newer server's terms that this worker
+    # does not know are ignored (common.step_time.coefficients_of), not refused, so a server
+    # upgraded before its workers keeps serving them its fit.
+    coefficients: list[float] = Field(min_length=6, max_length=MAX_STEP_TIME_TERMS)
     n_observations: int = 0
     median_error: float | None = Field(None, description="In-sample |pred - meas| / meas.")
 

@@ -204,3 +204,21 @@ def test_two_workers_far_apart_teach_nothing() -> None:
     honest = history(20, seed=11)
     fit = fit_step_time("c", "t", honest + slower(honest, 1e4), [1] * 20 + [2] * 20)
     assert fit == default_step_time_fit("c", "t")
+
+
+def test_a_fit_with_fewer_or_more_terms_than_this_version_knows_still_serves() -> None:
+    """An older fit reads its missing terms from the prior; a newer server's extra terms, past
+    the ones this worker knows, are ignored rather than refused (so workers can lag a server)."""
+    prior = default_step_time_fit("Sim", "t")
+    fitted = prior.model_copy(update={"n_observations": STEP_TIME_MIN_RUNS})
+    plain = run(16, 4)
+    known = len(prior.coefficients)
+    older = fitted.model_copy(update={"coefficients": prior.coefficients[:6]})
+    newer = StepTimeFit.model_validate(
+        {**fitted.model_dump(), "coefficients": [*prior.coefficients, 5.0, -3.0]}
+    )
+    assert len(newer.coefficients) == known + 2
+    expected = predicted_step_s(fitted, plain)
+    assert predicted_step_s(older, plain) == pytest.approx(expected)
+    assert predicted_step_s(newer, plain) == pytest.approx(expected)
+    assert slowdown(newer, plain) == pytest.approx(slowdown(fitted, plain))
