@@ -141,6 +141,51 @@ def test_the_predictors_fake_base_holds_the_same_packed_storage(kind: str) -> No
     assert live[0] < float_base
 
 
+def test_the_int8_base_saves_its_int8_weight_not_a_float_copy() -> None:
+    """torchao's int8 `linear` saves a float copy of each weight for backward, which made the
+    int8 base's peak higher than the float base's; the base layers dequantize again in
+    backward instead, with the same input gradient, and the peak falls below the float's."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    from worker.tasks.hf import Int8BaseLinear
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 32)
+    quantize_(layer, Int8WeightOnlyConfig())
+    inputs = torch.randn(5, 64, requires_grad=True)
+    torch.nn.functional.linear(inputs, layer.weight, layer.bias).sum().backward()
+    expected, inputs.grad = inputs.grad, None
+    layer.__class__ = Int8BaseLinear
+    layer(inputs).sum().backward()
+    assert inputs.grad is not None and expected is not None
+    torch.testing.assert_close(inputs.grad, expected)
+
+    task = _task()
+    peaks = {
+        kind: measured_cpu_peak(task, {**LLAMA, "quantized_base": kind}, Plan())
+        for kind in ("none", "int8")
+    }
+    assert peaks["int8"] < peaks["none"], peaks
+
+
+def test_a_cuda_trace_forgets_the_build_that_failed_under_fake_tensors() -> None:
+    """A GPU run builds the model on the host: the card never holds what peft's failed fake
+    build made on it (the float base before quantization), so an emulated-CUDA trace drops it.
+    Wide layers and one short window: the float base outweighs the QLoRA step's peak."""
+    from worker.predictor.trace import CPU_TARGET, EMULATED_CUDA_TARGET, trace_training
+
+    task = _task()
+    wide = {**LLAMA, "hidden_size": 512, "intermediate_size": 1024, "seq_len": 4, "batch_size": 1}
+    float_base = predict(task, {**wide, "finetune": None}, Plan()).breakdown["parameters"]
+    settings = {**wide, "quantized_base": "int8"}
+    on_card = trace_training(task, settings, Plan(), EMULATED_CUDA_TARGET)
+    assert on_card.peak_bytes < float_base
+    allocated = {storage for storage, change in on_card.events if change > 0}
+    assert all(storage in allocated for storage, change in on_card.events if change < 0)
+    # On the CPU card the real run builds there too: the failed build's float base is kept.
+    assert trace_training(task, settings, Plan(), CPU_TARGET).peak_bytes >= float_base
+
+
 PLANS = [Plan(), Plan(checkpointing=True), Plan(micro_batch=2, accumulation=2)]
 
 

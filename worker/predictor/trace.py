@@ -214,7 +214,8 @@ def _run_steps(
     batch_size = int(config[task.batch_size_param])
     # Built straight on the trace device (Module.to cannot move fake parameters), or outside
     # the fake mode and converted when the build reads tensor values.
-    model = build_for_trace(task, config, plan, device)
+    forget = _forgetter(tracker) if target.cuda else None
+    model = build_for_trace(task, config, plan, device, forget)
     refuse_compiled(model)
     optimizer = build_optimizer_for_plan(task, model, config, plan)
     if target.cuda:
@@ -256,6 +257,26 @@ def _run_steps(
     )
     del loss
     return part
+
+
+def _forgetter(tracker: MemoryTracker) -> Callable[[], None]:
+    """Forget a failed build on a CUDA trace: the real run builds its model on the host and
+    moves it to the card, so the card never holds what a build that failed under fake tensors
+    made there (a QLoRA base's float weights and quantization temporaries: gigabytes on a 1B
+    model, where peft's `Module.to` fails the build after quantizing).
+
+    On the CPU card the real run builds on the card, and the failed build made what the real
+    one makes up to its failure, so it is kept. Forgotten only when every tensor it made died:
+    its events are dropped and the peak starts again from what is live.
+    """
+    live, events = tracker.live_bytes, len(tracker.events or [])
+
+    def forget() -> None:
+        if tracker.live_bytes == live and tracker.events is not None:
+            del tracker.events[events:]
+            tracker.reset_peak()
+
+    return forget
 
 
 def evaluation_part(

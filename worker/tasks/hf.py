@@ -367,11 +367,43 @@ def _quantize_base(model: nn.Module, kind: str) -> None:
             quantization.Int8WeightOnlyConfig(),
             filter_fn=lambda module, _name: id(module) in chosen,
         )
+        for _, module in layers:
+            module.__class__ = Int8BaseLinear  # same state, a forward that saves less
         return
     for name, module in layers:
         scaler_block = _nf4_scaler_block(name, module.weight.numel())
         nf4 = quantization.to_nf4(module.weight.detach(), NF4_BLOCK, scaler_block)
         module.weight = nn.Parameter(nf4, requires_grad=False)
+
+
+class Int8BaseLinear(nn.Linear):
+    """A frozen linear layer whose torchao int8 weight is dequantized again in backward.
+
+    torchao's int8 weight-only `linear` multiplies by a float copy of the weight, which autograd
+    would save for backward: every layer's float copy alive from its forward to its backward,
+    more than a float base holds. As torchao's NF4 `linear` does, this saves the quantized weight
+    only and dequantizes it once more for the input's gradient (the weight takes none).
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        output: torch.Tensor = _Int8Linear.apply(input, self.weight, self.bias)  # type: ignore[no-untyped-call]
+        return output
+
+
+class _Int8Linear(torch.autograd.Function):
+    """torchao's int8 `linear` forward; backward from the saved int8 weight, dequantized."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        return F.linear(input, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (weight,) = ctx.saved_tensors
+        return grad_output @ weight.dequantize(grad_output.dtype), None, None
 
 
 def _nf4_scaler_block(layer: str, elements: int) -> int:
