@@ -14,10 +14,11 @@ runs it. Workloads: a seeded sample of examples/hf-causal-lm.yaml's search space
 largest configuration of each model type (every shape parameter at its largest: the peak grows
 with each, so where these run as asked the whole space does), and a 1B-parameter Llama-style
 config (Llama 3.2 1B's shapes: 16 layers, width 2048, 32 heads / 8 KV heads, MLP 8192,
-vocabulary 128,256, tied embeddings) at 2,048 tokens, full training and LoRA r = 16, batch 1
-and 8, built from its config, never downloaded. The slowdown of each rung is the step-time
-model's prior (no fleet runs here): the median, over the plans that used the rung, of the
-predicted time per step against as asked.
+vocabulary 128,256, tied embeddings) at 2,048 tokens, full training, LoRA r = 16 and LoRA
+r = 16 on an int8 base (QLoRA, torchao), batch 1 and 8, built from its config, never
+downloaded. The slowdown of each rung is the step-time model's prior (no fleet runs here):
+the median, over the plans that used the rung, of the predicted time per step against as
+asked.
 
 Cost: a prediction does not depend on the card's size (only the budget does), so the
 predictor's own cache (worker/predictor/core.py, keyed by task, shapes, plan and card
@@ -37,12 +38,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import random
 import statistics
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, get_args
 
@@ -75,12 +77,15 @@ CARDS_GIB = [8, 16, 24, 48, 80]
 CONSTANTS = {"cublas_workspace_bytes": 32 * 1024**2}
 CONTEXT_BYTES = 400 * 1024**2
 OLD: list[Resize] = ["micro_batch", "checkpointing", "bf16"]
-NEW: list[Resize] = [
+NEW: list[Resize] = [  # every rung in main when this ran, in the ladder's order
     "micro_batch",
     "selective_checkpointing",
     "checkpointing",
     "chunked_cross_entropy",
+    "activation_offload",
+    "optimizer_offload",
     "bf16",
+    "adamw_8bit",
     "adafactor",
 ]
 LLAMA_1B = {
@@ -99,8 +104,8 @@ BATCHES_1B = (1, 8)
 OUTCOMES = ["as asked", "old ladder", "new rungs only", "infeasible"]
 SAMPLE = "examples/hf-causal-lm.yaml (seeded sample)"
 LARGEST = "examples/hf-causal-lm.yaml (largest configuration of each model type)"
-LLAMA = "Llama-style 1B at 2,048 tokens (full and LoRA r = 16)"
-DETAILED = 6  # a workload of at most this many configurations lists each row's plans
+LLAMA = "Llama-style 1B at 2,048 tokens (full, LoRA r = 16, LoRA r = 16 on an int8 base)"
+DETAILED = 8  # a workload of at most this many configurations lists each row's plans
 
 
 def example_space() -> list[dict[str, Any]]:
@@ -141,10 +146,16 @@ def _size(config: dict[str, Any]) -> tuple[int, ...]:
 
 
 def llama_1b() -> list[dict[str, Any]]:
-    """The 1B config, full training and LoRA r = 16, at each of BATCHES_1B."""
-    lora = {"finetune": {"method": "lora", "r": 16, "lora_alpha": 32}}
+    """The 1B config, full training, LoRA r = 16 and LoRA r = 16 on an int8 base (QLoRA), at
+    each of BATCHES_1B: full training first (where the new rungs can change most)."""
+    lora = {"method": "lora", "r": 16, "lora_alpha": 32}
+    tunings: list[dict[str, Any]] = [
+        {},
+        {"finetune": lora},
+        {"finetune": {**lora, "quantized_base": "int8"}},
+    ]
     return [
-        {**LLAMA_1B, **tuning, "batch_size": batch} for tuning in ({}, lora) for batch in BATCHES_1B
+        {**LLAMA_1B, **tuning, "batch_size": batch} for tuning in tunings for batch in BATCHES_1B
     ]
 
 
@@ -189,8 +200,11 @@ def _words(decision: Decision) -> str:
     return f"hand back (smallest plan needs {decision.min_footprint_bytes / GIB:.2f} GiB)"
 
 
-def measure(name: str, configs: Iterable[dict[str, Any]]) -> dict[str, Any]:
-    """Every configuration on every card, with the load before and after and the seconds."""
+def measure(
+    name: str, configs: Iterable[dict[str, Any]], save: Callable[[dict[str, Any]], None]
+) -> dict[str, Any]:
+    """Every configuration on every card, with the load before and after and the seconds;
+    `save` gets the result so far after each configuration."""
     runner = TorchTaskRunner(HFCausalLMTask())
     load_start, started = os.getloadavg()[0], time.perf_counter()
     traced_before = len(predictor._PREDICTIONS)  # the predictor's cache: one entry a trace
@@ -201,8 +215,17 @@ def measure(name: str, configs: Iterable[dict[str, Any]]) -> dict[str, Any]:
                 row = classify(runner, config, size)
             except TaskConfigError as error:
                 row = {"card_gib": size, "outcome": "cannot build", "error": str(error)}
+            except Exception as error:  # recorded in the results, the other rows still run
+                row = {"card_gib": size, "outcome": "error", "error": repr(error)}
             rows.append({**row, "config": config})
             print(f"{name}: {size} GiB {row['outcome']}: {row.get('new', '')}", flush=True)
+        save(_result(name, rows, started, traced_before, load_start))
+    return _result(name, rows, started, traced_before, load_start)
+
+
+def _result(
+    name: str, rows: list[dict[str, Any]], started: float, traced_before: int, load_start: float
+) -> dict[str, Any]:
     return {
         "workload": name,
         "rows": rows,
@@ -216,12 +239,15 @@ def measure(name: str, configs: Iterable[dict[str, Any]]) -> dict[str, Any]:
 def eval_windows_check() -> list[dict[str, Any]]:
     """The 1B config's shapes at 2 layers, predicted with 64 held-out windows (the task's
     default) and with 8 (the bench's), as asked and at micro-batch 1 with checkpointing: the
-    bytes must be equal, only the seconds differ."""
+    bytes must be equal, only the seconds differ. The cache is cleared before each: its key
+    leaves the held-out windows out (they are no shape parameter), so it would answer the
+    second from the first."""
     task, (spec, _) = HFCausalLMTask(), card(CARDS_GIB[0])
     rows = []
     for plan in (Plan(), plan_for_micro_batch(8, 1, checkpointing=True)):
         for windows in (64, 8):
             config = {**LLAMA_1B, "num_hidden_layers": 2, "batch_size": 8, "eval_windows": windows}
+            predictor.clear_cache()
             prediction = predictor.predict(task, config, plan, spec)
             rows.append(
                 {
@@ -238,6 +264,8 @@ def eval_windows_check() -> list[dict[str, Any]]:
 
 
 def _eval_windows_section(rows: list[dict[str, Any]]) -> list[str]:
+    if not rows:
+        return []
     lines = [
         "## Held-out windows: the 1B config evaluates 8, which leaves every peak as it is",
         "",
@@ -345,7 +373,10 @@ def _config_words(config: dict[str, Any]) -> str:
         f"T{config['seq_len']} b{config['batch_size']}"
     )
     finetune = config.get("finetune")
-    return words + (f" LoRA r{finetune['r']}" if finetune else "")
+    if not finetune:
+        return words
+    base = finetune.get("quantized_base", "none")
+    return words + f" LoRA r{finetune['r']}" + (f" on an {base} base" if base != "none" else "")
 
 
 def _bound_check(results: list[dict[str, Any]]) -> list[str]:
@@ -393,17 +424,36 @@ def main() -> None:
     parser.add_argument("--sample", type=int, default=12, help="configurations of the space")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument(
+        "--windows-check-only",
+        action="store_true",
+        help="rerun only the held-out windows check into the results already written",
+    )
     args = parser.parse_args()
     space = example_space()
     sample = random.Random(args.seed).sample(space, min(args.sample, len(space)))
-    windows = eval_windows_check()
-    workloads = [(SAMPLE, sample), (LARGEST, largest_per_model_type()), (LLAMA, llama_1b())]
-    results: list[dict[str, Any]] = []
-    for name, configs in workloads:  # written after each: a cut-off run keeps what it measured
-        results.append(measure(name, configs))
-        text = report(results, len(sample), len(space), windows)
-        figures = {"new": NEW, "old": OLD, "results": results, "eval_windows_check": windows}
-        write_report(args.out, "what_fits", figures, text)
+    figures: dict[str, Any] = {"new": NEW, "old": OLD, "results": [], "eval_windows_check": []}
+    if args.windows_check_only:
+        figures = json.loads((args.out / "what_fits.json").read_text())
+
+    def save(partial: dict[str, Any] | None = None) -> None:
+        """Written after each configuration: a run cut off keeps what it measured."""
+        results = figures["results"] + ([partial] if partial else [])
+        text = report(results, len(sample), len(space), figures["eval_windows_check"])
+        write_report(args.out, "what_fits", {**figures, "results": results}, text)
+
+    if args.windows_check_only:
+        figures["eval_windows_check"] = eval_windows_check()
+        save()
+        return
+    # The 1B first (the rows the new rungs can change), the check of its held-out windows,
+    # then the example's space (its largest configurations search the ladders at length).
+    figures["results"].append(measure(LLAMA, llama_1b(), save))
+    figures["eval_windows_check"] = eval_windows_check()
+    save()
+    for name, configs in ((SAMPLE, sample), (LARGEST, largest_per_model_type())):
+        figures["results"].append(measure(name, configs, save))
+        save()
 
 
 if __name__ == "__main__":
