@@ -11,7 +11,8 @@ compares that prediction with `torch.cuda.max_memory_allocated` on a real card. 
 themselves run here on real tensors with the host on the CPU (`traced_host`), where the
 parameters they train must equal a run without offload bit for bit.
 
-Cost: ~1 min on 2 cores (a 2-block char transformer: traces, and four real CPU steps).
+Cost: ~2.5 min on 2 shared cores at load 8-13 (a 2-block char transformer: traces on the
+emulated card, most of them for the policy, and a few real CPU steps).
 """
 
 from __future__ import annotations
