@@ -94,9 +94,9 @@ def render(rows: list[dict[str, Any]]) -> str:
         "copies on meta, not counted). MiB; prior: the step-time model's slowdown before any "
         "run. Produced by `bench/offload_savings.py`.",
         "",
-        "| configuration | plan | peak | activations | optimizer state | gradients | "
+        "| configuration | plan | peak | parameters | activations | optimizer state | gradients | "
         "temporaries | prior slowdown | trace s | load |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         part = row["breakdown"]
@@ -106,7 +106,8 @@ def render(rows: list[dict[str, Any]]) -> str:
 
         lines.append(
             f"| {row['config']} | {row['plan']} | {mib(row['peak_allocated'])} | "
-            f"{mib(part.get('activations', 0))} | {mib(part.get('optimizer_state', 0))} | "
+            f"{mib(part.get('parameters', 0))} | {mib(part.get('activations', 0))} | "
+            f"{mib(part.get('optimizer_state', 0))} | "
             f"{mib(part.get('gradients', 0))} | {mib(part.get('temporaries', 0))} | "
             f"{row['prior_slowdown']:.2f}x | {row['seconds']:.1f} | {row['load']:.1f} |"
         )
