@@ -137,6 +137,36 @@ def test_fsdp_keeping_parameters_gathered_is_a_term_of_its_own() -> None:
     assert slowdown(fit, resharded) / slowdown(fit, kept) == pytest.approx(1.3 / 1.12, rel=0.05)
 
 
+def test_the_fit_learns_what_each_offload_costs_from_the_priors_start() -> None:
+    """A card where the activations offloaded cost 3x and the optimizer offloaded 1.2x (the
+    priors say 2x and 1.5x): the fleet's runs move each rung's slowdown to the card's."""
+    rng = random.Random(7)
+    fit = default_step_time_fit("card", "task")
+    activations = run(256, 64).model_copy(update={"activation_offload": True})
+    optimizer = run(256, 64).model_copy(update={"optimizer_offload": True})
+    plain = run(256, 64)
+    assert slowdown(fit, activations) / slowdown(fit, plain) == pytest.approx(2.0)
+    assert slowdown(fit, optimizer) / slowdown(fit, plain) == pytest.approx(1.5)
+
+    def timed(x: StepTimeObservation) -> StepTimeObservation:
+        seconds = 1e-3 * x.micro_batches * (x.micro_batch + 8)
+        seconds *= (3.0 if x.activation_offload else 1.0) * (1.2 if x.optimizer_offload else 1.0)
+        return x.model_copy(update={"measured_step_s": seconds * math.exp(rng.gauss(0, 0.02))})
+
+    shapes = [
+        {"activation_offload": a, "optimizer_offload": o}
+        for a in (False, True)
+        for o in (False, True)
+    ]
+    runs = [
+        timed(run(batch, batch // 4).model_copy(update=rng.choice(shapes)))
+        for batch in rng.choices([64, 128, 256], k=300)
+    ]
+    fit = fit_step_time("card", "task", runs)
+    assert slowdown(fit, activations) / slowdown(fit, plain) == pytest.approx(3.0, rel=0.05)
+    assert slowdown(fit, optimizer) / slowdown(fit, plain) == pytest.approx(1.2, rel=0.05)
+
+
 def test_more_runs_predict_better_and_a_few_already_give_seconds() -> None:
     fresh = history(100, seed=2)
 

@@ -11,7 +11,8 @@ compares that prediction with `torch.cuda.max_memory_allocated` on a real card. 
 themselves run here on real tensors with the host on the CPU (`traced_host`), where the
 parameters they train must equal a run without offload bit for bit.
 
-Cost: ~1 min on 2 cores (a 2-block char transformer: traces, and four real CPU steps).
+Cost: ~2.5 min on 2 shared cores at load 8-13 (a 2-block char transformer: traces on the
+emulated card, most of them for the policy, and a few real CPU steps).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from worker.plan.policy import HandBack, RunAsPlanned, choose_plan, step_feature
 from worker.predictor import clear_cache, predict
 from worker.run.training import TorchTaskRunner
 from worker.tasks.charlm import CharTransformerTask
-from worker.trial.offload import HostOffloadedOptimizer, traced_host
+from worker.trial.offload import HostOffloadedOptimizer, offload_optimizer, traced_host
 from worker.trial.runner import CardSpec
 from worker.trial.steps import batch_feeder, build_for_plan, build_optimizer_for_plan, train_step
 from worker.trial.task import TaskConfigError
@@ -161,6 +162,22 @@ def test_the_host_optimizer_keeps_the_task_optimizer_its_groups_and_state() -> N
         assert moments == {"step": "cpu", "exp_avg": "meta", "exp_avg_sq": "meta"}
         optimizer.zero_grad()
         assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_frozen_parameter_is_neither_copied_nor_stepped() -> None:
+    """A LoRA base is frozen: the host keeps no copy of it and the step never writes it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    model[0].weight.requires_grad_(False)
+    frozen, trained = model[0].weight.detach().clone(), model[1].weight.detach().clone()
+    with traced_host(CPU):
+        optimizer = offload_optimizer(torch.optim.AdamW(model.parameters(), lr=0.1), model)
+    assert isinstance(optimizer, HostOffloadedOptimizer)
+    assert len(optimizer.pairs) == 3  # two biases and the second weight
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    assert torch.equal(model[0].weight, frozen)
+    assert not torch.equal(model[1].weight, trained)
 
 
 def _fits_only_offloaded(runner: TorchTaskRunner) -> int:

@@ -333,3 +333,58 @@ def test_after_an_oom_plans_below_the_micro_batch_that_died_come_first() -> None
     assert isinstance(after_oom, RunAsPlanned)
     assert after_oom.plan.micro_batch is not None and after_oom.plan.micro_batch < 256
     assert effective_batch(after_oom.plan) == CONFIG["batch_size"]
+
+
+CUDA = CardSpec(
+    info=CardInfo(model="simulated-cuda-1GiB", total_bytes=2**30, free_bytes=2**30), device="cuda"
+)
+OFFLOAD_RUNGS: list[Any] = ["checkpointing", "activation_offload", "optimizer_offload"]
+
+
+class OffloadingQuadratic(QuadraticTask):
+    """The quadratic task as a CUDA card's loop would offload it: activation_offload keeps
+    1 MiB of its activations (what backward unpacks at once), optimizer_offload takes 8 MiB of
+    its fixed part (the optimizer state) off the card. As asked 84 MiB; checkpointing 52 MiB;
+    activations offloaded 21 MiB; optimizer offloaded 76 MiB; checkpointing and the optimizer
+    offloaded 44 MiB."""
+
+    can_offload = True
+
+    def predict(self, config: Config, plan: Plan, card: CardSpec) -> Prediction:
+        kept = plan.model_copy(update={"activation_offload": False, "optimizer_offload": False})
+        peak = need(kept, config)
+        if plan.activation_offload:
+            peak = STATIC + MIB
+        if plan.optimizer_offload:
+            peak -= 8 * MIB
+        return Prediction(peak_allocated_bytes=peak, peak_reserved_bytes=peak, method="trace")
+
+
+def choose_offloading(
+    free: int, resizes: list[Any], card: CardSpec = CUDA
+) -> RunAsPlanned | HandBack:
+    return choose_plan(
+        OffloadingQuadratic(), CONFIG, MemoryPolicy(margin=0.0, resizes=resizes), card, free
+    )
+
+
+def test_checkpointing_wins_over_the_slower_offloads_where_both_fit() -> None:
+    decision = choose_offloading(60 * MIB, OFFLOAD_RUNGS)
+    assert isinstance(decision, RunAsPlanned)
+    assert decision.plan.checkpointing and not decision.plan.activation_offload
+
+
+def test_an_offload_is_taken_where_it_alone_fits_and_only_on_a_cuda_card() -> None:
+    decision = choose_offloading(40 * MIB, OFFLOAD_RUNGS)
+    assert isinstance(decision, RunAsPlanned)
+    assert decision.plan.activation_offload and not decision.plan.checkpointing
+    assert "activations on the host" in decision.plan.reason
+    assert isinstance(choose_offloading(40 * MIB, OFFLOAD_RUNGS, CARD), HandBack)
+
+
+def test_a_pair_of_precise_rungs_is_tried_when_no_rung_alone_fits() -> None:
+    decision = choose_offloading(45 * MIB, ["checkpointing", "optimizer_offload"])
+    assert isinstance(decision, RunAsPlanned)
+    assert (decision.plan.checkpointing, decision.plan.optimizer_offload) == (True, True)
+    back = choose_offloading(43 * MIB, ["checkpointing", "optimizer_offload"])
+    assert isinstance(back, HandBack) and back.min_footprint_bytes == 44 * MIB

@@ -100,7 +100,8 @@ class HostOffloadedOptimizer(torch.optim.Optimizer):
     own (the tracker's optimizer phase covers the transfers).
 
     Per step: each card gradient into its pinned host gradient, the inner step on the host,
-    each host parameter back into its card parameter (in place: the card allocates nothing).
+    each host parameter it stepped back into its card parameter (in place: the card allocates
+    nothing). A frozen parameter (a LoRA base) is neither copied nor stepped.
     The card keeps its gradients (zeroed by `zero_grad`, accumulated over micro-batches as
     without offload).
     """
@@ -111,8 +112,11 @@ class HostOffloadedOptimizer(torch.optim.Optimizer):
         self.pairs: list[tuple[nn.Parameter, torch.Tensor]] = []
         card_parameters = [p for group in inner.param_groups for p in group["params"]]
         super().__init__(card_parameters, {})
-        for group in inner.param_groups:
-            group["params"] = [self._host_copy(card, host) for card in group["params"]]
+        for group in inner.param_groups:  # a frozen parameter gets no step: it stays put
+            group["params"] = [
+                self._host_copy(card, host) if card.requires_grad else card
+                for card in group["params"]
+            ]
         self.param_groups = inner.param_groups
         self.state = inner.state
 
@@ -127,6 +131,7 @@ class HostOffloadedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> Any:
         """Gradients to the host, the task's step there, parameters back to the card."""
         loss = None if closure is None else closure()
+        stepped = []
         for card, copy in self.pairs:
             if card.grad is None:
                 copy.grad = None  # the inner optimizer skips it, as it would on the card
@@ -134,9 +139,10 @@ class HostOffloadedOptimizer(torch.optim.Optimizer):
             if copy.grad is None:
                 copy.grad = torch.empty_like(copy, pin_memory=self.pinned)
             copy.grad.copy_(card.grad, non_blocking=self.pinned)
-        _wait_for(self.pairs)
+            stepped.append((card, copy))
+        _wait_for(stepped)
         self.inner.step()
-        for card, copy in self.pairs:
+        for card, copy in stepped:
             card.copy_(copy, non_blocking=self.pinned)
         return loss
 
