@@ -18,13 +18,19 @@ DEFAULT_RANK_DOUBLING_SLOWDOWN = 1.07
 reduced, parameters gathered) beyond its share of the batch, which the micro-batch terms count."""
 DEFAULT_FSDP_SLOWDOWN = 1.1
 """The fixed model: FSDP2 gathers each unit's parameters in forward and backward, DDP does not."""
+DEFAULT_ADAMW_8BIT_SLOWDOWN = 1.1
+"""The fixed model: torchao's 8-bit AdamW dequantizes and requantizes both moments each step,
+about 10 % more than AdamW's step (bench/results/optimizer_rungs.md)."""
+DEFAULT_ADAFACTOR_SLOWDOWN = 1.05
+"""The fixed model: Adafactor's factored update costs about as much as AdamW's, a little more
+(row and column means, an update norm; bench/results/optimizer_rungs.md)."""
 STEP_TIME_MIN_RUNS = 3
 """Runs needed before an absolute step time is predicted (the intercept needs data)."""
 
 
 def step_time_prior() -> list[float]:
     """The fixed model's coefficients (intercept, samples, checkpointing, bf16, sizes, chunked
-    loss, world size, FSDP)."""
+    loss, world size, FSDP, 8-bit AdamW, Adafactor)."""
     return [
         0.0,
         1.0,
@@ -35,6 +41,8 @@ def step_time_prior() -> list[float]:
         math.log(DEFAULT_CHUNKED_LOSS_SLOWDOWN),
         math.log(DEFAULT_RANK_DOUBLING_SLOWDOWN) / math.log(2),
         math.log(DEFAULT_FSDP_SLOWDOWN),
+        math.log(DEFAULT_ADAMW_8BIT_SLOWDOWN),
+        math.log(DEFAULT_ADAFACTOR_SLOWDOWN),
     ]
 
 
@@ -53,7 +61,8 @@ def step_time_features(x: StepTimeObservation, overhead: float) -> list[float]:
     """The model's inputs for one run (logs of sizes floored at 1). Checkpointing counts by
     the share of blocks it recomputes: selective checkpointing of k of L blocks costs k/L of
     checkpointing them all. A distributed run's micro-batches are one rank's share; its world
-    size and FSDP then add their own terms, so the fit learns each world size's cost."""
+    size and FSDP then add their own terms, so the fit learns each world size's cost; a swapped
+    optimizer (the adamw_8bit and adafactor rungs) adds its own."""
     checkpointed = 1.0 if x.checkpointed_fraction is None else x.checkpointed_fraction
     return [
         1.0,
@@ -65,6 +74,8 @@ def step_time_features(x: StepTimeObservation, overhead: float) -> list[float]:
         float(x.chunked_loss),
         math.log(x.world_size),
         float(x.strategy == "fsdp"),
+        float(x.optimizer == "adamw_8bit"),
+        float(x.optimizer == "adafactor"),
     ]
 
 
@@ -87,6 +98,7 @@ def step_time_slowdown(fit: StepTimeFit, x: StepTimeObservation) -> float:
             "bf16": False,
             "world_size": 1,
             "strategy": None,
+            "optimizer": None,
         }
     )
     ours = step_time_features(x, fit.overhead_samples)

@@ -776,6 +776,12 @@ class StepTimeObservation(Wire):
         "Ranks it ran on; the micro-batch fields are one rank's share."
     )
     strategy: Strategy | None = strategy_field()
+    # Left out when None, as in Plan: an observation of the task's optimizer reads as before.
+    optimizer: PlanOptimizer | None = Field(
+        None,
+        description="The optimizer the plan swapped in (adamw_8bit, adafactor); None: the task's.",
+        exclude_if=lambda optimizer: optimizer is None,
+    )
     predicted_step_s: Finite | None = Field(None, ge=0, description="The model's prediction.")
     measured_step_s: Finite | None = Field(None, ge=0, description="Training time / steps.")
 
@@ -786,9 +792,9 @@ class StepTimeFit(Wire):
     card_model: str
     task: str
     overhead_samples: float = Field(description="A micro-batch's fixed cost, in samples.")
-    # 6 before chunked_loss had a term, 7 before the world size and FSDP had theirs (issue 31):
-    # such a fit reads the rest from the prior.
-    coefficients: list[float] = Field(min_length=6, max_length=9)
+    # 6 before chunked_loss had a term, 7 before the world size and FSDP had theirs (issue 31),
+    # 9 before the optimizer rungs had theirs (issue 32): such a fit reads the rest from the prior.
+    coefficients: list[float] = Field(min_length=6, max_length=11)
     n_observations: int = 0
     median_error: float | None = Field(None, description="In-sample |pred - meas| / meas.")
 

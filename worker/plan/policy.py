@@ -156,6 +156,7 @@ def step_features(
         checkpointed_fraction=_checkpointed_fraction(plan, blocks),
         chunked_loss=plan.chunked_loss,
         bf16=plan.bf16,
+        optimizer=plan.optimizer,
         parameter_bytes=0 if prediction is None else prediction.breakdown.get("parameters", 0),
         as_asked_peak_bytes=as_asked_bytes,
     )
