@@ -176,3 +176,11 @@ def test_on_a_card_the_compiled_update_needs_no_more_than_predicted() -> None:
         f"measured {measured:,}"
     )
     assert measured * 0.995 <= prediction.peak_allocated_bytes <= measured * 1.25
+
+
+def test_the_trial_story_says_the_optimizer_was_swapped() -> None:
+    from service.dashboard.story import plan_words
+
+    stored = Plan(micro_batch=4, accumulation=2, optimizer="adamw_8bit").model_dump(mode="json")
+    assert plan_words(stored) == f"micro-batch 4 × 2, {WORDS}"
+    assert plan_words({"optimizer": "adafactor"}) == "Adafactor optimizer (changes numerics)"
