@@ -184,3 +184,17 @@ def test_the_trial_story_says_the_optimizer_was_swapped() -> None:
     stored = Plan(micro_batch=4, accumulation=2, optimizer="adamw_8bit").model_dump(mode="json")
     assert plan_words(stored) == f"micro-batch 4 × 2, {WORDS}"
     assert plan_words({"optimizer": "adafactor"}) == "Adafactor optimizer (changes numerics)"
+
+
+def test_a_cuda_card_traces_the_8bit_state_on_this_cpu_build() -> None:
+    """A GPU worker's trace (CUDA's rules emulated on fake cpu here) counts the same state."""
+    from service.wire import CardInfo
+    from worker.trial.runner import CardSpec
+
+    info = CardInfo(model="NVIDIA H100", total_bytes=80 * 2**30, free_bytes=80 * 2**30)
+    card = CardSpec(info=info, device="cuda:0")
+    task = CharTransformerTask()
+    adamw, eight_bit = (predict(task, TINY, plan, card) for plan in (Plan(), ADAMW_8BIT))
+    assert eight_bit.method == "trace", eight_bit.reason
+    on_cpu = predict(task, TINY, ADAMW_8BIT).breakdown["optimizer_state"]
+    assert eight_bit.breakdown["optimizer_state"] == on_cpu < adamw.breakdown["optimizer_state"] / 3
