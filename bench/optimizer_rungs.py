@@ -79,12 +79,14 @@ def measure(task: Task, config: dict[str, Any], plan: Plan) -> dict[str, Any]:
         model = build_for_plan(task, config, plan, cpu)
         optimizer = build_optimizer_for_plan(task, model, config, plan)
         next_batch = batch_feeder(task.batches(config, batch, cpu, seed=0))
+        loss = None  # kept alive into the next step, as the trainer keeps it
         for step in range(STEPS + 1):
             started = time.perf_counter()
-            train_step(task, model, optimizer, next_batch, batch, plan, cpu)
+            loss = train_step(task, model, optimizer, next_batch, batch, plan, cpu)
             tracker.label_training_state(model, optimizer)
             if step:  # the first step builds the state
                 seconds.append(time.perf_counter() - started)
+        del loss
     return {
         "step_s": statistics.median(seconds),
         "measured_peak": tracker.peak_bytes,

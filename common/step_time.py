@@ -18,12 +18,16 @@ DEFAULT_RANK_DOUBLING_SLOWDOWN = 1.07
 reduced, parameters gathered) beyond its share of the batch, which the micro-batch terms count."""
 DEFAULT_FSDP_SLOWDOWN = 1.1
 """The fixed model: FSDP2 gathers each unit's parameters in forward and backward, DDP does not."""
-DEFAULT_ADAMW_8BIT_SLOWDOWN = 1.1
-"""The fixed model: torchao's 8-bit AdamW dequantizes and requantizes both moments each step,
-about 10 % more than AdamW's step (bench/results/optimizer_rungs.md)."""
-DEFAULT_ADAFACTOR_SLOWDOWN = 1.05
-"""The fixed model: Adafactor's factored update costs about as much as AdamW's, a little more
-(row and column means, an update norm; bench/results/optimizer_rungs.md)."""
+DEFAULT_ADAMW_8BIT_SLOWDOWN = 3.3
+"""The fixed model: torchao's 8-bit AdamW dequantizes and requantizes both moments each step; on
+the CPU card, where its update runs eagerly (worker/trial/optimizers.py), a step took 3.3 times
+AdamW's on a 4-block char transformer (13 times where the step is little but the update;
+bench/results/optimizer_rungs.md). A GPU compiles the update and likely pays far less: the
+fleet's fit learns each card's cost from its runs."""
+DEFAULT_ADAFACTOR_SLOWDOWN = 1.0
+"""The fixed model: no cost a priori; Adafactor's step measured 0.82 and 2.4 times AdamW's on
+the CPU card (a compute-bound and an update-bound configuration, bench/results/
+optimizer_rungs.md), neither typical enough to choose."""
 STEP_TIME_MIN_RUNS = 3
 """Runs needed before an absolute step time is predicted (the intercept needs data)."""
 
