@@ -9,6 +9,7 @@ Cost: ~2 min on 2 cores (a 2-block char transformer, two real CPU steps per exac
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -198,3 +199,16 @@ def test_a_cuda_card_traces_the_8bit_state_on_this_cpu_build() -> None:
     assert eight_bit.method == "trace", eight_bit.reason
     on_cpu = predict(task, TINY, ADAMW_8BIT).breakdown["optimizer_state"]
     assert eight_bit.breakdown["optimizer_state"] == on_cpu < adamw.breakdown["optimizer_state"] / 3
+
+
+def test_the_workers_own_loop_runs_the_rung_and_measures_the_predicted_peaks() -> None:
+    """The trainer a worker runs on a simulated CPU card: the same peaks, training and
+    evaluation, as the prediction, to the byte."""
+    from task_contract import run_trial
+
+    task = CharTransformerTask()
+    result = run_trial(task, TINY, steps=3, plan=ADAMW_8BIT)
+    prediction = predict(task, TINY, ADAMW_8BIT)
+    assert result.values and all(map(math.isfinite, result.values))
+    assert result.measured.training_peak_bytes == prediction.training_peak_bytes
+    assert result.measured.evaluation_peak_bytes == prediction.evaluation_peak_bytes
