@@ -39,6 +39,16 @@ off) skips the backward all-gather, one of its three collectives a step (all-gat
 and backward, reduce-scatter of the gradients), which leaves it DDP's volume (an all-reduce is a
 reduce-scatter and an all-gather): about half of FSDP's extra cost over DDP saved, so a step
 about 5 % faster than resharding. It changes the cost, so it has a term the fit learns."""
+DEFAULT_ADAMW_8BIT_SLOWDOWN = 3.3
+"""The fixed model: torchao's 8-bit AdamW dequantizes and requantizes both moments each step; on
+the CPU card, where its update runs eagerly (worker/trial/optimizers.py), a step took 3.3 times
+AdamW's on a 4-block char transformer (13 times where the step is little but the update;
+bench/results/optimizer_rungs.md). A GPU compiles the update and likely pays far less: the
+fleet's fit learns each card's cost from its runs."""
+DEFAULT_ADAFACTOR_SLOWDOWN = 1.0
+"""The fixed model: no cost a priori; Adafactor's step measured 0.82 and 2.4 times AdamW's on
+the CPU card (a compute-bound and an update-bound configuration, bench/results/
+optimizer_rungs.md), neither typical enough to choose."""
 STEP_TIME_MIN_RUNS = 3
 """Runs needed before an absolute step time is predicted (the intercept needs data)."""
 
@@ -46,7 +56,7 @@ STEP_TIME_MIN_RUNS = 3
 def step_time_prior() -> list[float]:
     """The fixed model's coefficients (intercept, samples, checkpointing, bf16, sizes, chunked
     loss, world size, FSDP, activation offload, optimizer offload, FSDP keeping parameters
-    gathered)."""
+    gathered, 8-bit AdamW, Adafactor): terms are only ever appended (coefficients_of)."""
     return [
         0.0,
         1.0,
@@ -60,6 +70,8 @@ def step_time_prior() -> list[float]:
         math.log(DEFAULT_ACTIVATION_OFFLOAD_SLOWDOWN),
         math.log(DEFAULT_OPTIMIZER_OFFLOAD_SLOWDOWN),
         -math.log(DEFAULT_KEPT_GATHERED_SPEEDUP),
+        math.log(DEFAULT_ADAMW_8BIT_SLOWDOWN),
+        math.log(DEFAULT_ADAFACTOR_SLOWDOWN),
     ]
 
 
@@ -79,7 +91,8 @@ def step_time_features(x: StepTimeObservation, overhead: float) -> list[float]:
     the share of blocks it recomputes: selective checkpointing of k of L blocks costs k/L of
     checkpointing them all. A distributed run's micro-batches are one rank's share; its world
     size, FSDP and FSDP keeping its parameters gathered then add their own terms, so the fit
-    learns each world size's and each wrapper's cost."""
+    learns each world size's and each wrapper's cost; a swapped optimizer (the adamw_8bit and
+    adafactor rungs) adds its own."""
     checkpointed = 1.0 if x.checkpointed_fraction is None else x.checkpointed_fraction
     return [
         1.0,
@@ -94,6 +107,8 @@ def step_time_features(x: StepTimeObservation, overhead: float) -> list[float]:
         float(x.activation_offload),
         float(x.optimizer_offload),
         float(x.strategy == "fsdp" and not x.reshard_after_forward),
+        float(x.optimizer == "adamw_8bit"),
+        float(x.optimizer == "adafactor"),
     ]
 
 
@@ -119,6 +134,7 @@ def step_time_slowdown(fit: StepTimeFit, x: StepTimeObservation) -> float:
             "activation_offload": False,
             "optimizer_offload": False,
             "reshard_after_forward": True,
+            "optimizer": None,
         }
     )
     ours = step_time_features(x, fit.overhead_samples)

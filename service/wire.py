@@ -861,6 +861,12 @@ class StepTimeObservation(Wire):
     reshard_after_forward: bool = reshard_field(
         "FSDP2: False when it kept gathered parameters through backward."
     )
+    # Left out when None, as in Plan: an observation of the task's optimizer reads as before.
+    optimizer: PlanOptimizer | None = Field(
+        None,
+        description="The optimizer the plan swapped in (adamw_8bit, adafactor); None: the task's.",
+        exclude_if=lambda optimizer: optimizer is None,
+    )
     predicted_step_s: Finite | None = Field(None, ge=0, description="The model's prediction.")
     measured_step_s: Finite | None = Field(None, ge=0, description="Training time / steps.")
 
@@ -876,10 +882,11 @@ class StepTimeFit(Wire):
     task: str
     overhead_samples: float = Field(description="A micro-batch's fixed cost, in samples.")
     # 6 before chunked_loss had a term, 7 before the world size and FSDP had theirs (issue 31),
-    # 9 before the offload rungs had theirs, 11 before FSDP kept gathered: such a fit reads the
-    # rest from the prior. Up to MAX_STEP_TIME_TERMS: a newer server's terms that this worker
-    # does not know are ignored (common.step_time.coefficients_of), not refused, so a server
-    # upgraded before its workers keeps serving them its fit.
+    # 9 before the offload rungs had theirs, 11 before FSDP kept gathered, 12 before the
+    # optimizer rungs had theirs: such a fit reads the rest from the prior. Up to
+    # MAX_STEP_TIME_TERMS: a newer server's terms that this worker does not know are ignored
+    # (common.step_time.coefficients_of), not refused, so a server upgraded before its workers
+    # keeps serving them its fit.
     coefficients: list[float] = Field(min_length=6, max_length=MAX_STEP_TIME_TERMS)
     n_observations: int = 0
     median_error: float | None = Field(None, description="In-sample |pred - meas| / meas.")

@@ -9,6 +9,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from common.plans import RUNG_WORDS
 from common.units import human_bytes
 from service.dashboard import schema
 from service.dashboard.models import TrialEvent
@@ -55,6 +56,8 @@ def plan_words(plan: Mapping[str, Any] | None) -> str:
         parts.append("checkpointing")
     if plan.get("bf16"):
         parts.append("bf16")
+    if plan.get("optimizer") in RUNG_WORDS:  # a swapped optimizer changes the numerics: say so
+        parts.append(RUNG_WORDS[plan["optimizer"]])
     return ", ".join(parts) or "as asked"
 
 

@@ -8,6 +8,8 @@ import random
 import pytest
 
 from common.step_time import (
+    DEFAULT_ADAFACTOR_SLOWDOWN,
+    DEFAULT_ADAMW_8BIT_SLOWDOWN,
     STEP_TIME_MIN_RUNS,
     default_step_time_fit,
     predicted_step_s,
@@ -165,6 +167,28 @@ def test_the_fit_learns_what_each_offload_costs_from_the_priors_start() -> None:
     fit = fit_step_time("card", "task", runs)
     assert slowdown(fit, activations) / slowdown(fit, plain) == pytest.approx(3.0, rel=0.05)
     assert slowdown(fit, optimizer) / slowdown(fit, plain) == pytest.approx(1.2, rel=0.05)
+
+
+def test_each_optimizer_rung_has_a_prior_and_the_fit_learns_its_cost() -> None:
+    """A card where 8-bit AdamW's step costs 1.4x AdamW's and Adafactor's 0.9x."""
+    fixed = default_step_time_fit("card", "task")
+    swapped = {name: run(64, 64).model_copy(update={"optimizer": name}) for name in COSTS}
+    assert slowdown(fixed, swapped["adamw_8bit"]) == pytest.approx(DEFAULT_ADAMW_8BIT_SLOWDOWN)
+    assert slowdown(fixed, swapped["adafactor"]) == pytest.approx(DEFAULT_ADAFACTOR_SLOWDOWN)
+    assert "optimizer" not in run(64, 64).model_dump(mode="json")  # old observations read alike
+
+    rng = random.Random(7)
+    history_ = []
+    for x in history(300, seed=7):
+        optimizer = rng.choice([None, *COSTS])
+        seconds = (x.measured_step_s or 0.0) * (COSTS[optimizer] if optimizer else 1.0)
+        history_.append(x.model_copy(update={"optimizer": optimizer, "measured_step_s": seconds}))
+    fit = fit_step_time("card", "task", history_)
+    for name, cost in COSTS.items():
+        assert slowdown(fit, swapped[name]) == pytest.approx(cost, rel=0.05), name
+
+
+COSTS = {"adamw_8bit": 1.4, "adafactor": 0.9}
 
 
 def test_more_runs_predict_better_and_a_few_already_give_seconds() -> None:

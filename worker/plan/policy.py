@@ -167,6 +167,7 @@ def step_features(
         bf16=plan.bf16,
         activation_offload=plan.activation_offload,
         optimizer_offload=plan.optimizer_offload,
+        optimizer=plan.optimizer,
         parameter_bytes=0 if prediction is None else prediction.breakdown.get("parameters", 0),
         as_asked_peak_bytes=as_asked_bytes,
     )
