@@ -4,7 +4,8 @@ when the study lists it and nothing that keeps the numerics fits; it is tried be
 (it keeps AdamW's update). Its state is a tensor subclass (`OptimState8bit`): the trace counts
 its codes and scales, and its prediction equals a real CPU run's peak.
 
-Cost: ~2 min on 2 cores (a 2-block char transformer, two real CPU steps per exactness case).
+Cost: ~2 min at load 6, ~5 min at load 10 on 2 cores (a 2-block char transformer, two real CPU
+steps per exactness case; one more GPU case skips itself without a device).
 """
 
 from __future__ import annotations
