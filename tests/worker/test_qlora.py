@@ -168,10 +168,11 @@ def test_the_int8_base_saves_its_int8_weight_not_a_float_copy() -> None:
     assert peaks["int8"] < peaks["none"], peaks
 
 
-def test_a_cuda_trace_forgets_the_build_that_failed_under_fake_tensors() -> None:
-    """A GPU run builds the model on the host: the card never holds what peft's failed fake
-    build made on it (the float base before quantization), so an emulated-CUDA trace drops it.
-    Wide layers and one short window: the float base outweighs the QLoRA step's peak."""
+def test_a_cuda_trace_keeps_of_the_build_only_what_outlives_it() -> None:
+    """A GPU run builds the model on the host and moves it: the card never holds the float
+    base before quantization (nor what peft's failed build under fake tensors made), so an
+    emulated-CUDA trace drops them. Wide layers and one short window: the float base outweighs
+    the QLoRA step's peak."""
     from worker.predictor.trace import CPU_TARGET, EMULATED_CUDA_TARGET, trace_training
 
     task = _task()

@@ -45,20 +45,11 @@ class BuildFailed(Exception):
     """The model builds neither under fake tensors, nor on meta, nor for real."""
 
 
-def build_for_trace(
-    task: Task,
-    config: Config,
-    plan: Plan,
-    device: torch.device,
-    forget_failed_build: Callable[[], None] | None = None,
-) -> nn.Module:
+def build_for_trace(task: Task, config: Config, plan: Plan, device: torch.device) -> nn.Module:
     """The task's model as fake tensors on `device`, built inside the active modes if it can be.
 
     Called inside the trace's fake mode and tracker. Raises `BuildFailed` (with each way's
     reason) when no way builds it; `TaskConfigError` and `MemoryLimitExceeded` pass through.
-    `forget_failed_build` is called once a build inside the modes failed and its tensors died,
-    before the build outside them (a trace whose real run builds elsewhere than on its card
-    drops what the failed build counted there).
     """
     try:
         with torch.device(device):
@@ -68,8 +59,6 @@ def build_for_trace(
     except Exception as error:
         inside = _reason(error)
     gc.collect()  # the failed build's fake tensors leave the tracker's live set
-    if forget_failed_build is not None:
-        forget_failed_build()
     with _disable_current_modes():
         model = build_outside(task, config, plan, inside)
     return to_fake(model, device)

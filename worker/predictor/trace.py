@@ -214,8 +214,10 @@ def _run_steps(
     batch_size = int(config[task.batch_size_param])
     # Built straight on the trace device (Module.to cannot move fake parameters), or outside
     # the fake mode and converted when the build reads tensor values.
-    forget = _forgetter(tracker) if target.cuda else None
-    model = build_for_trace(task, config, plan, device, forget)
+    built_from = len(tracker.events or [])
+    model = build_for_trace(task, config, plan, device)
+    if target.cuda:
+        _forget_build_transients(tracker, built_from)
     refuse_compiled(model)
     optimizer = build_optimizer_for_plan(task, model, config, plan)
     if target.cuda:
@@ -259,24 +261,23 @@ def _run_steps(
     return part
 
 
-def _forgetter(tracker: MemoryTracker) -> Callable[[], None]:
-    """Forget a failed build on a CUDA trace: the real run builds its model on the host and
-    moves it to the card, so the card never holds what a build that failed under fake tensors
-    made there (a QLoRA base's float weights and quantization temporaries: gigabytes on a 1B
-    model, where peft's `Module.to` fails the build after quantizing).
+def _forget_build_transients(tracker: MemoryTracker, built_from: int) -> None:
+    """Keep of the build only what outlives it, on a CUDA trace: the real run builds its model
+    on the host and moves it to the card (`build_for_plan`), so the card holds the finished
+    model and never what building it made and dropped there (a build that failed under fake
+    tensors, a QLoRA base's float weights before quantization: gigabytes on a 1B model). The
+    events of storages made and freed since `built_from` are dropped, and the peak starts
+    again from what is live.
 
-    On the CPU card the real run builds on the card, and the failed build made what the real
-    one makes up to its failure, so it is kept. Forgotten only when every tensor it made died:
-    its events are dropped and the peak starts again from what is live.
+    On the CPU card the real run builds on the card, so all of it is kept there.
     """
-    live, events = tracker.live_bytes, len(tracker.events or [])
-
-    def forget() -> None:
-        if tracker.live_bytes == live and tracker.events is not None:
-            del tracker.events[events:]
-            tracker.reset_peak()
-
-    return forget
+    if tracker.events is None:
+        return
+    freed = {storage for storage, change in tracker.events[built_from:] if change < 0}
+    tracker.events[built_from:] = [
+        event for event in tracker.events[built_from:] if event[0] not in freed
+    ]
+    tracker.reset_peak()
 
 
 def evaluation_part(

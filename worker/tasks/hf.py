@@ -21,9 +21,10 @@ layers quantized before peft wraps them, through torchao: `int8` (weight-only in
 per output row: `Int8WeightOnlyConfig`) or `nf4` (QLoRA's 4-bit NormalFloat with double-quantized
 scales: `to_nf4`); `none` (the default) keeps them in float. The output layer stays in float
 (as bitsandbytes' QLoRA keeps it), and GPT-2's Conv1D layers become the nn.Linear layers they
-compute (weights transposed) so that torchao and peft treat them as any other family's. Both
-kinds run on the CPU, so their prediction is checked against real CPU runs. Needs
-``pip install 'vramtune[qlora]'``.
+compute (weights transposed) so that torchao and peft treat them as any other family's.
+Backward saves the quantized weights only (`Int8BaseLinear` for int8, torchao's own NF4
+`linear`). Both kinds run on the CPU, so their prediction is checked against real CPU runs.
+Needs ``pip install 'vramtune[qlora]'``.
 """
 
 from __future__ import annotations
