@@ -32,7 +32,7 @@ from service.fleet.offers import live_tasks, task_warnings
 from service.fleet.routing import live_capacity
 from service.optuna.glue import spec_of
 from service.settings import Settings
-from service.wire import MemoryPolicy
+from service.wire import MemoryPolicy, Resize
 
 CLOSEST_INFEASIBLE = 50  # infeasible trials read, smallest footprint first
 FEASIBLE_SAMPLE = 2000  # latest feasible trials read to find the parameter that drives memory
@@ -171,19 +171,31 @@ def _largest_card(session: Session, task: str, settings: Settings, now: datetime
     return max((total for total, tasks in rows if task in tasks), default=0)
 
 
+RUNG_ADVICE: dict[Resize, str] = {
+    "micro_batch": "allow smaller micro-batches with accumulation",
+    "checkpointing": "allow activation checkpointing",
+    "chunked_cross_entropy": "allow the loss over the vocabulary in chunks (language models)",
+    "activation_offload": "allow the saved activations in host memory (CUDA cards, slower)",
+    "optimizer_offload": "allow the optimizer's state in host memory (CUDA cards, slower)",
+    "bf16": "allow bf16 autocast (about half the activations; changes the numerics)",
+    "adamw_8bit": "allow 8-bit AdamW state (a quarter of AdamW's; changes the numerics)",
+    "adafactor": "allow Adafactor (factored optimizer state; changes the numerics)",
+}
+"""Each rung an infeasible trial's advice may suggest, in the ladder's order, in words."""
+
+
 def _rungs(policy: MemoryPolicy) -> list[str]:
-    """The resizes the study's memory policy leaves out, each a rung that may make them fit."""
+    """The rungs the study's memory policy leaves out, each one that may make them fit
+    (checkpointing counts as listed when selective checkpointing is)."""
     if not policy.allow_resize:
         return ["allow resizing: memory_policy.allow_resize: true (micro-batches, checkpointing)"]
-    missing = {
-        "micro_batch": "allow smaller micro-batches with accumulation",
-        "checkpointing": "allow activation checkpointing",
-        "bf16": "allow bf16 autocast (about half the activations)",
-    }
+    listed = set(policy.resizes)
+    if "selective_checkpointing" in listed:
+        listed.add("checkpointing")
     return [
         f"{text}: add '{resize}' to memory_policy.resizes"
-        for resize, text in missing.items()
-        if resize not in policy.resizes
+        for resize, text in RUNG_ADVICE.items()
+        if resize not in listed
     ]
 
 

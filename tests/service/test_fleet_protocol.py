@@ -789,6 +789,9 @@ def test_infeasible_trials_get_advice_in_human_units(env: Env) -> None:
     assert "The largest live card has 4.00 GiB: 2.00 GiB short (+50 %)" in infeasible["text"]
     actions = " | ".join(infeasible["actions"])
     assert "add 'bf16' to memory_policy.resizes" in actions
+    for rung in ("chunked_cross_entropy", "adamw_8bit", "adafactor", "activation_offload"):
+        assert f"add '{rung}' to memory_policy.resizes" in actions  # every rung left out
+    assert "add 'checkpointing'" not in actions  # the default policy lists it
     assert "drop 4096 from search_space.width.choices" in actions
     assert "add a card of at least 6.67 GiB" in actions  # the footprint and the 10 % margin
 
