@@ -21,7 +21,7 @@ PYTHON=${PYTHON:-.venv/bin/python}
 RESULTS=bench/results
 TESTS_TIMEOUT_S=${TESTS_TIMEOUT_S:-90}
 BENCH_BUDGET_S=${BENCH_BUDGET_S:-180}
-RANKS_BUDGET_S=${RANKS_BUDGET_S:-300}
+RANKS_BUDGET_S=${RANKS_BUDGET_S:-450}  # 6 cases per world size (2, and 4 with 4+ GPUs)
 OFFLOAD_BUDGET_S=${OFFLOAD_BUDGET_S:-180}
 
 if [ ! -x "$PYTHON" ]; then

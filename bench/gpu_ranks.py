@@ -1,7 +1,8 @@
 """Per-rank prediction against real NCCL ranks on GPUs (issue 31, the GPU path).
 
 On a machine with 2 or more CUDA GPUs: for world sizes 2 and 4 (as many as it has), hf-causal-lm
-(a tiny Llama from its config) and digits-cnn, DDP and FSDP2, one global batch each, this runs
+(a tiny Llama from its config) and digits-cnn, DDP, FSDP2 and FSDP2 keeping its parameters
+gathered after forward (`reshard_after_forward=False`), one global batch each, this runs
 the product's own distributed trial (`worker.run.ranks.RankGroupRunner` on `cuda:0..W-1`: one
 process per card, `CUDA_VISIBLE_DEVICES` per rank, NCCL), which measures every rank's
 `torch.cuda.max_memory_allocated` / `max_memory_reserved`, and compares each with the per-rank
@@ -28,6 +29,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.distributed_prediction import wrapper  # noqa: E402
 from bench.gpu_common import HF_CONFIG, Quiet, relative_error  # noqa: E402
 from bench.report import write_report  # noqa: E402
 from service.wire import Plan, Strategy, TrainBudget  # noqa: E402
@@ -35,7 +37,8 @@ from worker.trial.runner import CardSpec  # noqa: E402
 from worker.trial.task import Config, Task  # noqa: E402
 
 WORLD_SIZES = (2, 4)
-STRATEGIES: tuple[Strategy, ...] = ("ddp", "fsdp")
+WRAPPERS: tuple[tuple[Strategy, bool], ...] = (("ddp", True), ("fsdp", True), ("fsdp", False))
+"""Each strategy with its reshard_after_forward: FSDP2 both ways, as the plan ladder runs it."""
 BUDGET = TrainBudget(max_steps=3, eval_every=3)
 CNN_CONFIG: Config = {"width": 32, "depth": 3, "resolution": 64, "batch_size": 64, "lr": 0.05}
 
@@ -56,15 +59,23 @@ def gpu_card(device: str) -> CardSpec:
 
 
 def one_case(
-    task: Task, config: Config, strategy: Strategy, devices: list[str], card: CardSpec
+    task: Task,
+    config: Config,
+    strategy: Strategy,
+    devices: list[str],
+    card: CardSpec,
+    reshard_after_forward: bool = True,
 ) -> dict[str, Any]:
-    """One distributed trial on `devices` (one rank each) against its per-rank prediction."""
+    """One distributed trial on `devices` (one rank each) against its per-rank prediction;
+    `reshard_after_forward=False`: FSDP2 keeping each unit's parameters gathered."""
     from worker.predictor.distributed import trace_rank
     from worker.run.ranks import RankGroupRunner
     from worker.run.training import TorchTaskRunner
 
     world_size = len(devices)
-    plan = Plan(world_size=world_size, strategy=strategy)
+    plan = Plan(
+        world_size=world_size, strategy=strategy, reshard_after_forward=reshard_after_forward
+    )
     predicted = trace_rank(task, config, plan, strategy, world_size)
     started = time.perf_counter()
     result = RankGroupRunner(TorchTaskRunner(task), devices).run(
@@ -74,6 +85,7 @@ def one_case(
     return {
         "task": task.name,
         "strategy": strategy,
+        "reshard_after_forward": reshard_after_forward,
         "world_size": world_size,
         "batch_size": config["batch_size"],
         "predicted_allocated": predicted.allocated_bytes,
@@ -109,14 +121,14 @@ def render(result: dict[str, Any]) -> str:
     for case in result["cases"]:
         if "error" in case:
             lines.append(
-                f"| {case['task']} | {case['strategy']} | {case['world_size']} | | "
+                f"| {case['task']} | {wrapper(case)} | {case['world_size']} | | "
                 f"failed: {case['error']} | | | |"
             )
             continue
         measured = ", ".join(f"{p / 2**20:.1f}" for p in case["measured_allocated"])
         errors = ", ".join(percent(e) for e in case["allocated_error"])
         lines.append(
-            f"| {case['task']} | {case['strategy']} | {case['world_size']} | "
+            f"| {case['task']} | {wrapper(case)} | {case['world_size']} | "
             f"{case['batch_size']} | {case['predicted_allocated'] / 2**20:.1f} MiB | "
             f"{measured} MiB | {errors} | {percent(case['reserved_error'])} |"
         )
@@ -148,14 +160,16 @@ def main() -> None:
     }
     for world_size in (size for size in WORLD_SIZES if size <= gpus):
         for task, config in families():
-            for strategy in STRATEGIES:
+            for strategy, reshard in WRAPPERS:
                 devices = [f"cuda:{index}" for index in range(world_size)]
                 try:
-                    case = one_case(task, config, strategy, devices, gpu_card(devices[0]))
+                    card = gpu_card(devices[0])
+                    case = one_case(task, config, strategy, devices, card, reshard)
                 except Exception as error:  # one failed case must not hide the others
                     case = {
                         "task": task.name,
                         "strategy": strategy,
+                        "reshard_after_forward": reshard,
                         "world_size": world_size,
                         "error": f"{type(error).__name__}: {error}"[:300],
                     }

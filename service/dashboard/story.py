@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from common.plans import RUNG_WORDS
+from common.plans import plan_in_words, stored_plan
 from common.units import human_bytes
 from service.dashboard import schema
 from service.dashboard.models import TrialEvent
@@ -46,19 +46,11 @@ def _card(detail: Mapping[str, Any]) -> str:
 
 
 def plan_words(plan: Mapping[str, Any] | None) -> str:
-    """A plan's knobs in words ("micro-batch 16 x 4, checkpointing"), as the table shows them."""
+    """A stored plan in the table's words (common.plans.plan_in_words: its ranks and strategy
+    when above one card, then its rungs); "as asked" without one."""
     if not plan:
         return "as asked"
-    parts = []
-    if plan.get("micro_batch"):
-        parts.append(f"micro-batch {plan['micro_batch']} \u00d7 {plan.get('accumulation', 1)}")
-    if plan.get("checkpointing"):
-        parts.append("checkpointing")
-    if plan.get("bf16"):
-        parts.append("bf16")
-    if plan.get("optimizer") in RUNG_WORDS:  # a swapped optimizer changes the numerics: say so
-        parts.append(RUNG_WORDS[plan["optimizer"]])
-    return ", ".join(parts) or "as asked"
+    return plan_in_words(stored_plan(plan)) or "as asked"
 
 
 def _planned(detail: Mapping[str, Any]) -> str:

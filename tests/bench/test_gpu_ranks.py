@@ -1,5 +1,6 @@
-"""bench/gpu_ranks.py, the GPU per-rank check, run here on what this machine has: its case on
-two gloo CPU ranks (where the prediction is exact), its report, and its refusal without GPUs."""
+"""bench/gpu_ranks.py, the GPU per-rank check, run here on what this machine has: its FSDP2 case
+both ways (resharding after forward and keeping parameters gathered) on two gloo CPU ranks (where
+the prediction is exact), its report, and its refusal without GPUs."""
 
 from __future__ import annotations
 
@@ -18,17 +19,25 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(900)  # the case spawns two processes that import torch
 
 
-def test_a_case_on_two_cpu_ranks_measures_every_rank_against_the_prediction() -> None:
+@pytest.mark.parametrize(
+    ("reshard_after_forward", "shown"), [(True, "fsdp"), (False, "fsdp (kept gathered)")]
+)
+def test_a_case_on_two_cpu_ranks_measures_every_rank_against_the_prediction(
+    reshard_after_forward: bool, shown: str
+) -> None:
     config = {"width": 8, "depth": 2, "resolution": 16, "batch_size": 16, "lr": 0.05}
     card = CardSpec(info=simulated_card(parse_size("64MiB")))
-    case = gpu_ranks.one_case(DigitsCNNTask(), config, "fsdp", ["cpu", "cpu"], card)
+    case = gpu_ranks.one_case(
+        DigitsCNNTask(), config, "fsdp", ["cpu", "cpu"], card, reshard_after_forward
+    )
     assert case["world_size"] == 2 and len(case["measured_allocated"]) == 2
+    assert case["reshard_after_forward"] is reshard_after_forward
     # gloo ranks on CPU: the prediction is exact (bench/results/distributed_prediction.md)
     assert all(abs(error) < 0.001 for error in case["allocated_error"]), case
     report = gpu_ranks.render(
         {"started": "now", "device": "cpu", "gpus": 2, "torch": "x", "load": "1.0", "cases": [case]}
     )
-    assert "| digits-cnn | fsdp | 2 | 16 |" in report
+    assert f"| digits-cnn | {shown} | 2 | 16 |" in report
 
 
 def test_a_failed_case_is_a_row_not_a_crash() -> None:

@@ -952,7 +952,8 @@ def test_a_node_is_offered_what_its_free_cards_hold_and_says_which_cards_run_it(
     assert env.page()[beside["trial_id"]]["user_attrs"]["vramtune.cards"] == [2, 3]
     story = env.http.get(f"/dashboard/studies/{env.study}/trials/{beside['number']}").json()
     [planned] = [event for event in story["events"] if event["kind"] == "planned"]
-    assert planned["detail"]["cards"] == [2, 3] and "node (4.00 GiB), cards 2, 3" in planned["text"]
+    assert planned["detail"]["cards"] == [2, 3]
+    assert planned["text"] == "runs 2 ranks, ddp on node (4.00 GiB), cards 2, 3"
     fleet = env.http.get("/dashboard/fleet", params={"limit": 500}).json()["workers"]
     [shown] = [worker for worker in fleet if worker["id"] == node.id]
     assert (shown["busy_cards"], shown["cards"]) == (3, 4)  # 2 ranks, and 1 leased, planning
@@ -987,6 +988,42 @@ def test_fsdp_keeping_parameters_gathered_round_trips_and_keys_apart(env: Env) -
     assert plan_key(tried[0]) != plan_key(Plan(world_size=2, strategy="fsdp"))
     wrong = node.call(again, "start", plan={**gathered, "strategy": "ddp"})
     assert wrong.status_code == 422 and "reshard_after_forward" in wrong.text
+
+
+def test_the_story_says_a_plan_in_the_tables_words(env: Env) -> None:
+    """The trial view's story and the trials table name a plan alike (plan_in_words): its
+    ranks and strategy on several cards, the optimizer and offload rungs on one."""
+    env.create_study(n_trials=2, distributed={"max_world_size": 2})
+    node = env.worker("node", 4 * GIB, "Sim 4G", cards=2)
+    first, second = node.next(), node.next()
+    assert first is not None and second is not None
+    ranks = {"world_size": 2, "strategy": "fsdp", "reshard_after_forward": False}
+    eight_bit = {**ranks, "bf16": True, "optimizer": "adamw_8bit"}
+    offloads = {
+        "micro_batch": 2, "accumulation": 4, "activation_offload": True, "optimizer_offload": True
+    }  # fmt: skip
+    told = {
+        first["number"]: (
+            "2 ranks, fsdp keeping parameters gathered, bf16, 8-bit AdamW optimizer "
+            "(changes numerics)"
+        ),
+        second["number"]: (
+            "micro-batch 2 × 4, activations offloaded to host memory, optimizer offloaded to "
+            "host memory"
+        ),
+    }
+    for assignment, plan in ((first, eight_bit), (second, offloads)):
+        body = {"plan": plan, "prediction": _prediction(GIB)}
+        assert node.call(assignment, "start", **body).status_code == 200
+        ran = {"measured": {"peak_allocated_bytes": GIB}, "duration_s": 1.0}
+        done = node.call(assignment, "complete", values=[1.0], **ran, **body)
+        assert done.status_code == 200, done.text
+    rows = env.http.get(f"/dashboard/studies/{env.study}/trials").json()["rows"]
+    assert {row["number"]: row["plan_words"] for row in rows} == told
+    for number, words in told.items():
+        story = env.http.get(f"/dashboard/studies/{env.study}/trials/{number}").json()
+        [resized] = [event["text"] for event in story["events"] if event["kind"] == "resized"]
+        assert resized == f"resized: runs {words} on node (4.00 GiB), predicted 1.00 GiB"
 
 
 def test_a_plan_names_a_strategy_with_more_than_one_rank_only(env: Env) -> None:
