@@ -25,9 +25,10 @@ predictor's own cache (worker/predictor/core.py, keyed by task, shapes, plan and
 constants) serves all five cards and both ladders: each plan is traced once. What costs is
 the trace of the evaluation, which runs every held-out chunk at the plan's micro-batch (twice:
 a warm-up, then the counted run); the 1B config evaluates 8 windows rather than the task's
-default 64, which leaves every peak as it is (each chunk allocates what the first does; checked
-to the byte, bench/results/what_fits.md) and costs a 1B micro-batch-1 trace 16 forward
-passes instead of 96.
+default 64 (48 at 2,048 tokens), which leaves every peak as it is (each chunk of the plan's
+micro-batch allocates what the first does; the predictor's cache key leaves the windows out
+for that reason; `eval_windows_check` compares both to the byte, `--windows-check-only`) and
+costs a 1B micro-batch-1 trace 16 forward passes instead of 96.
 
 Writes ``what_fits.{md,json}`` under ``--out`` (default bench/results/), with the 1-minute load
 average at the start and end of each workload.
@@ -106,6 +107,19 @@ SAMPLE = "examples/hf-causal-lm.yaml (seeded sample)"
 LARGEST = "examples/hf-causal-lm.yaml (largest configuration of each model type)"
 LLAMA = "Llama-style 1B at 2,048 tokens (full, LoRA r = 16, LoRA r = 16 on an int8 base)"
 DETAILED = 8  # a workload of at most this many configurations lists each row's plans
+
+
+RUNG_ALONE: dict[str, Plan] = {
+    "micro_batch": plan_for_micro_batch(8, 1),
+    "selective_checkpointing": Plan(checkpointing=True, checkpoint_blocks=8),
+    "checkpointing": Plan(checkpointing=True),
+    "chunked_cross_entropy": Plan(chunked_loss=True),
+    "activation_offload": Plan(activation_offload=True),
+    "optimizer_offload": Plan(optimizer_offload=True),
+    "bf16": Plan(bf16=True),
+    "adamw_8bit": Plan(optimizer="adamw_8bit"),
+    "adafactor": Plan(optimizer="adafactor"),
+}
 
 
 def example_space() -> list[dict[str, Any]]:
@@ -331,6 +345,16 @@ def report(
     ]
     for rung, (n, median, low, high) in slowdowns(results).items():
         lines.append(f"| {rung} | {n} | {median:.2f}x | {low:.2f}x-{high:.2f}x |")
+    lines += [
+        "",
+        "Each rung alone by the same prior, for the 1B config at batch 8 (16 blocks):",
+        "",
+        "| rung | plan | slowdown |",
+        "|---|---|---|",
+    ]
+    for rung, plan in RUNG_ALONE.items():
+        slowdown = expected_slowdown(plan, 8, None, LLAMA_1B["num_hidden_layers"])
+        lines.append(f"| {rung} | {describe(plan)} | {slowdown:.2f}x |")
     return "\n".join(lines) + "\n"
 
 
@@ -429,11 +453,14 @@ def main() -> None:
         action="store_true",
         help="rerun only the held-out windows check into the results already written",
     )
+    parser.add_argument(
+        "--render-only", action="store_true", help="rewrite the md from the json already written"
+    )
     args = parser.parse_args()
     space = example_space()
     sample = random.Random(args.seed).sample(space, min(args.sample, len(space)))
     figures: dict[str, Any] = {"new": NEW, "old": OLD, "results": [], "eval_windows_check": []}
-    if args.windows_check_only:
+    if args.windows_check_only or args.render_only:
         figures = json.loads((args.out / "what_fits.json").read_text())
 
     def save(partial: dict[str, Any] | None = None) -> None:
@@ -442,8 +469,9 @@ def main() -> None:
         text = report(results, len(sample), len(space), figures["eval_windows_check"])
         write_report(args.out, "what_fits", {**figures, "results": results}, text)
 
-    if args.windows_check_only:
-        figures["eval_windows_check"] = eval_windows_check()
+    if args.windows_check_only or args.render_only:
+        if args.windows_check_only:
+            figures["eval_windows_check"] = eval_windows_check()
         save()
         return
     # The 1B first (the rows the new rungs can change), the check of its held-out windows,
