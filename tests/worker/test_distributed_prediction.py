@@ -30,6 +30,7 @@ from worker.trial.task import TaskConfigError
 TASK = DigitsCNNTask()
 CONFIG = {"width": 8, "depth": 2, "resolution": 16, "batch_size": 16}
 TOLERANCE = 0.001
+RE_MEASUREMENTS = 3  # a single re-run still missed 1 time in 15 (one 512-B block on a DDP rank)
 
 
 def test_rank_zero_traced_on_the_fake_group_matches_real_gloo_ranks() -> None:
@@ -43,11 +44,15 @@ def test_rank_zero_traced_on_the_fake_group_matches_real_gloo_ranks() -> None:
         for rank, real in enumerate(measurement.peaks):
             predicted = trace_rank(run.task, run.config, run.plan, run.strategy, 2, rank)
             case = f"{run.strategy} {run.plan} rank {rank}"
-            if abs(predicted.allocated_bytes - real) > TOLERANCE * real:
+            for _ in range(RE_MEASUREMENTS):
+                if abs(predicted.allocated_bytes - real) <= TOLERANCE * real:
+                    break
                 # Seen about once in twenty runs on a loaded machine: a rank measured one
-                # gradient shard more, which a re-run did not repeat (gloo freeing a
-                # reduce-scatter output late; bench/results/distributed_prediction.md). The
-                # prediction must match a real run of the case, measured once more.
+                # gradient shard (or one 512-B block) more, which a re-run did not repeat
+                # (gloo freeing a collective's output late; bench/results/
+                # distributed_prediction.md; more often with FSDP2 keeping parameters
+                # gathered: docs/concepts/multi-gpu.md). The prediction must match a real run
+                # of the case, measured again up to RE_MEASUREMENTS times.
                 real = measure_rank_peaks([run], world_size=2)[0].peaks[rank]
             assert abs(predicted.allocated_bytes - real) <= TOLERANCE * real, case
             assert predicted.reserved_bytes >= predicted.allocated_bytes, case
