@@ -30,3 +30,8 @@ class Quiet:
 def relative_error(predicted: int, measured: int | None) -> float | None:
     """(predicted - measured) / measured; None without a measurement."""
     return None if not measured else (predicted - measured) / measured
+
+
+def percent(error: float | None) -> str:
+    """A relative error as a signed percentage."""
+    return "-" if error is None else f"{error * 100:+.2f} %"

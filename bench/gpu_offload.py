@@ -26,7 +26,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.gpu_common import HF_CONFIG, Quiet, relative_error  # noqa: E402
+from bench.gpu_common import HF_CONFIG, Quiet, percent, relative_error  # noqa: E402
 from bench.report import write_report  # noqa: E402
 from service.wire import Plan, TrainBudget  # noqa: E402
 from worker.trial.runner import CardSpec  # noqa: E402
@@ -101,11 +101,6 @@ def with_slowdowns(cases: list[dict[str, Any]]) -> None:
     for case in cases:
         speed, base = case.get("samples_per_s"), asked.get(case["task"])
         case["measured_slowdown"] = base / speed if speed and base else None
-
-
-def percent(error: float | None) -> str:
-    """A relative error as a signed percentage."""
-    return "-" if error is None else f"{error * 100:+.2f} %"
 
 
 def mib(n: int | None) -> str:

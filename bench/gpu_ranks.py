@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.distributed_prediction import wrapper  # noqa: E402
-from bench.gpu_common import HF_CONFIG, Quiet, relative_error  # noqa: E402
+from bench.gpu_common import HF_CONFIG, Quiet, percent, relative_error  # noqa: E402
 from bench.report import write_report  # noqa: E402
 from service.wire import Plan, Strategy, TrainBudget  # noqa: E402
 from worker.trial.runner import CardSpec  # noqa: E402
@@ -99,11 +99,6 @@ def one_case(
         "trace_s": predicted.seconds,
         "run_s": time.perf_counter() - started,
     }
-
-
-def percent(error: float | None) -> str:
-    """A relative error as a signed percentage."""
-    return "-" if error is None else f"{error * 100:+.2f} %"
 
 
 def render(result: dict[str, Any]) -> str:
