@@ -6,6 +6,10 @@ service/testing.py so that tests can build module-scoped variants.
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -62,6 +66,45 @@ def app_client(migrated_url: str) -> Iterator[TestClient]:
 
     with TestClient(create_app(Settings(database_url=migrated_url, auth="off"))) as client:
         yield client
+
+
+# Marks the processes this test session starts (they inherit the environment), so that the
+# check below never touches another session's workers on the same machine.
+SESSION_MARK = f"VRAMTUNE_TEST_SESSION={os.getpid()}"
+os.environ["VRAMTUNE_TEST_SESSION"] = str(os.getpid())
+
+
+def _worker_pids() -> set[int]:
+    """This session's worker processes (`... worker --server ...`), read from /proc."""
+    pids = set()
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            ours = b"worker" in argv and b"--server" in argv
+            if ours and SESSION_MARK.encode() in (entry / "environ").read_bytes().split(b"\0"):
+                pids.add(int(entry.name))
+        except OSError:
+            continue  # it ended while we looked, or is not ours to read
+    return pids
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_worker_outlives_its_module(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A worker whose server is gone retries for ever, and reached a later test's server once
+    when the OS gave it the old port (CI): kill any the module's tests left, and say which."""
+    before = _worker_pids()
+    yield
+    deadline = time.monotonic() + 15
+    while (left := _worker_pids() - before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+    if left:
+        module = request.node.nodeid
+        warnings.warn(f"{len(left)} worker process(es) outlived {module}; killed", stacklevel=1)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -46,13 +46,22 @@ ACK = {"trial_id": 7, "resolution": "complete"}
 UNKNOWN_NEXT = [{"type": "extra_forbidden", "loc": ["body", "next"], "msg": "Extra inputs"}]
 
 
+TOKEN = "vt_secret"
+
+
 class ScriptedServer(ThreadingHTTPServer):
-    """Answers each request with the next (status, body) of its script; records what came."""
+    """Answers each request with the next (status, body) of its script; records what came.
+
+    A request without this test's token gets a 401, as from the real server, and is kept apart
+    in `strays`: the OS may hand this server a port an earlier test's server had, while a
+    worker of that test is still retrying against it (seen in CI: its heartbeat took the first
+    scripted answer)."""
 
     def __init__(self) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
         self.script: list[tuple[int, object]] = []
         self.seen: list[tuple[str, str, dict[str, str], bytes]] = []
+        self.strays: list[tuple[str, str]] = []
 
     @property
     def url(self) -> str:
@@ -65,8 +74,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        self.server.seen.append(("POST", self.path, dict(self.headers), body))
-        status, answer = self.server.script.pop(0) if self.server.script else (500, None)
+        if self.headers.get("Authorization") != f"Bearer {TOKEN}":
+            self.server.strays.append((self.command, self.path))
+            status, answer = 401, {"detail": "unknown token"}
+        else:
+            self.server.seen.append(("POST", self.path, dict(self.headers), body))
+            status, answer = self.server.script.pop(0) if self.server.script else (500, None)
         payload = b"" if answer is None else json.dumps(answer).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -92,7 +105,7 @@ def server() -> Iterator[ScriptedServer]:
 
 @pytest.fixture
 def client(server: ScriptedServer) -> Iterator[ServerClient]:
-    api = ServerClient(server.url, "vt_secret", backoff_base_s=0.001, backoff_cap_s=0.01)
+    api = ServerClient(server.url, TOKEN, backoff_base_s=0.001, backoff_cap_s=0.01)
     yield api
     api.close()
 
@@ -127,9 +140,9 @@ def test_409_means_the_lease_is_lost(server: ScriptedServer, client: ServerClien
 
 def test_the_token_is_sent_as_a_bearer(server: ScriptedServer, client: ServerClient) -> None:
     server.script = [(200, {"prune": False})]
-    client.report(7, REPORT)
+    client.report(7, REPORT)  # a 401 (no or another token) would raise Rejected here
     headers = {k.lower(): v for k, v in server.seen[0][2].items()}
-    assert headers["authorization"] == "Bearer vt_secret"
+    assert headers["authorization"] == f"Bearer {TOKEN}"
     assert headers["content-type"] == "application/json"
 
 
