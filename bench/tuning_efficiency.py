@@ -55,6 +55,7 @@ from typing import Any, Literal
 import optuna
 import torch
 
+from common.plans import plan_in_words
 from service.fleet.routing import MEMORY_CONSTRAINT, headroom, placeholder_values
 from service.optuna.glue import make_sampler, search_space
 from service.step_time import fit_step_time
@@ -69,7 +70,7 @@ from service.wire import (
 )
 from worker.device.gpu import parse_size, simulated_card
 from worker.loop.lookahead import lease_delay
-from worker.plan.policy import Decision, HandBack, RunAsPlanned, choose_plan, describe
+from worker.plan.policy import Decision, HandBack, RunAsPlanned, choose_plan
 from worker.tasks.charlm import CharTransformerTask
 from worker.tasks.digits import DigitsCNNTask
 from worker.trial.runner import CardSpec, Config, OutOfMemory
@@ -610,7 +611,7 @@ def vramtune(
         def finish() -> None:
             attempt = _attempt(job.trial, card, began, outcome, waited)
             attempt.asked = job.asked
-            attempt.plan = describe(decision.plan)
+            attempt.plan = plan_in_words(decision.plan)
             sim.record(attempt)
             if outcome.state == "OOM":  # the prediction was wrong: retried once elsewhere
                 job.plans_tried.append((card.info.model, PlanOut(**decision.plan.model_dump())))

@@ -4,7 +4,7 @@ keyed by. The worker and the server both key by these."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, overload
 
 from service.wire import ParamValue, Plan, PlanOut
 
@@ -83,6 +83,10 @@ KEPT_GATHERED_WORDS = "keeping parameters gathered"
 """FSDP2 with reshard_after_forward off, after its strategy ('2 ranks, fsdp keeping ...')."""
 
 
+@overload
+def plan_in_words(plan: Plan | PlanOut) -> str: ...
+@overload
+def plan_in_words(plan: None) -> None: ...
 def plan_in_words(plan: Plan | PlanOut | None) -> str | None:
     """A plan's rungs in words, e.g. 'micro-batch 4 × 8, checkpoint the first 9 blocks, chunked
     cross-entropy, bf16, Adafactor optimizer (changes numerics)', after its ranks when above

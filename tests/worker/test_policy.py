@@ -74,7 +74,7 @@ def test_too_big_runs_as_balanced_micro_batches_with_the_same_effective_batch() 
     )
     assert effective_batch(plan) == CONFIG["batch_size"]
     assert "effective batch 256 unchanged" in plan.reason
-    assert "micro-batch 128 x 2 accumulation" in plan.reason
+    assert "micro-batch 128 × 2" in plan.reason
 
 
 def test_checkpointing_wins_when_it_is_cheaper_than_tiny_micro_batches() -> None:
@@ -378,7 +378,7 @@ def test_an_offload_is_taken_where_it_alone_fits_and_only_on_a_cuda_card() -> No
     decision = choose_offloading(40 * MIB, OFFLOAD_RUNGS)
     assert isinstance(decision, RunAsPlanned)
     assert decision.plan.activation_offload and not decision.plan.checkpointing
-    assert "activations on the host" in decision.plan.reason
+    assert "activations offloaded to host memory" in decision.plan.reason
     assert isinstance(choose_offloading(40 * MIB, OFFLOAD_RUNGS, CARD), HandBack)
 
 

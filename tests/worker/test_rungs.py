@@ -166,7 +166,7 @@ def test_the_policy_checkpoints_the_fewest_blocks_that_fit() -> None:
     assert plan_key(decision.plan) == plan_key(two)
     assert rungs_of(decision.plan) == ["selective_checkpointing"]
     assert "rungs: selective_checkpointing" in decision.plan.reason
-    assert "checkpointing 2 blocks" in decision.plan.reason
+    assert "checkpoint the first 2 blocks" in decision.plan.reason
     assert decision.step_time is not None and decision.step_time.checkpointed_fraction == 0.5
     # The same card without the rung checkpoints every block: more recomputation.
     every = choose_plan(runner, config, MemoryPolicy(margin=0.0), CPU_CARD, free)

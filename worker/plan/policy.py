@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from common.memory import apply_calibration, peak_of
-from common.plans import PlanKey, plan_key, rungs_of
+from common.plans import PlanKey, plan_in_words, plan_key, rungs_of
 from common.step_time import default_step_time_fit, predicted_step_s, step_time_slowdown
 from service.wire import (
     Calibration,
@@ -400,7 +400,7 @@ class _Chooser:
             plan = Plan(**smallest.flags())
         need = peak_of(self.predict(plan))
         reason = (
-            f"does not fit: the smallest allowed plan ({describe(plan)}) needs {_gib(need)}, "
+            f"does not fit: the smallest allowed plan ({plan_in_words(plan)}) needs {_gib(need)}, "
             f"the budget is {_gib(budget)} ({_gib(free_bytes)} free, margin {policy.margin:.0%})"
         )
         if cannot_run.method == "none":
@@ -576,7 +576,7 @@ def _blind_plan(
     while micro >= 1:
         plan = plan_for_micro_batch(batch, micro)
         if plan_key(plan) not in tried:
-            reason = f"no prediction ({prediction.reason or 'untraceable'}): {describe(plan)}"
+            reason = f"no prediction ({prediction.reason or 'untraceable'}): {plan_in_words(plan)}"
             return RunAsPlanned(plan.model_copy(update={"reason": reason}), prediction)
         if not (policy.allow_resize and "micro_batch" in policy.resizes):
             break
@@ -596,26 +596,6 @@ def _uncalibrated_budget(budget: int, calibration: Calibration | None) -> int:
         return budget
     line = budget / (1.0 + calibration.margin_fraction)
     return max(math.floor((line - calibration.offset_bytes) / calibration.scale), 0)
-
-
-def describe(plan: Plan) -> str:
-    """A plan in words, e.g. 'micro-batch 16 x 4 accumulation + checkpointing'."""
-    parts = ["as asked" if plan.micro_batch is None else f"micro-batch {plan.micro_batch}"]
-    if plan.accumulation > 1:
-        parts[0] += f" x {plan.accumulation} accumulation"
-    if plan.checkpointing:
-        blocks = plan.checkpoint_blocks
-        parts.append("checkpointing" if blocks is None else f"checkpointing {blocks} blocks")
-    rungs = (
-        ("chunked cross-entropy", plan.chunked_loss),
-        ("activations on the host", plan.activation_offload),
-        ("optimizer on the host", plan.optimizer_offload),
-        ("bf16", plan.bf16),
-        ("8-bit AdamW", plan.optimizer == "adamw_8bit"),
-        ("Adafactor", plan.optimizer == "adafactor"),
-    )
-    parts += [name for name, on in rungs if on]
-    return " + ".join(parts)
 
 
 def _reason(
@@ -638,7 +618,7 @@ def _reason(
         return f"as asked: {fit} {room}"
     slowdown = expected_slowdown(plan, chooser.batch, chooser.step_fit, chooser.blocks)
     return (
-        f"resized to {describe(plan)} (rungs: {', '.join(rungs_of(plan))}), "
+        f"resized to {plan_in_words(plan)} (rungs: {', '.join(rungs_of(plan))}), "
         f"effective batch {chooser.batch} unchanged: as asked needs "
         f"{_gib(peak_of(as_asked))}; fastest plan that fits (predicted slowdown {slowdown:.2f}x),"
         f" {fit} {room}"

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.plans import plan_in_words
 from common.step_time import default_step_time_fit, step_time_slowdown
 from service.wire import MemoryPolicy, StepTimeFit
-from worker.plan.policy import Decision, HandBack, RunAsPlanned, describe
+from worker.plan.policy import Decision, HandBack, RunAsPlanned
 
 SLOW_RESIZE = 2.0
 """Predicted slowdown (time per step against as asked) from which a larger card is preferred."""
@@ -55,7 +56,7 @@ def prefer_larger_card(
     if slowdown < SLOW_RESIZE:
         return decision
     reason = (
-        f"fits here only as {describe(decision.plan)}, predicted {slowdown:.1f}x "
+        f"fits here only as {plan_in_words(decision.plan)}, predicted {slowdown:.1f}x "
         f"slower a step than as asked; a card of {larger_card_bytes} bytes holds it as asked"
     )
     return HandBackForTime(as_asked, decision.plan, reason[:4096], decision.seconds)
