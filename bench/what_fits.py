@@ -488,10 +488,12 @@ def _bound_check(results: list[dict[str, Any]]) -> list[str]:
         for row in by_name[LARGEST]["rows"]
         if "as_asked_gib" in row
     }
-    sampled = [
+    sampled = [  # of the model types whose largest is classified (a run may stop between)
         row
         for row in by_name[SAMPLE]["rows"]
-        if "as_asked_gib" in row and row["card_gib"] == CARDS_GIB[0]
+        if "as_asked_gib" in row
+        and row["card_gib"] == CARDS_GIB[0]
+        and row["config"]["model_type"] in largest
     ]
     below = sum(row["as_asked_gib"] <= largest[row["config"]["model_type"]] for row in sampled)
     return [
@@ -499,7 +501,7 @@ def _bound_check(results: list[dict[str, Any]]) -> list[str]:
         "",
         "As asked, the largest configuration of each model type needs "
         + ", ".join(f"{kind} {gib:.2f} GiB" for kind, gib in sorted(largest.items()))
-        + f"; {below} of {len(sampled)} sampled configurations need no more than"
+        + f"; {below} of the {len(sampled)} sampled configurations of these types need no more than"
         " their model type's largest. The peak grows with every shape parameter, so a card"
         " whose budget holds the largest runs the whole space as asked.",
         "",
