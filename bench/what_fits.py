@@ -31,7 +31,7 @@ for that reason; `eval_windows_check` compares both to the byte, `--windows-chec
 costs a 1B micro-batch-1 trace 16 forward passes instead of 96.
 
 Writes ``what_fits.{md,json}`` under ``--out`` (default bench/results/), with the 1-minute load
-average at the start and end of each workload.
+average at the start and end of each workload in each run.
 Usage: ``flock /tmp/bench.lock python bench/what_fits.py [--sample 12] [--resume]`` (`--resume`
 keeps the rows already in the json and runs only the configurations not there yet).
 """
@@ -461,7 +461,7 @@ def _not_classified(
     if not windows:
         lines.append("- The held-out windows check.")
     if not lines:
-        return []
+        lines = ["- Nothing: every planned configuration and the windows check are in."]
     return ["## Not classified yet", "", *lines, ""]
 
 
