@@ -31,8 +31,9 @@ for that reason; `eval_windows_check` compares both to the byte, `--windows-chec
 costs a 1B micro-batch-1 trace 16 forward passes instead of 96.
 
 Writes ``what_fits.{md,json}`` under ``--out`` (default bench/results/), with the 1-minute load
-average at the start and end of each workload.
-Usage: ``flock /tmp/bench.lock python bench/what_fits.py [--sample 12]``
+average at the start and end of each workload in each run.
+Usage: ``flock /tmp/bench.lock python bench/what_fits.py [--sample 12] [--resume]`` (`--resume`
+keeps the rows already in the json and runs only the configurations not there yet).
 """
 
 from __future__ import annotations
@@ -215,15 +216,31 @@ def _words(decision: Decision) -> str:
 
 
 def measure(
-    name: str, configs: Iterable[dict[str, Any]], save: Callable[[dict[str, Any]], None]
+    name: str,
+    configs: Iterable[dict[str, Any]],
+    save: Callable[[dict[str, Any]], None],
+    earlier: dict[str, Any] | None = None,
+    run: int = 1,
 ) -> dict[str, Any]:
     """Every configuration on every card, with the load before and after and the seconds;
-    `save` gets the result so far after each configuration."""
+    `save` gets the result so far after each configuration. A configuration whose rows on
+    every card are in `earlier` (an earlier run's result, `--resume`) keeps them, not rerun."""
     runner = TorchTaskRunner(HFCausalLMTask())
-    load_start, started = os.getloadavg()[0], time.perf_counter()
-    traced_before = len(predictor._PREDICTIONS)  # the predictor's cache: one entry a trace
-    rows = []
+    start = {
+        "run": run,
+        "started_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "load_1min_start": os.getloadavg()[0],
+    }
+    started, traced_before = time.perf_counter(), len(predictor._PREDICTIONS)  # a trace an entry
+    done = {_key(row): row for row in (earlier or {}).get("rows", []) if row["outcome"] != "error"}
+    runs = _runs(earlier) if earlier else []
+    rows: list[dict[str, Any]] = []
+    measured = 0
     for config in configs:
+        kept = [done.get(_key({"config": config, "card_gib": size})) for size in CARDS_GIB]
+        if all(kept):
+            rows += kept
+            continue
         for size in CARDS_GIB:  # largest first or not: the cache serves every card alike
             try:
                 row = classify(runner, config, size)
@@ -231,23 +248,38 @@ def measure(
                 row = {"card_gib": size, "outcome": "cannot build", "error": str(error)}
             except Exception as error:  # recorded in the results, the other rows still run
                 row = {"card_gib": size, "outcome": "error", "error": repr(error)}
-            rows.append({**row, "config": config})
+            rows.append({**row, "config": config, "run": run})
             print(f"{name}: {size} GiB {row['outcome']}: {row.get('new', '')}", flush=True)
-        save(_result(name, rows, started, traced_before, load_start))
-    return _result(name, rows, started, traced_before, load_start)
+        measured += 1
+        this_run = _run(start, measured, started, traced_before)
+        save({"workload": name, "rows": rows, "runs": [*runs, this_run]})
+    this_run = _run(start, measured, started, traced_before)
+    return {"workload": name, "rows": rows, "runs": [*runs, this_run] if measured else runs}
 
 
-def _result(
-    name: str, rows: list[dict[str, Any]], started: float, traced_before: int, load_start: float
-) -> dict[str, Any]:
+def _key(row: dict[str, Any]) -> tuple[str, int]:
+    """A row's configuration and card: what `--resume` matches rows by."""
+    return json.dumps(row["config"], sort_keys=True), row["card_gib"]
+
+
+def _run(start: dict[str, Any], configs: int, started: float, traced_before: int) -> dict[str, Any]:
+    """One run's share of a workload: its configurations, seconds, traces and load."""
     return {
-        "workload": name,
-        "rows": rows,
+        **start,
+        "configs": configs,
         "seconds": time.perf_counter() - started,
         "traces": len(predictor._PREDICTIONS) - traced_before,
-        "load_1min_start": load_start,
         "load_1min_end": os.getloadavg()[0],
     }
+
+
+def _runs(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """A workload's runs; a result written before `--resume` was one run (run 1)."""
+    if "runs" in result:
+        return list(result["runs"])
+    keys = ("seconds", "traces", "load_1min_start", "load_1min_end")
+    configs = len(result["rows"]) // len(CARDS_GIB)
+    return [{"run": 1, "configs": configs, **{k: result[k] for k in keys}}]
 
 
 def eval_windows_check() -> list[dict[str, Any]]:
@@ -308,7 +340,10 @@ def counts(result: dict[str, Any]) -> dict[int, dict[str, int]]:
 
 
 def report(
-    results: list[dict[str, Any]], sample: int, space_size: int, windows: list[dict[str, Any]]
+    results: list[dict[str, Any]],
+    planned: dict[str, list[dict[str, Any]]],
+    space_size: int,
+    windows: list[dict[str, Any]],
 ) -> str:
     left_out = [rung for rung in get_args(Resize) if rung not in NEW]
     lines = [
@@ -325,12 +360,18 @@ def report(
         + ".",
         "",
         "'new rungs only': the old ladder hands it back, the new one runs it. The example's",
-        f"space has {space_size} configurations (lr aside); a seeded sample of {sample} is",
+        f"space has {space_size} configurations (lr aside); a seeded sample of"
+        f" {len(planned[SAMPLE])} is",
         "classified, and the largest configuration of each model type bounds the rest.",
+        "",
+        "Each row says the run that classified it: `--resume` keeps the rows already written",
+        "and runs only the rest, so a workload may span runs (run 1 predates `--resume` and",
+        "recorded no start time); each run's load is beside it.",
         "",
     ]
     for result in results:
         lines += _workload_section(result)
+    lines += _not_classified(results, planned, windows)
     lines += _bound_check(results)
     lines += _eval_windows_section(windows)
     lines += [
@@ -364,9 +405,18 @@ def _workload_section(result: dict[str, Any]) -> list[str]:
     lines = [
         f"## {result['workload']}",
         "",
-        f"{configs} configurations x {len(CARDS_GIB)} cards x 2 ladders, "
-        f"{result['seconds']:.0f} s, {result['traces']} traces; load (1 min) "
-        f"{result['load_1min_start']:.1f} at the start, {result['load_1min_end']:.1f} at the end.",
+        f"{configs} configurations x {len(CARDS_GIB)} cards x 2 ladders:",
+        "",
+    ]
+    for run in _runs(result):
+        lines.append(
+            f"- run {run['run']}"
+            + (f" (started {run['started_utc']})" if "started_utc" in run else "")
+            + f": {run['configs']} configurations, {run['seconds']:.0f} s, {run['traces']} traces;"
+            f" load (1 min) {run['load_1min_start']:.1f} at the start,"
+            f" {run['load_1min_end']:.1f} at the end."
+        )
+    lines += [
         "",
         "| card | " + " | ".join(OUTCOMES) + " |",
         "|---|" + "---|" * len(OUTCOMES),
@@ -377,17 +427,42 @@ def _workload_section(result: dict[str, Any]) -> list[str]:
     if configs > DETAILED:
         return lines
     lines += [
-        "| config | as asked needs | card | outcome | old ladder | new ladder | slowdown |",
-        "|---|---|---|---|---|---|---|",
+        "| config | as asked needs | card | outcome | old ladder | new ladder | slowdown | run |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
         slowdown = f"{row['slowdown']:.2f}x" if "slowdown" in row else ""
         lines.append(
             f"| {_config_words(row['config'])} | {row.get('as_asked_gib', 0):.2f} GiB "
             f"| {row['card_gib']} GiB | {row['outcome']} | {row.get('old', '')} "
-            f"| {row.get('new', '')} | {slowdown} |"
+            f"| {row.get('new', '')} | {slowdown} | {row.get('run', 1)} |"
         )
     return [*lines, ""]
+
+
+def _not_classified(
+    results: list[dict[str, Any]],
+    planned: dict[str, list[dict[str, Any]]],
+    windows: list[dict[str, Any]],
+) -> list[str]:
+    """What the runs so far have not classified (a run cut off at a deadline), per workload."""
+    done = {_key(row) for result in results for row in result["rows"] if row["outcome"] != "error"}
+    lines = []
+    for name, configs in planned.items():
+        left = [
+            c
+            for c in configs
+            if any((_key({"config": c, "card_gib": g}) not in done) for g in CARDS_GIB)
+        ]
+        if len(left) > DETAILED or len(left) == len(configs):
+            lines.append(f"- {name}: {len(left)} of {len(configs)} configurations.")
+        elif left:
+            lines.append(f"- {name}: " + "; ".join(_config_words(c) for c in left) + ".")
+    if not windows:
+        lines.append("- The held-out windows check.")
+    if not lines:
+        lines = ["- Nothing: every planned configuration and the windows check are in."]
+    return ["## Not classified yet", "", *lines, ""]
 
 
 def _config_words(config: dict[str, Any]) -> str:
@@ -413,10 +488,12 @@ def _bound_check(results: list[dict[str, Any]]) -> list[str]:
         for row in by_name[LARGEST]["rows"]
         if "as_asked_gib" in row
     }
-    sampled = [
+    sampled = [  # of the model types whose largest is classified (a run may stop between)
         row
         for row in by_name[SAMPLE]["rows"]
-        if "as_asked_gib" in row and row["card_gib"] == CARDS_GIB[0]
+        if "as_asked_gib" in row
+        and row["card_gib"] == CARDS_GIB[0]
+        and row["config"]["model_type"] in largest
     ]
     below = sum(row["as_asked_gib"] <= largest[row["config"]["model_type"]] for row in sampled)
     return [
@@ -424,7 +501,7 @@ def _bound_check(results: list[dict[str, Any]]) -> list[str]:
         "",
         "As asked, the largest configuration of each model type needs "
         + ", ".join(f"{kind} {gib:.2f} GiB" for kind, gib in sorted(largest.items()))
-        + f"; {below} of {len(sampled)} sampled configurations need no more than"
+        + f"; {below} of the {len(sampled)} sampled configurations of these types need no more than"
         " their model type's largest. The peak grows with every shape parameter, so a card"
         " whose budget holds the largest runs the whole space as asked.",
         "",
@@ -456,17 +533,25 @@ def main() -> None:
     parser.add_argument(
         "--render-only", action="store_true", help="rewrite the md from the json already written"
     )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the rows already in the json, run only the configurations not there yet",
+    )
     args = parser.parse_args()
     space = example_space()
     sample = random.Random(args.seed).sample(space, min(args.sample, len(space)))
+    # The 1B first (the rows the new rungs can change), the check of its held-out windows,
+    # then the example's space (its largest configurations search the ladders at length).
+    planned = {LLAMA: llama_1b(), SAMPLE: sample, LARGEST: largest_per_model_type()}
     figures: dict[str, Any] = {"new": NEW, "old": OLD, "results": [], "eval_windows_check": []}
-    if args.windows_check_only or args.render_only:
+    if args.windows_check_only or args.render_only or args.resume:
         figures = json.loads((args.out / "what_fits.json").read_text())
 
     def save(partial: dict[str, Any] | None = None) -> None:
         """Written after each configuration: a run cut off keeps what it measured."""
         results = figures["results"] + ([partial] if partial else [])
-        text = report(results, len(sample), len(space), figures["eval_windows_check"])
+        text = report(results, planned, len(space), figures["eval_windows_check"])
         write_report(args.out, "what_fits", {**figures, "results": results}, text)
 
     if args.windows_check_only or args.render_only:
@@ -474,13 +559,14 @@ def main() -> None:
             figures["eval_windows_check"] = eval_windows_check()
         save()
         return
-    # The 1B first (the rows the new rungs can change), the check of its held-out windows,
-    # then the example's space (its largest configurations search the ladders at length).
-    figures["results"].append(measure(LLAMA, llama_1b(), save))
-    figures["eval_windows_check"] = eval_windows_check()
-    save()
-    for name, configs in ((SAMPLE, sample), (LARGEST, largest_per_model_type())):
-        figures["results"].append(measure(name, configs, save))
+    earlier = {result["workload"]: result for result in figures["results"]}
+    # Each workload's rows so far, in the results' order; this run's number follows theirs.
+    run = 1 + max((r["run"] for result in earlier.values() for r in _runs(result)), default=0)
+    for name, configs in planned.items():
+        figures["results"] = [r for r in figures["results"] if r["workload"] != name]
+        figures["results"].append(measure(name, configs, save, earlier.get(name), run))
+        if name == LLAMA and not figures["eval_windows_check"]:
+            figures["eval_windows_check"] = eval_windows_check()
         save()
 
 
