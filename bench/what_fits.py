@@ -57,13 +57,12 @@ sys.path.insert(0, str(REPO))
 
 from bench.report import write_report  # noqa: E402
 from common.memory import peak_of  # noqa: E402
-from common.plans import rungs_of  # noqa: E402
+from common.plans import plan_in_words, rungs_of  # noqa: E402
 from service.wire import CardInfo, MemoryPolicy, Plan, Resize  # noqa: E402
 from worker.plan.policy import (  # noqa: E402
     Decision,
     RunAsPlanned,
     choose_plan,
-    describe,
     expected_slowdown,
 )
 from worker.predictor import core as predictor  # noqa: E402
@@ -211,7 +210,7 @@ def classify(runner: TorchTaskRunner, config: dict[str, Any], size_gib: int) -> 
 def _words(decision: Decision) -> str:
     """The plan chosen in words, or why the trial is handed back (its smallest plan's need)."""
     if isinstance(decision, RunAsPlanned):
-        return describe(decision.plan)
+        return plan_in_words(decision.plan)
     return f"hand back (smallest plan needs {decision.min_footprint_bytes / GIB:.2f} GiB)"
 
 
@@ -297,7 +296,7 @@ def eval_windows_check() -> list[dict[str, Any]]:
             prediction = predictor.predict(task, config, plan, spec)
             rows.append(
                 {
-                    "plan": describe(plan),
+                    "plan": plan_in_words(plan),
                     "eval_windows": windows,
                     "peak_allocated_bytes": prediction.peak_allocated_bytes,
                     "peak_reserved_bytes": prediction.peak_reserved_bytes,
@@ -395,7 +394,7 @@ def report(
     ]
     for rung, plan in RUNG_ALONE.items():
         slowdown = expected_slowdown(plan, 8, None, LLAMA_1B["num_hidden_layers"])
-        lines.append(f"| {rung} | {describe(plan)} | {slowdown:.2f}x |")
+        lines.append(f"| {rung} | {plan_in_words(plan)} | {slowdown:.2f}x |")
     return "\n".join(lines) + "\n"
 
 
