@@ -231,12 +231,14 @@ def measure(
         "load_1min_start": os.getloadavg()[0],
     }
     started, traced_before = time.perf_counter(), len(predictor._PREDICTIONS)  # a trace an entry
-    done = {_key(row): row for row in (earlier or {}).get("rows", []) if row["outcome"] != "error"}
+    done = {
+        _row_key(row): row for row in (earlier or {}).get("rows", []) if row["outcome"] != "error"
+    }
     runs = _runs(earlier) if earlier else []
     rows: list[dict[str, Any]] = []
     measured = 0
     for config in configs:
-        kept = [done.get(_key({"config": config, "card_gib": size})) for size in CARDS_GIB]
+        kept = [done.get(key) for key in _keys(config)]
         if all(kept):
             rows += kept
             continue
@@ -256,9 +258,14 @@ def measure(
     return {"workload": name, "rows": rows, "runs": [*runs, this_run] if measured else runs}
 
 
-def _key(row: dict[str, Any]) -> tuple[str, int]:
+def _row_key(row: dict[str, Any]) -> tuple[str, int]:
     """A row's configuration and card: what `--resume` matches rows by."""
     return json.dumps(row["config"], sort_keys=True), row["card_gib"]
+
+
+def _keys(config: dict[str, Any]) -> list[tuple[str, int]]:
+    """The keys of a configuration's rows, one a card."""
+    return [_row_key({"config": config, "card_gib": size}) for size in CARDS_GIB]
 
 
 def _run(start: dict[str, Any], configs: int, started: float, traced_before: int) -> dict[str, Any]:
@@ -445,14 +452,12 @@ def _not_classified(
     windows: list[dict[str, Any]],
 ) -> list[str]:
     """What the runs so far have not classified (a run cut off at a deadline), per workload."""
-    done = {_key(row) for result in results for row in result["rows"] if row["outcome"] != "error"}
+    done = {
+        _row_key(row) for result in results for row in result["rows"] if row["outcome"] != "error"
+    }
     lines = []
     for name, configs in planned.items():
-        left = [
-            c
-            for c in configs
-            if any((_key({"config": c, "card_gib": g}) not in done) for g in CARDS_GIB)
-        ]
+        left = [c for c in configs if not done.issuperset(_keys(c))]
         if len(left) > DETAILED or len(left) == len(configs):
             lines.append(f"- {name}: {len(left)} of {len(configs)} configurations.")
         elif left:
