@@ -6,10 +6,7 @@ WORKDIR /app
 # calls (bench/results/soak.md: +69 MiB/h by default, flat with 2 arenas; Python's heap flat).
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 MALLOC_ARENA_MAX=2
 COPY pyproject.toml README.md ./
-COPY common ./common
-COPY service ./service
-COPY worker ./worker
-COPY migrations ./migrations
+COPY vramtune ./vramtune
 
 FROM base AS service
 RUN pip install ".[server,postgres]"

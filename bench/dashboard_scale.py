@@ -51,17 +51,17 @@ from sqlalchemy.orm import Session
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from service.dashboard.importance import QUIET_S  # noqa: E402
-from service.db import migrate  # noqa: E402
-from service.db.engine import make_engine  # noqa: E402
-from service.db.tables import (  # noqa: E402
+from tests.browser.chromium import launch  # noqa: E402
+from vramtune.service.dashboard.importance import QUIET_S  # noqa: E402
+from vramtune.service.db import migrate  # noqa: E402
+from vramtune.service.db.engine import make_engine  # noqa: E402
+from vramtune.service.db.tables import (  # noqa: E402
     MemoryObservationRow,
     StudyRow,
     TrialRow,
     WorkerRow,
 )
-from service.wire import StudyCreate  # noqa: E402
-from tests.browser.chromium import launch  # noqa: E402
+from vramtune.service.wire import StudyCreate  # noqa: E402
 
 GIB = 1024**3
 IV_FINITE = models.TrialIntermediateValueModel.TrialIntermediateValueType.FINITE
@@ -479,7 +479,7 @@ def vramtune_server(url: str, log: Path) -> Iterator[str]:
     """`vramtune serve` on the database (auth off); its base URL."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    serve = [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    serve = [sys.executable, "-m", "vramtune", "serve", "--host", "127.0.0.1", "--port", str(port)]
     serve += ["--database-url", url]
     with process(serve, f"{base}/api/v1/health", log, {"VRAMTUNE_AUTH": "off"}):
         yield base

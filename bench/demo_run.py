@@ -43,7 +43,7 @@ def run_demo(trials: int, workdir: Path) -> dict[str, Any]:
     command = [
         sys.executable,
         "-m",
-        "service",
+        "vramtune",
         "demo",
         "--trials",
         str(trials),

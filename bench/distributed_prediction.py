@@ -40,18 +40,18 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.report import write_report  # noqa: E402
-from service.wire import Plan  # noqa: E402
-from worker.predictor.distributed import (  # noqa: E402
+from vramtune.service.wire import Plan  # noqa: E402
+from vramtune.worker.predictor.distributed import (  # noqa: E402
     STRATEGIES,
     RankRun,
     Strategy,
     measure_rank_peaks,
     trace_rank,
 )
-from worker.tasks.digits import DigitsCNNTask  # noqa: E402
-from worker.tasks.hf import HFCausalLMTask  # noqa: E402
-from worker.trial.steps import micro_batch_sizes  # noqa: E402
-from worker.trial.task import Config, Task  # noqa: E402
+from vramtune.worker.tasks.digits import DigitsCNNTask  # noqa: E402
+from vramtune.worker.tasks.hf import HFCausalLMTask  # noqa: E402
+from vramtune.worker.trial.steps import micro_batch_sizes  # noqa: E402
+from vramtune.worker.trial.task import Config, Task  # noqa: E402
 
 TOLERANCE = 0.001
 HF_MODEL: Config = {
@@ -184,9 +184,9 @@ def real_step_seconds() -> dict[str, Any]:
 def subprocess_cost() -> dict[str, float]:
     """Wall seconds of one trace in a fresh interpreter (imports included) vs in-process."""
     code = (
-        "from service.wire import Plan\n"
-        "from worker.predictor.distributed import trace_rank\n"
-        "from worker.tasks.hf import HFCausalLMTask\n"
+        "from vramtune.service.wire import Plan\n"
+        "from vramtune.worker.predictor.distributed import trace_rank\n"
+        "from vramtune.worker.tasks.hf import HFCausalLMTask\n"
         f"trace_rank(HFCausalLMTask(), {SCALING_CONFIG!r}, Plan(), 'fsdp', 8)\n"
     )
     started = time.perf_counter()

@@ -34,11 +34,11 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from bench.report import write_report  # noqa: E402
-from service.wire import Plan, TrainBudget  # noqa: E402
-from worker.device.gpu import parse_size, simulated_card  # noqa: E402
-from worker.predictor import clear_cache  # noqa: E402
-from worker.tasks.registry import discover  # noqa: E402
-from worker.trial.runner import CardSpec, TrialRunner  # noqa: E402
+from vramtune.service.wire import Plan, TrainBudget  # noqa: E402
+from vramtune.worker.device.gpu import parse_size, simulated_card  # noqa: E402
+from vramtune.worker.predictor import clear_cache  # noqa: E402
+from vramtune.worker.tasks.registry import discover  # noqa: E402
+from vramtune.worker.trial.runner import CardSpec, TrialRunner  # noqa: E402
 
 CARD = CardSpec(info=simulated_card(parse_size("4GiB")))
 EXAMPLES = REPO / "examples"
@@ -96,7 +96,7 @@ def runners() -> dict[str, TrialRunner]:
         print(f"skipped {name}: {why}")
     available = dict(found.runners)
     if importlib.util.find_spec("transformers") is not None:
-        from worker.integrations.hf_trainer import TrainerTask
+        from vramtune.worker.integrations.hf_trainer import TrainerTask
 
         available["hf-trainer-bert"] = TrainerTask("hf-trainer-bert", _bert_kwargs)
     return available

@@ -70,18 +70,18 @@ def play_choices(configs: list[dict[str, Any]], warm: bool) -> dict[str, Any]:
     """In this process: (warm-up if asked, then) one plan choice per demo configuration."""
     import yaml
 
-    from service.wire import StudyCreate
-    from worker.device.gpu import parse_size, simulated_card
-    from worker.plan.policy import choose_plan
-    from worker.predictor import warm_up
-    from worker.tasks.registry import discover
-    from worker.tasks.warm import warm_up_workloads
-    from worker.trial.runner import CardSpec, trial_config
+    from vramtune.service.wire import StudyCreate
+    from vramtune.worker.device.gpu import parse_size, simulated_card
+    from vramtune.worker.plan.policy import choose_plan
+    from vramtune.worker.predictor import warm_up
+    from vramtune.worker.tasks.registry import discover
+    from vramtune.worker.tasks.warm import warm_up_workloads
+    from vramtune.worker.trial.runner import CardSpec, trial_config
 
     spec = StudyCreate.model_validate(
         yaml.safe_load((REPO / "examples" / "char-transformer.yaml").read_text())
     )
-    runner = discover(["worker.tasks.charlm"], entry_points=False).runners[spec.task]
+    runner = discover(["vramtune.worker.tasks.charlm"], entry_points=False).runners[spec.task]
     card = CardSpec(info=simulated_card(parse_size("256MiB")))
     timed: dict[str, Any] = {"warm_up": None, "choices": []}
     if warm:
@@ -152,8 +152,8 @@ def markdown_played(played: dict[str, Any]) -> str:
         "The demo run's configurations in trial order, `choose_plan` on a simulated 256 MiB card "
         "(`bench/first_plan.py --child`), each process new: *cold* takes its first choice with "
         "nothing traced yet (a worker before issue 35, whose first lease came before its warm-up "
-        "ended); *warm* runs the worker's warm-up first (`worker.tasks.warm`), as a worker now "
-        "does before its first lease.",
+        "ended); *warm* runs the worker's warm-up first (`vramtune.worker.tasks.warm`), as a "
+        "worker now does before its first lease.",
         "",
         "| process | load (before / after) | warm-up | choice 1 | later choices: median | "
         "each (wall / CPU s) |",

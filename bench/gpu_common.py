@@ -3,7 +3,7 @@ a reporter that lets every step run, and the relative error they report."""
 
 from __future__ import annotations
 
-from worker.trial.task import Config
+from vramtune.worker.trial.task import Config
 
 HF_CONFIG: Config = {
     "model_type": "llama",

@@ -28,9 +28,9 @@ sys.path.insert(0, str(REPO))
 
 from bench.gpu_common import HF_CONFIG, Quiet, percent, relative_error  # noqa: E402
 from bench.report import write_report  # noqa: E402
-from service.wire import Plan, TrainBudget  # noqa: E402
-from worker.trial.runner import CardSpec  # noqa: E402
-from worker.trial.task import Config, Task  # noqa: E402
+from vramtune.service.wire import Plan, TrainBudget  # noqa: E402
+from vramtune.worker.trial.runner import CardSpec  # noqa: E402
+from vramtune.worker.trial.task import Config, Task  # noqa: E402
 
 BUDGET = TrainBudget(max_steps=6, eval_every=6)
 PLANS = {
@@ -50,16 +50,16 @@ CHAR_CONFIG: Config = {
 
 def families() -> list[tuple[Task, Config]]:
     """A plain-PyTorch decoder and a transformers Llama."""
-    from worker.tasks.charlm import CharTransformerTask
-    from worker.tasks.hf import HFCausalLMTask
+    from vramtune.worker.tasks.charlm import CharTransformerTask
+    from vramtune.worker.tasks.hf import HFCausalLMTask
 
     return [(CharTransformerTask(), CHAR_CONFIG), (HFCausalLMTask(), HF_CONFIG)]
 
 
 def gpu_card() -> CardSpec:
     """The first GPU, as a worker sees it, with its constants measured."""
-    from worker.device.gpu import card_for_device
-    from worker.predictor import measure_card_constants
+    from vramtune.worker.device.gpu import card_for_device
+    from vramtune.worker.predictor import measure_card_constants
 
     constants = dict(measure_card_constants("cuda:0").model_dump())
     return CardSpec(info=card_for_device("cuda:0"), constants=constants, device="cuda:0")
@@ -67,10 +67,10 @@ def gpu_card() -> CardSpec:
 
 def one_case(task: Task, config: Config, name: str, plan: Plan, card: CardSpec) -> dict[str, Any]:
     """One plan predicted on the card, then run there."""
-    from common.step_time import default_step_time_fit, step_time_slowdown
-    from worker.plan.policy import step_features
-    from worker.predictor import predict
-    from worker.run.training import TorchTaskRunner
+    from vramtune.common.step_time import default_step_time_fit, step_time_slowdown
+    from vramtune.worker.plan.policy import step_features
+    from vramtune.worker.predictor import predict
+    from vramtune.worker.run.training import TorchTaskRunner
 
     predicted = predict(task, config, plan, card)
     result = TorchTaskRunner(task).run(config, plan, BUDGET, card, Quiet())
@@ -135,7 +135,7 @@ def render(result: dict[str, Any]) -> str:
         "Predicted: the worker's trace on fake cuda (host copies on fake cpu, not counted). "
         "Measured: `torch.cuda.max_memory_allocated` / `max_memory_reserved` over "
         f"{BUDGET.max_steps} steps of the worker's loop. Slowdown: as-asked samples/s over the "
-        "plan's; prior: the step-time model's before any run (common/step_time.py).",
+        "plan's; prior: the step-time model's before any run (vramtune/common/step_time.py).",
     ]
     return "\n".join(lines) + "\n"
 

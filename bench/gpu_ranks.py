@@ -6,7 +6,7 @@ gathered after forward (`reshard_after_forward=False`), one global batch each, t
 the product's own distributed trial (`worker.run.ranks.RankGroupRunner` on `cuda:0..W-1`: one
 process per card, `CUDA_VISIBLE_DEVICES` per rank, NCCL), which measures every rank's
 `torch.cuda.max_memory_allocated` / `max_memory_reserved`, and compares each with the per-rank
-prediction the worker makes before launching it (`worker.predictor.distributed.trace_rank`,
+prediction the worker makes before launching it (`vramtune.worker.predictor.distributed.trace_rank`,
 rank 0 on a fake process group). The CPU trace does not see CUDA's kernel choices (SDPA,
 dropout masks) or the NCCL buffers, so this is where the per-rank gap on real cards is
 measured; on CPU ranks (gloo) the same prediction is exact (bench/distributed_prediction.py).
@@ -32,9 +32,9 @@ sys.path.insert(0, str(REPO))
 from bench.distributed_prediction import wrapper  # noqa: E402
 from bench.gpu_common import HF_CONFIG, Quiet, percent, relative_error  # noqa: E402
 from bench.report import write_report  # noqa: E402
-from service.wire import Plan, Strategy, TrainBudget  # noqa: E402
-from worker.trial.runner import CardSpec  # noqa: E402
-from worker.trial.task import Config, Task  # noqa: E402
+from vramtune.service.wire import Plan, Strategy, TrainBudget  # noqa: E402
+from vramtune.worker.trial.runner import CardSpec  # noqa: E402
+from vramtune.worker.trial.task import Config, Task  # noqa: E402
 
 WORLD_SIZES = (2, 4)
 WRAPPERS: tuple[tuple[Strategy, bool], ...] = (("ddp", True), ("fsdp", True), ("fsdp", False))
@@ -45,15 +45,15 @@ CNN_CONFIG: Config = {"width": 32, "depth": 3, "resolution": 64, "batch_size": 6
 
 def families() -> list[tuple[Task, Config]]:
     """The task families run: a decoder (one `fully_shard` per layer) and a CNN."""
-    from worker.tasks.digits import DigitsCNNTask
-    from worker.tasks.hf import HFCausalLMTask
+    from vramtune.worker.tasks.digits import DigitsCNNTask
+    from vramtune.worker.tasks.hf import HFCausalLMTask
 
     return [(HFCausalLMTask(), HF_CONFIG), (DigitsCNNTask(), CNN_CONFIG)]
 
 
 def gpu_card(device: str) -> CardSpec:
     """The card behind a CUDA device, as a worker started with `--devices` sees it."""
-    from worker.device.gpu import card_for_device
+    from vramtune.worker.device.gpu import card_for_device
 
     return CardSpec(info=card_for_device(device), device=device)
 
@@ -68,9 +68,9 @@ def one_case(
 ) -> dict[str, Any]:
     """One distributed trial on `devices` (one rank each) against its per-rank prediction;
     `reshard_after_forward=False`: FSDP2 keeping each unit's parameters gathered."""
-    from worker.predictor.distributed import trace_rank
-    from worker.run.ranks import RankGroupRunner
-    from worker.run.training import TorchTaskRunner
+    from vramtune.worker.predictor.distributed import trace_rank
+    from vramtune.worker.run.ranks import RankGroupRunner
+    from vramtune.worker.run.training import TorchTaskRunner
 
     world_size = len(devices)
     plan = Plan(

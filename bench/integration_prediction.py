@@ -28,11 +28,11 @@ sys.path.insert(0, str(REPO / "examples" / "hf_trainer"))
 import torch  # noqa: E402
 
 from bench.report import write_report  # noqa: E402
-from service.wire import Plan  # noqa: E402
-from worker.device.gpu import parse_size, simulated_card  # noqa: E402
-from worker.device.memory import MemoryTracker  # noqa: E402
-from worker.integrations.hf_trainer import TrainerTask  # noqa: E402
-from worker.trial.runner import CardSpec  # noqa: E402
+from vramtune.service.wire import Plan  # noqa: E402
+from vramtune.worker.device.gpu import parse_size, simulated_card  # noqa: E402
+from vramtune.worker.device.memory import MemoryTracker  # noqa: E402
+from vramtune.worker.integrations.hf_trainer import TrainerTask  # noqa: E402
+from vramtune.worker.trial.runner import CardSpec  # noqa: E402
 
 CARD = CardSpec(info=simulated_card(parse_size("16GiB")))
 BERT_LEN = 64

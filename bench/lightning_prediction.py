@@ -34,10 +34,10 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "examples" / "lightning"))
 
 from bench.report import write_report  # noqa: E402
-from service.wire import TrainBudget  # noqa: E402
-from worker.device.gpu import parse_size, simulated_card  # noqa: E402
-from worker.integrations.lightning import LightningTask  # noqa: E402
-from worker.trial.runner import CardSpec, plan_for_micro_batch  # noqa: E402
+from vramtune.service.wire import TrainBudget  # noqa: E402
+from vramtune.worker.device.gpu import parse_size, simulated_card  # noqa: E402
+from vramtune.worker.integrations.lightning import LightningTask  # noqa: E402
+from vramtune.worker.trial.runner import CardSpec, plan_for_micro_batch  # noqa: E402
 
 CARD = CardSpec(info=simulated_card(parse_size("16GiB")))
 # Validation every 2 steps: step 4 runs beside step 3's gradients and what validation left

@@ -31,12 +31,12 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "worker"))
 
 from bench.report import write_report  # noqa: E402
-from service.wire import Plan  # noqa: E402
-from worker.device.memory import MemoryTracker  # noqa: E402
-from worker.predictor import clear_cache, predict  # noqa: E402
-from worker.predictor.core import _probe  # noqa: E402
-from worker.trial.steps import batch_feeder, build_for_plan, train_step  # noqa: E402
-from worker.trial.task import Config, Task  # noqa: E402
+from vramtune.service.wire import Plan  # noqa: E402
+from vramtune.worker.device.memory import MemoryTracker  # noqa: E402
+from vramtune.worker.predictor import clear_cache, predict  # noqa: E402
+from vramtune.worker.predictor.core import _probe  # noqa: E402
+from vramtune.worker.trial.steps import batch_feeder, build_for_plan, train_step  # noqa: E402
+from vramtune.worker.trial.task import Config, Task  # noqa: E402
 
 CPU = torch.device("cpu")
 BASE = {
@@ -112,7 +112,7 @@ def case(name: str, task: Task, config: Config, plan: Plan, probe: bool = True) 
 def rows() -> list[dict[str, Any]]:
     from test_predictor_conversion import StagewiseTask
 
-    from worker.tasks.hf import HFCausalLMTask
+    from vramtune.worker.tasks.hf import HFCausalLMTask
 
     hf = HFCausalLMTask()
     out = []

@@ -23,13 +23,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.report import write_report  # noqa: E402
-from common.step_time import default_step_time_fit, step_time_slowdown  # noqa: E402
-from service.wire import CardInfo, Plan  # noqa: E402
-from worker.plan.policy import step_features  # noqa: E402
-from worker.predictor import clear_cache, predict  # noqa: E402
-from worker.tasks.hf import HFCausalLMTask  # noqa: E402
-from worker.trial.runner import CardSpec  # noqa: E402
-from worker.trial.task import Config  # noqa: E402
+from vramtune.common.step_time import default_step_time_fit, step_time_slowdown  # noqa: E402
+from vramtune.service.wire import CardInfo, Plan  # noqa: E402
+from vramtune.worker.plan.policy import step_features  # noqa: E402
+from vramtune.worker.predictor import clear_cache, predict  # noqa: E402
+from vramtune.worker.tasks.hf import HFCausalLMTask  # noqa: E402
+from vramtune.worker.trial.runner import CardSpec  # noqa: E402
+from vramtune.worker.trial.task import Config  # noqa: E402
 
 CARD = CardSpec(
     info=CardInfo(model="emulated CUDA", total_bytes=80 * 2**30, free_bytes=80 * 2**30),

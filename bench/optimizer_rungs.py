@@ -5,7 +5,7 @@ Each configuration runs `STEPS` real training steps (after one warm-up step) per
 memory tracker, as the CPU card's trainer does (so torchao's update runs eagerly, as there),
 and is predicted by the trace: the table gives the measured and predicted peaks, the optimizer
 state at the peak, and the median step time relative to AdamW's. The step-time model's priors
-for the two rungs (common/step_time.py) are read from these ratios. Writes
+for the two rungs (vramtune/common/step_time.py) are read from these ratios. Writes
 ``optimizer_rungs.{md,json}`` under ``--out`` (default bench/results/) with the 1-minute load
 average beside each figure.
 Usage: ``flock /tmp/bench.lock python bench/optimizer_rungs.py``
@@ -27,18 +27,18 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from common.memory import peak_of  # noqa: E402
-from service.wire import Plan  # noqa: E402
-from worker.device.memory import MemoryTracker  # noqa: E402
-from worker.predictor import clear_cache, predict  # noqa: E402
-from worker.tasks.charlm import CharTransformerTask  # noqa: E402
-from worker.trial.steps import (  # noqa: E402
+from vramtune.common.memory import peak_of  # noqa: E402
+from vramtune.service.wire import Plan  # noqa: E402
+from vramtune.worker.device.memory import MemoryTracker  # noqa: E402
+from vramtune.worker.predictor import clear_cache, predict  # noqa: E402
+from vramtune.worker.tasks.charlm import CharTransformerTask  # noqa: E402
+from vramtune.worker.trial.steps import (  # noqa: E402
     batch_feeder,
     build_for_plan,
     build_optimizer_for_plan,
     train_step,
 )
-from worker.trial.task import Task  # noqa: E402
+from vramtune.worker.trial.task import Task  # noqa: E402
 
 STEPS = 5
 CONFIGS: dict[str, dict[str, Any]] = {

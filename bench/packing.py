@@ -1,8 +1,8 @@
 """Packing small trials on one card (issue 15, section 3): completed trials per hour, packed
 against the one-trial-per-card worker, on real torch training.
 
-Each arm gets a fresh SQLite database, a real server (``python -m service serve``) and one real
-worker process (``python -m service worker --device cpu --memory-limit 512MiB``) that runs a
+Each arm gets a fresh SQLite database, a real server (``python -m vramtune serve``) and one real
+worker process (``python -m vramtune worker --device cpu --memory-limit 512MiB``) that runs a
 digits-cnn study of small configurations: the same random sampler and seed, hence the same
 configuration for each trial number in every arm (the server keeps a seeded sampler's state).
 The clock starts when the study is created (the worker is registered and idle, a packing
@@ -38,9 +38,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from service.client import Client
-from service.testing import server_factory, sqlite_url, upgrade_database
-from service.wire import TrialOut
+from vramtune.service.client import Client
+from vramtune.service.testing import server_factory, sqlite_url, upgrade_database
+from vramtune.service.wire import TrialOut
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
@@ -114,7 +114,7 @@ def run_arm(arm: str, trials: int, steps: int, directory: Path) -> dict[str, Any
 
 
 def _start_worker(server: str, slots: int, log_path: Path) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-m", "service", "worker", "--server", server, "--device", "cpu"]
+    command = [sys.executable, "-m", "vramtune", "worker", "--server", server, "--device", "cpu"]
     command += ["--memory-limit", CARD, "--poll", "0.1", "--name", log_path.stem]
     command += ["--max-trials-per-card", str(slots)]
     with log_path.open("ab") as log:

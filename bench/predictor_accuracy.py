@@ -41,17 +41,17 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.zoo import ZOO, ZooTask  # noqa: E402
-from service.calibration import fit_calibration  # noqa: E402
-from service.wire import CardInfo, Plan, Prediction, calibrated_bytes  # noqa: E402
-from worker.device.memory import MemoryTracker  # noqa: E402
-from worker.predictor import (  # noqa: E402
+from vramtune.service.calibration import fit_calibration  # noqa: E402
+from vramtune.service.wire import CardInfo, Plan, Prediction, calibrated_bytes  # noqa: E402
+from vramtune.worker.device.memory import MemoryTracker  # noqa: E402
+from vramtune.worker.predictor import (  # noqa: E402
     EMULATED_CUDA_TARGET,
     clear_cache,
     measure_card_constants,
     predict,
 )
-from worker.trial.runner import CardSpec, plan_for_micro_batch  # noqa: E402
-from worker.trial.steps import batch_feeder, build_for_plan, train_step  # noqa: E402
+from vramtune.worker.trial.runner import CardSpec, plan_for_micro_batch  # noqa: E402
+from vramtune.worker.trial.steps import batch_feeder, build_for_plan, train_step  # noqa: E402
 
 MiB = 2**20
 EMULATE = [True]
@@ -97,7 +97,7 @@ def cases(gpu: bool) -> list[Case]:
     return [case for stage in stages for case in stage]
 
 
-# Model families (worker/tasks/hf.py, timm_image.py, vision.py) at CPU-sized shapes: GPT-2
+# Model families (vramtune/worker/tasks/hf.py, timm_image.py, vision.py) at CPU-sized shapes: GPT-2
 # 124M keeps its 12 x 768 shape and 50,257-token vocabulary but runs 64-token windows; the
 # image models run at 64 px, batches 8 and 32. Each as asked, checkpointing and bf16.
 FAMILIES: list[tuple[str, str, dict[str, Any], tuple[int, int]]] = [
@@ -131,7 +131,7 @@ class _Named:
 
 def family_cases() -> tuple[list[Case], dict[str, str]]:
     """The family cases whose library imports here, and why the others were left out."""
-    from worker.tasks.registry import discover
+    from vramtune.worker.tasks.registry import discover
 
     found = discover()
     selected, missing = [], {}
@@ -317,7 +317,7 @@ def gpu_card(device: torch.device) -> CardSpec:
 
 def _nvml_used(device: torch.device) -> int | None:
     try:
-        from worker.device.gpu import process_used_bytes
+        from vramtune.worker.device.gpu import process_used_bytes
     except ImportError:
         return None
     return process_used_bytes(device.index or 0)
@@ -469,7 +469,7 @@ def cpu_markdown(
         f"{env['load_average_1m']} at the end · `python bench/predictor_accuracy.py`",
         "",
         "Fake-cpu prediction vs the real CPU run's tracked peak (live tensor bytes, 512-byte "
-        "rounding, two training steps through `worker.trial.steps.train_step`), and the "
+        "rounding, two training steps through `vramtune.worker.trial.steps.train_step`), and the "
         "emulated-CUDA "
         "prediction (fake cpu with CUDA kernel choices, foreach AdamW, the CUDA autocast "
         "policy and the caching-allocator model; card constants zero).",

@@ -26,13 +26,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.zoo import ZOO  # noqa: E402
-from service.wire import Plan  # noqa: E402
-from worker.device.memory import MemoryTracker  # noqa: E402
-from worker.predictor import CPU_TARGET, trace_training  # noqa: E402
-from worker.predictor.trace import _FakeDeepcopy, correct_fake  # noqa: E402
-from worker.tasks.charlm import CharTransformerTask  # noqa: E402
-from worker.trial.steps import build_for_plan, train_step  # noqa: E402
-from worker.trial.task import Task  # noqa: E402
+from vramtune.service.wire import Plan  # noqa: E402
+from vramtune.worker.device.memory import MemoryTracker  # noqa: E402
+from vramtune.worker.predictor import CPU_TARGET, trace_training  # noqa: E402
+from vramtune.worker.predictor.trace import _FakeDeepcopy, correct_fake  # noqa: E402
+from vramtune.worker.tasks.charlm import CharTransformerTask  # noqa: E402
+from vramtune.worker.trial.steps import build_for_plan, train_step  # noqa: E402
+from vramtune.worker.trial.task import Task  # noqa: E402
 
 CPU = torch.device("cpu")
 DEMO_LARGEST = {"n_layers": 6, "d_model": 512, "n_heads": 8, "seq_len": 512, "dropout": 0.1}

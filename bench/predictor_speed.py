@@ -42,23 +42,23 @@ from bench.zoo import (  # noqa: E402
     ZooTask,
     models as zoo_models,
 )
-from service.cli.demo import CARDS, DEFAULT_STUDY  # noqa: E402
-from service.optuna.glue import make_sampler, search_space  # noqa: E402
-from service.wire import CardInfo, MemoryPolicy, Plan, StudyCreate  # noqa: E402
-from worker.device.gpu import parse_size  # noqa: E402
-from worker.plan.policy import HandBack, choose_plan  # noqa: E402
-from worker.predictor import (  # noqa: E402
+from vramtune.service.cli.demo import CARDS, DEFAULT_STUDY  # noqa: E402
+from vramtune.service.optuna.glue import make_sampler, search_space  # noqa: E402
+from vramtune.service.wire import CardInfo, MemoryPolicy, Plan, StudyCreate  # noqa: E402
+from vramtune.worker.device.gpu import parse_size  # noqa: E402
+from vramtune.worker.plan.policy import HandBack, choose_plan  # noqa: E402
+from vramtune.worker.predictor import (  # noqa: E402
     clear_cache,
     core as predictor_core,
     predict,
     warm_up,
 )
-from worker.run.training import TorchTaskRunner  # noqa: E402
-from worker.tasks.charlm import CharTransformerTask  # noqa: E402
-from worker.tasks.warm import warm_up_workloads  # noqa: E402
-from worker.trial.runner import CardSpec  # noqa: E402
-from worker.trial.steps import batch_feeder, build_for_plan, train_step  # noqa: E402
-from worker.trial.task import Task  # noqa: E402
+from vramtune.worker.run.training import TorchTaskRunner  # noqa: E402
+from vramtune.worker.tasks.charlm import CharTransformerTask  # noqa: E402
+from vramtune.worker.tasks.warm import warm_up_workloads  # noqa: E402
+from vramtune.worker.trial.runner import CardSpec  # noqa: E402
+from vramtune.worker.trial.steps import batch_feeder, build_for_plan, train_step  # noqa: E402
+from vramtune.worker.trial.task import Task  # noqa: E402
 
 CPU = torch.device("cpu")
 MiB = 2**20

@@ -32,7 +32,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from service.testing import (  # noqa: E402
+from vramtune.service.testing import (  # noqa: E402
     fresh_postgres_database,
     run_vramtune,
     server_factory,

@@ -11,7 +11,7 @@ from the predicted peaks of that configuration so that one kind of plan is the c
   loss, both at a micro-batch of 1, and the smaller of those two plans alone;
 - nothing: one byte below the smallest plan of all (the policy's one-trace shortcut).
 
-Counted: calls of worker.predictor's predict (the solver's included), the predictor's cache
+Counted: calls of vramtune.worker.predictor's predict (the solver's included), the predictor's cache
 cleared before each choice, so each call is a trace or a probe. Writes
 ``rung_combinations.{md,json}`` under ``--out`` (default bench/results/) with the 1-minute load
 average beside each figure.
@@ -33,15 +33,15 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import worker.predictor as predictor_package  # noqa: E402
-from common.memory import peak_of  # noqa: E402
-from common.plans import rungs_of  # noqa: E402
-from service.wire import CardInfo, MemoryPolicy, Plan, Resize  # noqa: E402
-from worker.plan.policy import RunAsPlanned, choose_plan  # noqa: E402
-from worker.predictor import clear_cache, core  # noqa: E402
-from worker.run.training import TorchTaskRunner  # noqa: E402
-from worker.tasks.hf import HFCausalLMTask  # noqa: E402
-from worker.trial.runner import CardSpec, plan_for_micro_batch  # noqa: E402
+import vramtune.worker.predictor as predictor_package  # noqa: E402
+from vramtune.common.memory import peak_of  # noqa: E402
+from vramtune.common.plans import rungs_of  # noqa: E402
+from vramtune.service.wire import CardInfo, MemoryPolicy, Plan, Resize  # noqa: E402
+from vramtune.worker.plan.policy import RunAsPlanned, choose_plan  # noqa: E402
+from vramtune.worker.predictor import clear_cache, core  # noqa: E402
+from vramtune.worker.run.training import TorchTaskRunner  # noqa: E402
+from vramtune.worker.tasks.hf import HFCausalLMTask  # noqa: E402
+from vramtune.worker.trial.runner import CardSpec, plan_for_micro_batch  # noqa: E402
 
 RESIZES: list[Resize] = [
     "micro_batch",
@@ -66,7 +66,7 @@ def largest_config() -> dict[str, Any]:
 
 
 class Counted:
-    """Counts the calls of worker.predictor's predict while it is installed."""
+    """Counts the calls of vramtune.worker.predictor's predict while it is installed."""
 
     def __init__(self) -> None:
         self.calls = 0

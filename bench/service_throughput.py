@@ -68,12 +68,12 @@ from optuna.storages._rdb import models
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from service.db.engine import engine_kwargs, make_engine, make_sessions  # noqa: E402
-from service.db.migrate import upgrade  # noqa: E402
-from service.optuna.glue import make_storage  # noqa: E402
-from service.state import utcnow  # noqa: E402
-from service.studies import create_study  # noqa: E402
-from service.wire import API_PREFIX, StudyCreate  # noqa: E402
+from vramtune.service.db.engine import engine_kwargs, make_engine, make_sessions  # noqa: E402
+from vramtune.service.db.migrate import upgrade  # noqa: E402
+from vramtune.service.optuna.glue import make_storage  # noqa: E402
+from vramtune.service.state import utcnow  # noqa: E402
+from vramtune.service.studies import create_study  # noqa: E402
+from vramtune.service.wire import API_PREFIX, StudyCreate  # noqa: E402
 
 PG_ADMIN_URL = os.environ.get("BENCH_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/postgres")
 PG_HOST = os.environ.get("BENCH_PG_HOST", "postgres@127.0.0.1:5432")
@@ -163,7 +163,7 @@ class CellResult:
     load: tuple[float, float] | None = None  # 1-minute load average before and after
     # Mean ms per request and per phase of a call inside the server, over the window, from its
     # /metrics (process 1 of the server only when it runs several): "route call" and
-    # "phase call/name" (service.metrics.PHASE_SECONDS), with their counts.
+    # "phase call/name" (vramtune.service.metrics.PHASE_SECONDS), with their counts.
     phases_ms: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
@@ -388,7 +388,7 @@ def vramtune_server(url: str, processes: int = 1) -> Iterator[tuple[int, psutil.
             if k.startswith("BENCH_SERVER_")
         }
     )
-    command = [sys.executable, "-m", "service", "serve", "--port", str(port)]
+    command = [sys.executable, "-m", "vramtune", "serve", "--port", str(port)]
     if os.environ.get("BENCH_SERVER_SCRIPT"):  # an experiment: a script that takes the port
         command = [sys.executable, os.environ["BENCH_SERVER_SCRIPT"], str(port)]
     process = subprocess.Popen(command, env=env, cwd=REPO)

@@ -18,14 +18,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from service.wire import MemoryPolicy
-from worker.device.gpu import parse_size, simulated_card
-from worker.plan.policy import RunAsPlanned, choose_plan
-from worker.plan.shared_predictions import shared
-from worker.predictor import clear_cache
-from worker.run.training import TorchTaskRunner
-from worker.tasks.charlm import CharTransformerTask
-from worker.trial.runner import CardSpec
+from vramtune.service.wire import MemoryPolicy
+from vramtune.worker.device.gpu import parse_size, simulated_card
+from vramtune.worker.plan.policy import RunAsPlanned, choose_plan
+from vramtune.worker.plan.shared_predictions import shared
+from vramtune.worker.predictor import clear_cache
+from vramtune.worker.run.training import TorchTaskRunner
+from vramtune.worker.tasks.charlm import CharTransformerTask
+from vramtune.worker.trial.runner import CardSpec
 
 RESULTS = Path(__file__).parent / "results"
 CARD = CardSpec(info=simulated_card(parse_size("384MiB")))

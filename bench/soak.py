@@ -57,7 +57,7 @@ from service_throughput import (
     vramtune_server,
 )
 
-from service.wire import API_PREFIX
+from vramtune.service.wire import API_PREFIX
 
 
 @dataclass

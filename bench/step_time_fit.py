@@ -37,8 +37,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from service.step_time import fit_step_time, relative_error  # noqa: E402
-from service.wire import StepTimeFit, StepTimeObservation  # noqa: E402
+from vramtune.service.step_time import fit_step_time, relative_error  # noqa: E402
+from vramtune.service.wire import StepTimeFit, StepTimeObservation  # noqa: E402
 
 BEFORE = "b2d3dbc"  # the last commit before the step-time fit weighed workers
 REPEATS = 5
@@ -54,7 +54,7 @@ def load_average() -> float:
 def fit_before() -> Fit:
     """The fit as it was at BEFORE, every run weighing 1 (the workers are ignored)."""
     source = subprocess.run(
-        ["git", "show", f"{BEFORE}:service/step_time.py"],
+        ["git", "show", f"{BEFORE}:vramtune/service/step_time.py"],
         cwd=REPO,
         check=True,
         capture_output=True,
@@ -127,7 +127,7 @@ def markdown(result: dict[str, Any]) -> str:
         "# Step-time fit: cost before and after the worker weights and outlier drop",
         "",
         f"{result['date']}, `bench/step_time_fit.py`, {N_RUNS} observations, "
-        f"median of {REPEATS} fits; before = `service/step_time.py` at {BEFORE}. "
+        f"median of {REPEATS} fits; before = `vramtune/service/step_time.py` at {BEFORE}. "
         f"Load average (1 min) {result['load_before']:.2f} before, "
         f"{result['load_after']:.2f} after.",
         "",

@@ -2,8 +2,9 @@
 
 Every arm tunes the same task with the same search space and the same TPE seed (the product's
 own sampler, service.optuna_glue.make_sampler) for the same wall budget on the same simulated
-fleet: CPU "cards" with simulated memory limits (worker.device.memory's tracker stops a run past its
-card, as a CUDA OOM would). Every trial is a real torch training (worker.run.training), measured.
+fleet: CPU "cards" with simulated memory limits (vramtune.worker.device.memory's tracker stops a run
+past its card, as a CUDA OOM would). Every trial is a real torch training (worker.run.training),
+measured.
 
 - naive: plain Optuna; a trial runs as asked on the card that is free; one that does not fit
   dies out of memory and is told FAIL.
@@ -55,11 +56,11 @@ from typing import Any, Literal
 import optuna
 import torch
 
-from common.plans import plan_in_words
-from service.fleet.routing import MEMORY_CONSTRAINT, headroom, placeholder_values
-from service.optuna.glue import make_sampler, search_space
-from service.step_time import fit_step_time
-from service.wire import (
+from vramtune.common.plans import plan_in_words
+from vramtune.service.fleet.routing import MEMORY_CONSTRAINT, headroom, placeholder_values
+from vramtune.service.optuna.glue import make_sampler, search_space
+from vramtune.service.step_time import fit_step_time
+from vramtune.service.wire import (
     Plan,
     PlanOut,
     Prediction,
@@ -68,19 +69,19 @@ from service.wire import (
     StudyCreate,
     TrainBudget,
 )
-from worker.device.gpu import parse_size, simulated_card
-from worker.loop.lookahead import lease_delay
-from worker.plan.policy import Decision, HandBack, RunAsPlanned, choose_plan
-from worker.tasks.charlm import CharTransformerTask
-from worker.tasks.digits import DigitsCNNTask
-from worker.trial.runner import CardSpec, Config, OutOfMemory
+from vramtune.worker.device.gpu import parse_size, simulated_card
+from vramtune.worker.loop.lookahead import lease_delay
+from vramtune.worker.plan.policy import Decision, HandBack, RunAsPlanned, choose_plan
+from vramtune.worker.tasks.charlm import CharTransformerTask
+from vramtune.worker.tasks.digits import DigitsCNNTask
+from vramtune.worker.trial.runner import CardSpec, Config, OutOfMemory
 
 try:  # the [hf] extra (in [dev]); without it the benchmark runs the two other tasks
-    from worker.tasks.hf import HFCausalLMTask
+    from vramtune.worker.tasks.hf import HFCausalLMTask
 except ImportError:
     HFCausalLMTask = None  # type: ignore[assignment,misc]
-from worker.plan.time_routing import HandBackForTime, prefer_larger_card
-from worker.run.training import TorchTaskRunner, TrainingDiverged
+from vramtune.worker.plan.time_routing import HandBackForTime, prefer_larger_card
+from vramtune.worker.run.training import TorchTaskRunner, TrainingDiverged
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "tuning_efficiency"
@@ -313,8 +314,8 @@ class TimedPredictor:
 
 
 class Planner:
-    """The worker's own plan choice (worker.plan.policy.choose_plan), with the fleet's step-time
-    model of the card, and the planning CPU-seconds it is charged (see TimedPredictor)."""
+    """The worker's own plan choice (vramtune.worker.plan.policy.choose_plan), with the fleet's
+    step-time model of the card, and the planning CPU-seconds it is charged (see TimedPredictor)."""
 
     def __init__(self, predictor: TimedPredictor, spec: StudyCreate) -> None:
         self.predictor = predictor
@@ -803,7 +804,9 @@ def main(argv: list[str] | None = None) -> int:
         # OOM in the first run whatever the machine's load (the smoke test asserts it).
         args.seeds, args.tasks, args.budget = [QUICK_SEED], ["digits-cnn"], args.budget or 5.0
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    logging.getLogger("worker.run.training").setLevel(logging.ERROR)  # every naive OOM warns
+    logging.getLogger("vramtune.worker.run.training").setLevel(
+        logging.ERROR
+    )  # every naive OOM warns
     torch.set_num_threads(1)  # deterministic runs, and CPU time that is one card's time
     fleet = [CardSpec(info=simulated_card(parse_size(size))) for size in FLEET]
     load_before, began = _loadavg(), time.monotonic()
@@ -1249,7 +1252,7 @@ NOTES = [
     "no card holds even resized, told COMPLETE with a violated memory constraint.",
     "- *Routed by time*: vramtune hand-backs of trials that fit the card only resized, "
     "predicted at least 2x slower a step than as asked, to a larger card that holds them as "
-    "asked (worker/plan/time_routing.py).",
+    "asked (vramtune/worker/plan/time_routing.py).",
     "- *Changed hyperparameter*: retry-halving trials whose metric came from a smaller batch "
     "than the one Optuna suggested (and was told it had). *Resized*: vramtune trials run with "
     "micro-batches (the effective batch kept).",
@@ -1259,7 +1262,7 @@ NOTES = [
     "(one torch thread) plus, for vramtune, the planning time the card waited for.",
     "- *Step-time error*: the fleet's step-time model (service/step_time.py) as the worker "
     "applied it when it chose the plan, against the run's training CPU-seconds per step, "
-    "evaluation excluded, as the worker reports it (worker/run/training.py).",
+    "evaluation excluded, as the worker reports it (vramtune/worker/run/training.py).",
     "- *vramtune-lease-late*: the candidate worker/loop/lookahead.py's lease_delay (not yet called "
     "by the agent): once the fleet's step-time model predicts the current run, the next trial "
     "is leased at 0.6 x its predicted seconds less twice the card's longest recent plan "

@@ -1,13 +1,13 @@
 """What fits on which card: how many configurations run as asked, resized by the old ladder,
 resized only by the new rungs, or nowhere, on card sizes of 8, 16, 24, 48 and 80 GiB.
 
-Predicted only (nothing runs): the worker's own plan choice (worker/plan/policy.py) on CUDA
+Predicted only (nothing runs): the worker's own plan choice (vramtune/worker/plan/policy.py) on CUDA
 cards, traced on fake cpu with CUDA's kernel choices emulated (a GPU worker traces on fake
 cuda). Two ladders, both with the policy's 10 % margin:
 
 - old: the ladder before issue 32, examples/hf-causal-lm.yaml's `resizes` (OLD);
 - new: every rung in NEW, one entry each (a rung that lands later is one more entry; the
-  report names the rungs service.wire.Resize has that NEW leaves out).
+  report names the rungs vramtune.service.wire.Resize has that NEW leaves out).
 
 A configuration counts as "new rungs only" when the old ladder hands it back and the new one
 runs it. Workloads: a seeded sample of examples/hf-causal-lm.yaml's search space, the space's
@@ -21,7 +21,7 @@ the median, over the plans that used the rung, of the predicted time per step ag
 asked.
 
 Cost: a prediction does not depend on the card's size (only the budget does), so the
-predictor's own cache (worker/predictor/core.py, keyed by task, shapes, plan and card
+predictor's own cache (vramtune/worker/predictor/core.py, keyed by task, shapes, plan and card
 constants) serves all five cards and both ladders: each plan is traced once. What costs is
 the trace of the evaluation, which runs every held-out chunk at the plan's micro-batch (twice:
 a warm-up, then the counted run); the 1B config evaluates 8 windows rather than the task's
@@ -56,20 +56,20 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.report import write_report  # noqa: E402
-from common.memory import peak_of  # noqa: E402
-from common.plans import plan_in_words, rungs_of  # noqa: E402
-from service.wire import CardInfo, MemoryPolicy, Plan, Resize  # noqa: E402
-from worker.plan.policy import (  # noqa: E402
+from vramtune.common.memory import peak_of  # noqa: E402
+from vramtune.common.plans import plan_in_words, rungs_of  # noqa: E402
+from vramtune.service.wire import CardInfo, MemoryPolicy, Plan, Resize  # noqa: E402
+from vramtune.worker.plan.policy import (  # noqa: E402
     Decision,
     RunAsPlanned,
     choose_plan,
     expected_slowdown,
 )
-from worker.predictor import core as predictor  # noqa: E402
-from worker.run.training import TorchTaskRunner  # noqa: E402
-from worker.tasks.hf import HFCausalLMTask  # noqa: E402
-from worker.trial.runner import CardSpec, plan_for_micro_batch  # noqa: E402
-from worker.trial.task import TaskConfigError  # noqa: E402
+from vramtune.worker.predictor import core as predictor  # noqa: E402
+from vramtune.worker.run.training import TorchTaskRunner  # noqa: E402
+from vramtune.worker.tasks.hf import HFCausalLMTask  # noqa: E402
+from vramtune.worker.trial.runner import CardSpec, plan_for_micro_batch  # noqa: E402
+from vramtune.worker.trial.task import TaskConfigError  # noqa: E402
 
 GIB = 1024**3
 CARDS_GIB = [8, 16, 24, 48, 80]
@@ -361,7 +361,7 @@ def report(
         "",
         f"- Old ladder (before issue 32, the example's `resizes`): {', '.join(OLD)}.",
         f"- New ladder (every rung in main when this ran): {', '.join(NEW)}.",
-        "- Rungs service.wire.Resize has that the new ladder leaves out: "
+        "- Rungs vramtune.service.wire.Resize has that the new ladder leaves out: "
         + (", ".join(left_out) if left_out else "none")
         + ".",
         "",

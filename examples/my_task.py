@@ -4,7 +4,7 @@ import torch
 from sklearn.datasets import load_wine
 from torch import nn
 
-from worker.trial.task import Batch, Config, Metric
+from vramtune import Batch, Config, Metric
 
 
 class WineTask:  # a user's own task in one file: vramtune worker --tasks examples/my_task.py

@@ -9,8 +9,7 @@ import torch
 from sklearn.datasets import load_digits
 from torch import nn
 
-from worker.integrations.plain import PlainTask
-from worker.trial.task import Batch, Config
+from vramtune import Batch, Config, PlainTask
 
 images, labels = (torch.tensor(a) for a in load_digits(return_X_y=True))
 held_out = torch.arange(len(labels)) % 5 == 0

@@ -4,8 +4,9 @@
     .venv/bin/python scripts/docs_reference.py --check  # exit 1 if a page is stale
 
 The study file from the wire contract's pydantic models, the CLI from the `vramtune` parser,
-the REST API from the app's OpenAPI schema, the Python client from its docstrings, and the
-server's settings from pydantic-settings' field descriptions. tests/docs/ runs `--check`.
+the REST API from the app's OpenAPI schema, the Python client and the public API
+(`vramtune.__all__`) from their docstrings, and the server's settings from pydantic-settings'
+field descriptions. tests/docs/ runs `--check`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
+
+from pydantic import BaseModel
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "docs" / "reference"
@@ -96,7 +99,7 @@ def model_tables(schema: Mapping[str, Any], title: str) -> Iterator[str]:
 
 
 def study_file_page() -> str:
-    from service.wire import StudyCreate
+    from vramtune.service.wire import StudyCreate
 
     head = (
         "# Study file reference\n\n"
@@ -109,8 +112,8 @@ def study_file_page() -> str:
 
 
 def argument_bounds_section() -> str:
-    """The bounds of every sampler and pruner argument (service/optuna/arguments.py)."""
-    from service.optuna.arguments import PRUNER_BOUNDS, SAMPLER_BOUNDS
+    """The bounds of every sampler and pruner argument (vramtune/service/optuna/arguments.py)."""
+    from vramtune.service.optuna.arguments import PRUNER_BOUNDS, SAMPLER_BOUNDS
 
     lines = [
         "## Sampler and pruner arguments\n",
@@ -132,7 +135,7 @@ def argument_bounds_section() -> str:
 
 
 def cli_page() -> str:
-    from service.cli.parser import build_parser
+    from vramtune.service.cli.parser import build_parser
 
     parser = build_parser()
     lines = [
@@ -158,8 +161,8 @@ def _subcommands(
 
 
 def rest_page() -> str:
-    from service.app import create_app
-    from service.settings import Settings
+    from vramtune.service.app import create_app
+    from vramtune.service.settings import Settings
 
     spec = create_app(Settings(database_url="sqlite://")).openapi()
     lines = [GENERATED, "# REST API reference\n"]
@@ -205,15 +208,15 @@ def _operation(method: str, path: str, operation: Mapping[str, Any]) -> list[str
 
 
 def client_page() -> str:
-    from service.client import ApiError, Client
+    from vramtune.service.client import ApiError, Client
 
     lines = [
         GENERATED,
         "# Python client reference\n",
-        "`service.client.Client` speaks the REST API with the wire contract's models. It needs "
+        "`vramtune.Client` speaks the REST API with the wire contract's models. It needs "
         "only the base install (`pip install vramtune`: pydantic, httpx, pyyaml).\n",
         "```python",
-        "from service.client import Client",
+        "from vramtune import Client",
         "",
         'with Client("http://127.0.0.1:8000", token="vt_...") as client:',
         '    client.create_study(yaml.safe_load(open("examples/digits-mlp.yaml")))',
@@ -221,19 +224,72 @@ def client_page() -> str:
         "```\n",
     ]
     for cls in (Client, ApiError):
-        lines.append(f"## `{cls.__name__}`\n")
-        lines.append(inspect.getdoc(cls) or "")
-        lines.append("")
-        for name, member in inspect.getmembers(cls, inspect.isfunction):
-            if name.startswith("_") and name != "__init__":
+        lines.extend(_documented(cls.__name__, cls))
+    return "\n".join(lines)
+
+
+def _documented(name: str, obj: Any) -> list[str]:
+    """A heading, the docstring and, for a class, each public method with its signature."""
+    if inspect.isclass(obj):
+        lines = [f"## `{name}`\n", inspect.getdoc(obj) or "", ""]
+        if issubclass(obj, BaseModel):
+            return lines + _fields(obj)
+        for method, member in inspect.getmembers(obj, inspect.isfunction):
+            if method.startswith("_") and method != "__init__":
                 continue
-            lines.append(f"### `{name}{inspect.signature(member)}`\n")
+            if not member.__module__.startswith("vramtune"):
+                continue  # inherited from the standard library (Protocol, Exception)
+            lines.append(f"### `{method}{inspect.signature(member)}`\n")
             lines.append((inspect.getdoc(member) or "").strip() + "\n")
+        return lines
+    if inspect.isfunction(obj):
+        signature = f"```python\n{name}{inspect.signature(obj)}\n```\n"
+        return [f"## `{name}`\n", signature, (inspect.getdoc(obj) or "").strip(), ""]
+    return [f"## `{name}`\n", _summary(obj), ""]
+
+
+def _summary(obj: Any) -> str:
+    """The first paragraph of an object's docstring; a type alias says what it stands for."""
+    if inspect.isclass(obj) or inspect.isfunction(obj):
+        return (inspect.getdoc(obj) or "").split("\n\n")[0]
+    return f"a type: `{obj}`"
+
+
+def _fields(model: type[BaseModel]) -> list[str]:
+    """A pydantic model's fields: name, type and description."""
+    lines = ["| field | type | description |", "|---|---|---|"]
+    for field, info in model.model_fields.items():
+        kind = inspect.formatannotation(info.annotation)
+        lines.append(f"| `{field}` | `{cell(kind)}` | {cell(info.description or '')} |")
+    return [*lines, ""]
+
+
+def public_api_page() -> str:
+    import vramtune
+
+    lines = [
+        GENERATED,
+        "# Python API reference\n",
+        "Everything a user imports comes from `vramtune` itself; every other module is "
+        "internal and may change between releases. Names load on first use, so "
+        "`import vramtune` works on a server-only install without torch; the task classes "
+        "and the predictor need the `worker` extra (`TrainerTask` the `hf` extra, "
+        "`LightningTask` the `lightning` extra).\n",
+        "| name | what it is |",
+        "|---|---|",
+    ]
+    names = [name for name in vramtune.__all__ if name != "__version__"]
+    for name in names:
+        summary = _summary(getattr(vramtune, name))
+        lines.append(f"| [`{name}`](#{name.lower()}) | {cell(summary)} |")
+    lines.append("")
+    for name in names:
+        lines.extend(_documented(name, getattr(vramtune, name)))
     return "\n".join(lines)
 
 
 def settings_page() -> str:
-    from service.settings import Settings
+    from vramtune.service.settings import Settings
 
     lines = [
         GENERATED,
@@ -259,6 +315,7 @@ PAGES: dict[str, Callable[[], str]] = {
     "cli.md": cli_page,
     "rest-api.md": rest_page,
     "python-client.md": client_page,
+    "python-api.md": public_api_page,
     "settings.md": settings_page,
 }
 

@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
-.venv/bin/ruff format --check common service worker tests bench migrations scripts
-.venv/bin/mypy common service worker
+.venv/bin/ruff format --check vramtune tests bench scripts
+.venv/bin/mypy vramtune
 # pytest exits 5 when it collects no tests; set -e turns that into a failure.
 .venv/bin/python -m pytest "$@"

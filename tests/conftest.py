@@ -1,7 +1,7 @@
 """Shared fixtures: databases (SQLite and PostgreSQL), migrated URLs, real server processes.
 
 The helpers behind them (ServerProcess, fresh_postgres_database, upgrade_database, ...) live in
-service/testing.py so that tests can build module-scoped variants.
+vramtune/service/testing.py so that tests can build module-scoped variants.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from service.testing import (
+from vramtune.service.testing import (
     ServerFactory,
     fresh_postgres_database,
     server_factory,
@@ -61,8 +61,8 @@ def app_client(migrated_url: str) -> Iterator[TestClient]:
     """An in-process TestClient of create_app on migrated_url, lifespan running."""
     from fastapi.testclient import TestClient
 
-    from service.app import create_app
-    from service.settings import Settings
+    from vramtune.service.app import create_app
+    from vramtune.service.settings import Settings
 
     with TestClient(create_app(Settings(database_url=migrated_url, auth="off"))) as client:
         yield client

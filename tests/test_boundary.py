@@ -1,7 +1,8 @@
 """The architecture's boundaries, read from the import statements of every module.
 
-- The contract (service.wire) imports only pydantic and the standard library; common/ imports
-  only the contract; the worker takes only the contract and common/ from the service side, and
+- Everything lives under the one import name ``vramtune``; below it, the contract
+  (vramtune.service.wire) imports only pydantic and the standard library; common/ imports only
+  the contract; the worker takes only the contract and common/ from the service side, and
   the service never imports the worker.
 - Inside each package, rooms (sub-packages, or top-level modules) sit in tiers: a room imports
   only rooms of lower tiers (or itself). A new room must be given its tier here.
@@ -50,7 +51,6 @@ SERVICE_TIERS: list[set[str]] = [
     {"dashboard"},
     {"app", "testing"},
     {"cli"},
-    {"__main__"},
 ]
 COMMON_TIERS: list[set[str]] = [
     {"logs", "durations", "plans", "memory", "step_time", "task_rules", "stopping", "units"},
@@ -127,8 +127,9 @@ def cycles(graph: Mapping[str, set[str]]) -> list[list[str]]:
 
 
 def room(module: str) -> tuple[str, str]:
-    """(package, room): `worker.loop.agent` is in worker's `loop`; `worker` itself in ''."""
-    package, _, rest = module.partition(".")
+    """(package, room): `vramtune.worker.loop.agent` is in worker's `loop`; `worker` itself in
+    ''. The checks' own test trees use the packages without the `vramtune.` prefix."""
+    package, _, rest = module.removeprefix("vramtune.").partition(".")
     return package, rest.partition(".")[0]
 
 
@@ -157,7 +158,7 @@ def _rank(tiers: list[set[str]], name: str) -> int | None:
 
 
 def project_graph() -> dict[str, set[str]]:
-    return import_graph(ROOT, ["common", "service", "worker"])
+    return import_graph(ROOT, ["vramtune/common", "vramtune/service", "vramtune/worker"])
 
 
 # ------------------------------------------------------------------ the project's boundaries
@@ -172,14 +173,17 @@ def test_every_room_imports_only_rooms_below_it() -> None:
 
 
 def test_the_contract_imports_only_pydantic_and_the_standard_library() -> None:
-    tops = {name.split(".")[0] for name in imported_names(ROOT / "service" / "wire.py")}
+    wire = ROOT / "vramtune" / "service" / "wire.py"
+    tops = {name.split(".")[0] for name in imported_names(wire)}
     allowed = set(sys.stdlib_module_names) | {"pydantic", "__future__"}
     assert tops - allowed == set()
 
 
 def test_the_worker_takes_only_the_contract_from_the_service() -> None:
     leaks = {
-        module: sorted(n for n in imports if room(n)[0] == "service" and n != "service.wire")
+        module: sorted(
+            n for n in imports if room(n)[0] == "service" and n != "vramtune.service.wire"
+        )
         for module, imports in project_graph().items()
         if room(module)[0] == "worker"
     }
@@ -198,7 +202,9 @@ def test_the_service_and_common_never_import_the_worker(package: str) -> None:
 
 def test_common_takes_only_the_contract_from_either_side() -> None:
     leaks = {
-        module: sorted(n for n in imports if room(n)[0] != "common" and n != "service.wire")
+        module: sorted(
+            n for n in imports if room(n)[0] != "common" and n != "vramtune.service.wire"
+        )
         for module, imports in project_graph().items()
         if room(module)[0] == "common"
     }

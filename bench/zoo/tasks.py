@@ -1,4 +1,5 @@
-"""The zoo as `worker.trial.task.Task`s, each with CPU-sized and GPU-sized configurations."""
+"""The zoo as `vramtune.worker.trial.task.Task`s, each with CPU-sized and GPU-sized
+configurations."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from bench.zoo import models
-from worker.trial.task import Batch, Config, Metric
+from vramtune.worker.trial.task import Batch, Config, Metric
 
 Inputs = Callable[[Config, int, torch.device], Batch]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from worker.integrations.hf_trainer import TrainerTask
+from vramtune import TrainerTask
 
 
 def trainer_kwargs() -> dict[str, Any]:

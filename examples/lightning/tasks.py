@@ -5,7 +5,7 @@ vramtune worker --device cpu --memory-limit 64MiB --tasks examples/lightning/tas
 
 from digits_lightning import DigitsClassifier, DigitsDataModule
 
-from worker.integrations.lightning import LightningTask
+from vramtune import LightningTask
 
 digits_lightning = LightningTask(
     name="digits-lightning",

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from bench import gpu_ranks
-from worker.device.gpu import parse_size, simulated_card
-from worker.tasks.digits import DigitsCNNTask
-from worker.trial.runner import CardSpec
+from vramtune.worker.device.gpu import parse_size, simulated_card
+from vramtune.worker.tasks.digits import DigitsCNNTask
+from vramtune.worker.trial.runner import CardSpec
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(900)  # the case spawns two processes that import torch

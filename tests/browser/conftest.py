@@ -19,19 +19,19 @@ import optuna
 import pytest
 from sqlalchemy.orm import Session
 
-from service.auth import tokens as auth
-from service.client import Client
-from service.db.engine import make_engine
-from service.state import utcnow
-from service.testing import (
+from tests.browser.chromium import CHROMIUM, launch
+from tests.e2e.conftest import WorkerProcess
+from vramtune.service.auth import tokens as auth
+from vramtune.service.client import Client
+from vramtune.service.db.engine import make_engine
+from vramtune.service.state import utcnow
+from vramtune.service.testing import (
     ServerProcess,
     fresh_postgres_database,
     server_factory,
     sqlite_url,
     upgrade_database,
 )
-from tests.browser.chromium import CHROMIUM, launch
-from tests.e2e.conftest import WorkerProcess
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -24,8 +24,6 @@ from urllib.parse import quote
 
 import pytest
 
-from common.plans import plan_in_words, rungs_of
-from service.client import Client
 from tests.browser.conftest import (
     Page,
     auth_server,
@@ -34,6 +32,8 @@ from tests.browser.conftest import (
     wait_for,
 )
 from tests.e2e.conftest import WorkerProcess
+from vramtune.common.plans import plan_in_words, rungs_of
+from vramtune.service.client import Client
 
 pytestmark = pytest.mark.browser
 WAIT_MS = 60_000
@@ -170,7 +170,8 @@ def test_a_routed_then_pruned_trial_shows_both_and_its_story(study_page: Any) ->
 def test_a_resized_trials_view_names_its_rungs(
     study_page: Any, advice_server: AdviceServer
 ) -> None:
-    """The trial view says the plan's rungs in words, as common.plans.plan_in_words says them."""
+    """The trial view says the plan's rungs in words, as vramtune.common.plans.plan_in_words says
+    them."""
     page = study_page(MEMORY_STUDY)
     outcome = page.page.locator("td[data-col='outcome']", has_text="routed, pruned")
     row = page.page.locator("#trials tbody tr", has=outcome).first

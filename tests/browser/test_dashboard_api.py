@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from service.settings import Settings
-from service.testing import fresh_postgres_database, sqlite_url, upgrade_database
+from vramtune.service.settings import Settings
+from vramtune.service.testing import fresh_postgres_database, sqlite_url, upgrade_database
 
 V = "/api/v1"
 D = f"{V}/dashboard/studies"
@@ -26,7 +26,7 @@ def client(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[TestClient]:
     """create_app on a migrated database, one study whose trials one worker ran, in four ways."""
-    from service.app import create_app
+    from vramtune.service.app import create_app
 
     with ExitStack() as stack:
         if request.param == "sqlite":
@@ -365,7 +365,7 @@ def test_answers_follow_the_study_when_it_changes(client: TestClient) -> None:
 def test_fleet_marks_quiet_workers_stale_then_lost(client: TestClient) -> None:
     from datetime import UTC, datetime, timedelta
 
-    from service.db.tables import WorkerRow
+    from vramtune.service.db.tables import WorkerRow
 
     now = datetime.now(UTC).replace(tzinfo=None)
     quiet = {"quiet-20s": timedelta(seconds=20), "quiet-1h": timedelta(hours=1)}

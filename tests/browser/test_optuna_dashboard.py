@@ -3,7 +3,7 @@ optuna-dashboard never calls an infeasible trial (a placeholder: no card could h
 
 optuna-dashboard ranks COMPLETE trials by value alone (its single-objective "Best Trial" is
 `RDBStorage.get_best_trial`, its Pareto front ignores constraints): vramtune's placeholder
-values are what keep infeasible trials out (service.fleet.routing).
+values are what keep infeasible trials out (vramtune.service.fleet.routing).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import httpx
 import optuna
 import pytest
 
-from service.testing import free_port
 from tests.browser.conftest import MO_STUDY, N_TRIALS, PATIENCE_S, STUDY, Live
+from vramtune.service.testing import free_port
 
 OPTUNA_DASHBOARD = Path(sys.executable).with_name("optuna-dashboard")
 WAIT_MS = PATIENCE_S * 1000

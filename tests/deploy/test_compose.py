@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import yaml
 
-from service.cli.parser import build_parser
-from service.settings import Settings
+from vramtune.service.cli.parser import build_parser
+from vramtune.service.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,8 +62,8 @@ def test_environment_names_exist_in_the_code(compose: dict[str, Any]) -> None:
     settings = {f"VRAMTUNE_{name.upper()}" for name in Settings.model_fields}
     # the worker's and the first-admin-token variables are read outside Settings
     worker_side = {"VRAMTUNE_SERVER", "VRAMTUNE_TOKEN", "VRAMTUNE_ADMIN_TOKEN"}
-    sources = "\n".join(p.read_text() for p in (ROOT / "service").rglob("*.py"))
-    sources += "\n".join(p.read_text() for p in (ROOT / "worker").rglob("*.py"))
+    sources = "\n".join(p.read_text() for p in (ROOT / "vramtune" / "service").rglob("*.py"))
+    sources += "\n".join(p.read_text() for p in (ROOT / "vramtune" / "worker").rglob("*.py"))
     for service in compose["services"].values():
         for name in service.get("environment", {}):
             if not name.startswith("VRAMTUNE_"):

@@ -20,12 +20,26 @@ import optuna
 import yaml
 from optuna.trial import TrialState
 
-from service.cli.demo import DEFAULT_STUDY, progress_line
-from service.cli.parser import build_parser
-from service.testing import run_vramtune
-from service.wire import StudyCreate, StudySummary, TrialOut
+from vramtune.service.cli.demo import DEFAULT_STUDY, progress_line
+from vramtune.service.cli.parser import build_parser
+from vramtune.service.testing import run_vramtune
+from vramtune.service.wire import StudyCreate, StudySummary, TrialOut
 
 ROOT = Path(__file__).resolve().parents[2]
+SHADOWS = {  # a user's own modules under the names vramtune's internals once had
+    "common.py": "raise ImportError('the user project common.py was imported')\n",
+    "service/__init__.py": "raise ImportError('the user project service/ was imported')\n",
+    "worker/__init__.py": "raise ImportError('the user project worker/ was imported')\n",
+}
+
+
+def user_project(folder: Path) -> Path:
+    """A user's project folder holding their own `common.py`, `service/` and `worker/`: each
+    fails loudly if vramtune ever imports it in place of its own."""
+    for name, text in SHADOWS.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text)
+    return folder
 
 
 def test_default_demo_study_is_a_valid_study_file() -> None:
@@ -65,10 +79,12 @@ def _places(tmp_path: Path) -> list[str]:
     return ["--port", "0", "--database", database, "--log-dir", logs]
 
 
-def _demo(tmp_path: Path, study_name: str, *args: str) -> optuna.Study:
+def _demo(
+    tmp_path: Path, study_name: str, *args: str, cwd: Path | None = None
+) -> optuna.Study:
     """Run `vramtune demo ARGS` until it exits by itself (no flag asks it to); the study kept."""
     database = tmp_path / "demo.db"
-    result = run_vramtune("demo", *args, *_places(tmp_path), timeout=900)
+    result = run_vramtune("demo", *args, *_places(tmp_path), timeout=900, cwd=cwd)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "study done; the dashboard stays up" not in result.stdout
     assert "dashboard: http://127.0.0.1:" in result.stdout
@@ -98,12 +114,18 @@ def test_a_demo_of_another_study_file_runs_it_and_keeps_it(tmp_path: Path) -> No
 
 
 def test_the_readmes_own_code_demo_runs_the_users_task_file(tmp_path: Path) -> None:
-    """README, "Your own code, in one command": a user's task file and its study, as written."""
+    """README, "Your own code, in one command": a user's task file and its study, as written,
+    run from a project folder whose own `common`, `service` and `worker` modules come first on
+    `sys.path` (issue 42: they shadowed vramtune's when it installed those names)."""
     study_file, task_file = (
         str(ROOT / "examples" / n) for n in ("plain_task.yaml", "plain_task.py")
     )
+    project = user_project(tmp_path / "project")
     study = _demo(
-        tmp_path, "plain-digits", "--study", study_file, "--tasks", task_file, "--trials", "3"
+        tmp_path,
+        "plain-digits",
+        *("--study", study_file, "--tasks", task_file, "--trials", "3"),
+        cwd=project,
     )
     finished = [t for t in study.trials if t.state == TrialState.COMPLETE]
     assert len(finished) >= 3, [t.state for t in study.trials]
@@ -122,7 +144,7 @@ def test_keep_serving_keeps_the_dashboard_up_after_the_trials_until_ctrl_c(
     tmp_path: Path,
 ) -> None:
     digits = str(ROOT / "examples" / "digits-mlp.yaml")
-    command = [sys.executable, "-m", "service", "demo", "--study", digits, "--trials", "1"]
+    command = [sys.executable, "-m", "vramtune", "demo", "--study", digits, "--trials", "1"]
     demo = subprocess.Popen(
         [*command, "--keep-serving", *_places(tmp_path)],
         stdout=subprocess.PIPE,

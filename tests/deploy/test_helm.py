@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import yaml
 
-from service.auth.tokens import POLICY, PUBLIC
-from service.cli.parser import build_parser
-from service.settings import Settings
+from vramtune.service.auth.tokens import POLICY, PUBLIC
+from vramtune.service.cli.parser import build_parser
+from vramtune.service.settings import Settings
 
 helm = pytest.importorskip("helm_python", reason="the dev extra (helm-python-sdk)")
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="the dev extra")

@@ -23,13 +23,19 @@ from pathlib import Path
 
 import pytest
 
-from service.testing import ServerProcess, free_port, server_factory, sqlite_url, upgrade_database
 from tests.e2e.conftest import (
     FAST_FLEET,
     PATIENCE_S,
     REPO,
     SMALL,
     Studies,
+)
+from vramtune.service.testing import (
+    ServerProcess,
+    free_port,
+    server_factory,
+    sqlite_url,
+    upgrade_database,
 )
 
 SCRIPT = REPO / "deploy" / "slurm" / "vramtune-workers.sbatch"
@@ -65,7 +71,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 @pytest.fixture
 def studies(server: ServerProcess) -> Iterator[Studies]:
-    from service.client import Client
+    from vramtune.service.client import Client
 
     with Client(server.url) as client:
         made = Studies(client)
@@ -86,7 +92,13 @@ def worker_env(server: ServerProcess) -> dict[str, str]:
     }
 
 
-QUADRATIC_ONLY = ["--tasks", "worker.tasks.quadratic", "--no-entry-points", "--poll", "0.1"]
+QUADRATIC_ONLY = [
+    "--tasks",
+    "vramtune.worker.tasks.quadratic",
+    "--no-entry-points",
+    "--poll",
+    "0.1",
+]
 
 
 def test_the_worker_the_script_starts_hands_back_on_sigterm(

@@ -22,8 +22,8 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from service.client import Client
-from service.testing import (
+from vramtune.service.client import Client
+from vramtune.service.testing import (
     ServerFactory,
     ServerProcess,
     fresh_postgres_database,
@@ -31,7 +31,7 @@ from service.testing import (
     sqlite_url,
     upgrade_database,
 )
-from service.wire import StudySummary, TrialOut
+from vramtune.service.wire import StudySummary, TrialOut
 
 REPO = Path(__file__).resolve().parents[2]
 # Short periods: a dead worker loses its lease in about four seconds (not less: on a loaded
@@ -50,14 +50,14 @@ LARGE = "256MiB"
 
 
 class WorkerProcess:
-    """`python -m service worker --device cpu --memory-limit SIZE` as a real subprocess."""
+    """`python -m vramtune worker --device cpu --memory-limit SIZE` as a real subprocess."""
 
     def __init__(self, server: str, memory_limit: str, log_path: Path, *options: str) -> None:
         self.log_path = log_path
-        command = [sys.executable, "-m", "service", "worker", "--server", server]
+        command = [sys.executable, "-m", "vramtune", "worker", "--server", server]
         command += ["--device", "cpu", "--memory-limit", memory_limit, "--poll", "0.1"]
         # Only the quadratic task: a worker that loads no torch task starts in a second.
-        command += ["--tasks", "worker.tasks.quadratic", "--no-entry-points"]
+        command += ["--tasks", "vramtune.worker.tasks.quadratic", "--no-entry-points"]
         command += ["--name", log_path.stem, *options]
         with log_path.open("ab") as log:
             self.process = subprocess.Popen(

@@ -7,16 +7,16 @@ from collections.abc import Iterator
 
 import pytest
 
-from service.client import Client
-from service.testing import ServerProcess
-from service.wire import StepTimeFit, TrialOut
 from tests.e2e.conftest import Studies, dashboard_trial, finished
-from worker.device.gpu import parse_size, simulated_card
-from worker.loop.agent import Agent
-from worker.loop.api import ServerClient
-from worker.loop.cycle import AgentOptions
-from worker.tasks.quadratic import QuadraticTask
-from worker.trial.runner import CardSpec
+from vramtune.service.client import Client
+from vramtune.service.testing import ServerProcess
+from vramtune.service.wire import StepTimeFit, TrialOut
+from vramtune.worker.device.gpu import parse_size, simulated_card
+from vramtune.worker.loop.agent import Agent
+from vramtune.worker.loop.api import ServerClient
+from vramtune.worker.loop.cycle import AgentOptions
+from vramtune.worker.tasks.quadratic import QuadraticTask
+from vramtune.worker.trial.runner import CardSpec
 
 X = {"x": {"type": "float", "low": -2.0, "high": 2.0}}
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import httpx
 import torch
 
-from service.testing import ServerProcess
-from service.wire import API_PREFIX, Calibration
 from tests.e2e.conftest import SMALL, Studies, WorkerFactory, finished
-from worker.device.gpu import parse_size
+from vramtune.service.testing import ServerProcess
+from vramtune.service.wire import API_PREFIX, Calibration
+from vramtune.worker.device.gpu import parse_size
 
 MY_TASK = Path(__file__).parents[2] / "examples" / "my_task.py"
 BUDGET = {"max_steps": 4, "eval_every": 2}
@@ -64,7 +64,7 @@ def test_an_unchunked_evaluation_is_predicted_and_the_wide_configuration_runs_as
         assert 0 <= trial.measured_peak_bytes - trial.predicted_peak_bytes <= 512, trial
         # 89 held-out rows at once outweigh a training step of 8: the plan says so.
         assert trial.plan is not None and "set by the evaluation" in trial.plan.reason, trial
-    # One worker alone does not move the fleet's correction (service.fleet.calibration).
+    # One worker alone does not move the fleet's correction (vramtune.service.fleet.calibration).
     calibration = served_calibration(fleet_server)
     assert (calibration.scale, calibration.n_observations) == (1.0, 0), calibration
 

@@ -9,24 +9,24 @@ from typing import Any
 
 import pytest
 
-from service.testing import ServerProcess
 from tests.e2e.conftest import Studies
-from worker.device.gpu import parse_size, simulated_card
-from worker.loop.agent import Agent
-from worker.loop.api import ServerClient
-from worker.loop.cycle import AgentOptions
-from worker.run.training import TorchTaskRunner
-from worker.trial.runner import CardSpec, TrialRunner
+from vramtune.service.testing import ServerProcess
+from vramtune.worker.device.gpu import parse_size, simulated_card
+from vramtune.worker.loop.agent import Agent
+from vramtune.worker.loop.api import ServerClient
+from vramtune.worker.loop.cycle import AgentOptions
+from vramtune.worker.run.training import TorchTaskRunner
+from vramtune.worker.trial.runner import CardSpec, TrialRunner
 
 
 def _runners() -> dict[str, TrialRunner]:
     runners: dict[str, TrialRunner] = {}
     if importlib.util.find_spec("transformers") is not None:
-        from worker.tasks.hf import HFCausalLMTask
+        from vramtune.worker.tasks.hf import HFCausalLMTask
 
         runners["hf-causal-lm"] = TorchTaskRunner(HFCausalLMTask())
     try:
-        from worker.tasks.vision import TorchvisionImageTask
+        from vramtune.worker.tasks.vision import TorchvisionImageTask
     except ImportError:
         pass
     else:

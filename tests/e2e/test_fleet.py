@@ -6,10 +6,17 @@ import signal
 
 import pytest
 
-from service.testing import ServerProcess
-from service.wire import CardInfo, CompleteRequest, Measured, NextRequest, Plan, WorkerRegister
 from tests.e2e.conftest import Studies, WorkerFactory, finished, running_on
-from worker.loop.api import LeaseLost, ServerClient
+from vramtune.service.testing import ServerProcess
+from vramtune.service.wire import (
+    CardInfo,
+    CompleteRequest,
+    Measured,
+    NextRequest,
+    Plan,
+    WorkerRegister,
+)
+from vramtune.worker.loop.api import LeaseLost, ServerClient
 
 X = {"x": {"type": "float", "low": -2.0, "high": 2.0}}
 # About two seconds a trial: long enough to kill or stop a worker in the middle of one.

@@ -14,13 +14,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from service.testing import ServerProcess
 from tests.e2e.conftest import Studies, WorkerFactory, WorkerProcess, dashboard_trial, finished
+from vramtune.service.testing import ServerProcess
 
 # 19.4 MiB as asked on the CPU card: it runs as asked on a 64 MiB card.
 SHAPE = {"width": 16, "depth": 2, "resolution": 32, "batch_size": 64, "seed": 0}
 CARD = "64MiB"
-DIGITS = ("--tasks", "worker.tasks.digits", "--max-trials", "1")
+DIGITS = ("--tasks", "vramtune.worker.tasks.digits", "--max-trials", "1")
 
 
 def test_a_second_worker_takes_the_first_ones_predictions_and_traces_nothing(

@@ -8,9 +8,9 @@ import importlib.util
 
 import pytest
 
-from service.testing import ServerProcess
 from tests.e2e.conftest import REPO, Studies, WorkerFactory, finished, observed_peaks
-from worker.device.gpu import parse_size
+from vramtune.service.testing import ServerProcess
+from vramtune.worker.device.gpu import parse_size
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None

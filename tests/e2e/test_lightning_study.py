@@ -16,10 +16,10 @@ import yaml
 
 pytest.importorskip("lightning")
 
-from service.testing import ServerProcess
 from tests.e2e.conftest import Studies, WorkerFactory, finished, observed_peaks
-from worker.device.gpu import parse_size, simulated_card
-from worker.trial.runner import CardSpec, plan_for_micro_batch
+from vramtune.service.testing import ServerProcess
+from vramtune.worker.device.gpu import parse_size, simulated_card
+from vramtune.worker.trial.runner import CardSpec, plan_for_micro_batch
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lightning"
 # Activations dominate at this size: the whole batch needs far more than a quarter of it.

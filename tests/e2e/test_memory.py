@@ -15,11 +15,11 @@ import optuna
 import pytest
 import sqlalchemy as sa
 
-from service.testing import ServerProcess
-from service.wire import CardInfo, Heartbeat, WorkerRegister
 from tests.e2e.conftest import LARGE, SMALL, Studies, WorkerFactory, finished
-from worker.device.gpu import parse_size
-from worker.loop.api import ServerClient
+from vramtune.service.testing import ServerProcess
+from vramtune.service.wire import CardInfo, Heartbeat, WorkerRegister
+from vramtune.worker.device.gpu import parse_size
+from vramtune.worker.loop.api import ServerClient
 
 
 def fixed(**params: Any) -> dict[str, Any]:

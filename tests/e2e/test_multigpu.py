@@ -24,15 +24,15 @@ from typing import Any
 import httpx
 import pytest
 
-from service.testing import ServerProcess
 from tests.e2e.conftest import Studies, WorkerFactory, WorkerProcess, dashboard_trial, finished
+from vramtune.service.testing import ServerProcess
 
 # Distributed trials spawn processes that import torch: minutes each at the loads seen here (30).
 pytestmark = pytest.mark.timeout(1800)
 CARD = "12MiB"
 BATCHES = (16, 64, 128, 256)
 SLOW_S = 900.0  # a failure bound for a study of distributed trials on a loaded machine
-DIGITS = ("--tasks", "worker.tasks.digits")
+DIGITS = ("--tasks", "vramtune.worker.tasks.digits")
 SPEC: dict[str, Any] = {
     "task": "digits-cnn",
     "task_config": {"width": 16, "depth": 2, "resolution": 32},
@@ -168,7 +168,7 @@ def _ranks(worker: WorkerProcess, slot: list[int]) -> list[int]:
 
 def _spawned(worker: WorkerProcess) -> list[int]:
     """The worker's spawned processes (multiprocessing's spawn children): its ranks, and its
-    one-card trial process (worker/loop/node.py)."""
+    one-card trial process (vramtune/worker/loop/node.py)."""
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from service.testing import ServerProcess
 from tests.e2e.conftest import Studies, WorkerFactory, finished
+from vramtune.service.testing import ServerProcess
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 SPACE = {

@@ -2,7 +2,7 @@
 
 A real server (SQLite and PostgreSQL) and a real `vramtune worker --max-trials-per-card 2`
 process, whose packed trials each run in a process of their own. Quadratic footprints
-(worker/tasks/quadratic.py): 16 MiB fixed + 64 KiB per unit of width + 4 KiB per sample and
+(vramtune/worker/tasks/quadratic.py): 16 MiB fixed + 64 KiB per unit of width + 4 KiB per sample and
 unit of width: batch 16, width 8 is about 16.5 MiB; reserved with the 10 % margin, 18.3 MiB.
 Several of them fit the 96 MiB card, two slots let two run at once. 96 MiB, a card model
 no other e2e test uses: the server's session is shared, and the step-time model it fits per
@@ -19,9 +19,9 @@ from typing import Any
 import httpx
 import sqlalchemy as sa
 
-from service.testing import ServerProcess
-from service.wire import TrialOut
 from tests.e2e.conftest import PATIENCE_S, Studies, WorkerFactory, WorkerProcess, finished
+from vramtune.service.testing import ServerProcess
+from vramtune.service.wire import TrialOut
 
 CARD = "96MiB"
 SMALL_TRIAL = {

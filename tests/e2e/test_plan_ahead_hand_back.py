@@ -6,14 +6,14 @@ Real server, real agents in-process (worker/loop/agent.py's `Agent._hand_back_ah
 
 from __future__ import annotations
 
-from service.testing import ServerProcess
 from tests.e2e.conftest import Studies, finished
-from worker.device.gpu import parse_size, simulated_card
-from worker.loop.agent import Agent
-from worker.loop.api import ServerClient
-from worker.loop.cycle import AgentOptions
-from worker.tasks.quadratic import QuadraticTask
-from worker.trial.runner import CardSpec
+from vramtune.service.testing import ServerProcess
+from vramtune.worker.device.gpu import parse_size, simulated_card
+from vramtune.worker.loop.agent import Agent
+from vramtune.worker.loop.api import ServerClient
+from vramtune.worker.loop.cycle import AgentOptions
+from vramtune.worker.tasks.quadratic import QuadraticTask
+from vramtune.worker.trial.runner import CardSpec
 
 # 272 MiB as asked at batch 32 (16 fixed + 32 samples x 8 MiB): a 59 MiB card holds it only in
 # micro-batches, predicted over 2x slower a step (worker/plan/time_routing.py) by the fixed model

@@ -22,15 +22,21 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.testing import ServerProcess, free_port
-from service.wire import TrialOut, WorkerList
 from tests.e2e.conftest import LARGE, PATIENCE_S, REPO, SMALL, Studies, finished
-from worker.device.gpu import gpu_count
+from vramtune.service.testing import ServerProcess, free_port
+from vramtune.service.wire import TrialOut, WorkerList
+from vramtune.worker.device.gpu import gpu_count
 
 pytest.importorskip("ray", reason="the ray extra (pip install -e '.[ray]')")
 
 CARDS = (SMALL, LARGE)
-WORKER_OPTIONS = ("--tasks", "worker.tasks.quadratic", "--no-entry-points", "--poll", "0.1")
+WORKER_OPTIONS = (
+    "--tasks",
+    "vramtune.worker.tasks.quadratic",
+    "--no-entry-points",
+    "--poll",
+    "0.1",
+)
 # For the head, `ray up` and this process: a token of the module's own (not ~/.ray/auth_token),
 # and loopback addresses only (Ray otherwise swaps 127.0.0.1 for the machine's address).
 RAY_ENV = {
@@ -78,7 +84,7 @@ class RayUp:
         """Simulated CARDS on `device` cpu; on cuda, one actor per GPU of the cluster."""
         self.prefix = f"ray{uuid.uuid4().hex[:6]}"
         self.log_path = log_path
-        command = [sys.executable, "-m", "service", "ray", "up", "--address", address]
+        command = [sys.executable, "-m", "vramtune", "ray", "up", "--address", address]
         command += ["--server", server, "--device", device, "--name", self.prefix]
         for card in CARDS if device == "cpu" else ():
             command += ["--memory-limit", card]
@@ -236,7 +242,7 @@ def _wait_for_port(port: int, head: subprocess.Popen[bytes]) -> None:
 def test_the_pool_grows_to_the_pending_trials_and_shrinks_as_workers_go_idle(
     ray_head: str, fleet_server: ServerProcess, studies: Studies, tmp_path: Path
 ) -> None:
-    from worker.engines.ray_fleet import pending_trials
+    from vramtune.worker.engines.ray_fleet import pending_trials
 
     sizing = ("--size-to-pending", "--workers", "2", "--idle-exit", "2")
     fleet = RayUp(ray_head, fleet_server.url, tmp_path / "ray-up.log", "cpu", *sizing)

@@ -10,10 +10,10 @@ from datetime import datetime
 import pytest
 import sqlalchemy as sa
 
-from service.client import Client
-from service.testing import ServerFactory, upgrade_database
-from service.wire import TrialOut
 from tests.e2e.conftest import FAST_FLEET, Studies, WorkerFactory, finished
+from vramtune.service.client import Client
+from vramtune.service.testing import ServerFactory, upgrade_database
+from vramtune.service.wire import TrialOut
 
 N_WORKERS = 16
 N_TRIALS = 48

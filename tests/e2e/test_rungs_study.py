@@ -16,17 +16,17 @@ from typing import Any
 
 import pytest
 
-from common.memory import peak_of
-from service.testing import ServerProcess
-from service.wire import Plan
 from tests.e2e.conftest import Studies
-from worker.device.gpu import simulated_card
-from worker.loop.agent import Agent
-from worker.loop.api import ServerClient
-from worker.loop.cycle import AgentOptions
-from worker.predictor import predict
-from worker.run.training import TorchTaskRunner
-from worker.trial.runner import CardSpec, plan_for_micro_batch
+from vramtune.common.memory import peak_of
+from vramtune.service.testing import ServerProcess
+from vramtune.service.wire import Plan
+from vramtune.worker.device.gpu import simulated_card
+from vramtune.worker.loop.agent import Agent
+from vramtune.worker.loop.api import ServerClient
+from vramtune.worker.loop.cycle import AgentOptions
+from vramtune.worker.predictor import predict
+from vramtune.worker.run.training import TorchTaskRunner
+from vramtune.worker.trial.runner import CardSpec, plan_for_micro_batch
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None or importlib.util.find_spec("peft") is None,
@@ -52,7 +52,7 @@ MARGIN = 0.10  # the policy's default
 
 
 def _footprint(config: dict[str, Any], plan: Plan) -> int:
-    from worker.tasks.hf import HFCausalLMTask
+    from vramtune.worker.tasks.hf import HFCausalLMTask
 
     return peak_of(predict(HFCausalLMTask(), config, plan))
 
@@ -71,7 +71,7 @@ def _small_card_bytes() -> int:
 
 
 def _agent(server: ServerProcess, name: str, memory: int) -> Agent:
-    from worker.tasks.hf import HFCausalLMTask
+    from vramtune.worker.tasks.hf import HFCausalLMTask
 
     return Agent(
         ServerClient(server.url),

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from service.testing import ServerProcess
 from tests.e2e.conftest import Studies, WorkerFactory, WorkerProcess, finished
+from vramtune.service.testing import ServerProcess
 
 # A digits CNN that runs as asked on a 64 MiB card (tests/e2e/test_fleet_predictions.py).
 SHAPE = {"width": 16, "depth": 2, "resolution": 32, "batch_size": 64, "seed": 0}
@@ -28,7 +28,7 @@ def test_a_torch_worker_is_warm_before_its_first_lease(
         budget={"max_steps": 2, "eval_every": 1},
     )
     worker = start_worker(
-        fleet_server.url, "64MiB", "--tasks", "worker.tasks.digits", "--max-trials", "1"
+        fleet_server.url, "64MiB", "--tasks", "vramtune.worker.tasks.digits", "--max-trials", "1"
     )
     assert worker.wait() == 0
     [trial] = studies.wait_until(name, finished(1))

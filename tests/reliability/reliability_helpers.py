@@ -33,8 +33,8 @@ from sqlalchemy import create_engine, func, select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
-from service.db.tables import LeaseRow, StudyRow, TrialRow
-from service.wire import API_PREFIX
+from vramtune.service.db.tables import LeaseRow, StudyRow, TrialRow
+from vramtune.service.wire import API_PREFIX
 
 REPO = Path(__file__).resolve().parents[2]
 PATIENCE_S = 150.0  # a failure bound for what takes seconds; never an assertion on time
@@ -69,7 +69,8 @@ class WorkerProcess:
         return self.process.poll() is None
 
     def events(self) -> list[dict[str, Any]]:
-        """The events of its JSON log lines (common.logs): registered, leased, completed, ..."""
+        """The events of its JSON log lines (vramtune.common.logs): registered, leased, completed,
+        ..."""
         return json_events(self.log_path)
 
     def worker_id(self) -> int:
@@ -106,11 +107,11 @@ class Fleet:
     def start_one(self, server: str, *options: str, name: str | None = None) -> WorkerProcess:
         """One worker; its name is ``rel-<index>-<random>`` unless given."""
         name = name or f"rel-{len(self.workers)}-{uuid.uuid4().hex[:4]}"
-        command = [sys.executable, "-m", "worker.cli", "worker", "--server", server]
+        command = [sys.executable, "-m", "vramtune.worker.cli", "worker", "--server", server]
         # An idle worker asks for work twice a second: 32 asking 5 times a second slowed the
         # server enough for heartbeats to miss their leases.
         command += ["--device", "cpu", "--memory-limit", "1GiB", "--poll", "0.5", "--name", name]
-        command += ["--tasks", "worker.tasks.quadratic", "--no-entry-points"]
+        command += ["--tasks", "vramtune.worker.tasks.quadratic", "--no-entry-points"]
         command += ["--log-format", "json", "--exit-when-idle", IDLE_EXIT_S, *options]
         log_path = self.log_dir / f"{name}.log"
         with log_path.open("ab") as log:

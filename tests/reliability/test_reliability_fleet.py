@@ -16,7 +16,7 @@ from reliability_helpers import (
     wait_for_finished,
 )
 
-from service.testing import ServerFactory, upgrade_database
+from vramtune.service.testing import ServerFactory, upgrade_database
 
 WORKERS = 32
 N_TRIALS = 48

@@ -1,4 +1,5 @@
-"""common.logs and worker.loop.spool on their own (no server): what a line and a kept call hold."""
+"""vramtune.common.logs and vramtune.worker.loop.spool on their own (no server): what a line and a
+kept call hold."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from common.logs import configure_logging, log_event
-from service.wire import FailRequest
-from worker.loop.spool import Spool
+from vramtune.common.logs import configure_logging, log_event
+from vramtune.service.wire import FailRequest
+from vramtune.worker.loop.spool import Spool
 
 
 @pytest.fixture

@@ -10,8 +10,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from reliability_helpers import create_study
 
-from service.testing import ServerFactory, sqlite_url, upgrade_database
-from service.wire import API_PREFIX
+from vramtune.service.testing import ServerFactory, sqlite_url, upgrade_database
+from vramtune.service.wire import API_PREFIX
 
 FREE = 3 * 2**30
 

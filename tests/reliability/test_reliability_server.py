@@ -27,8 +27,8 @@ from reliability_helpers import (
 )
 from sqlalchemy import make_url
 
-from service.testing import ServerFactory, ServerProcess, sqlite_url, upgrade_database
-from service.wire import API_PREFIX
+from vramtune.service.testing import ServerFactory, ServerProcess, sqlite_url, upgrade_database
+from vramtune.service.wire import API_PREFIX
 
 # A lease outlives the server's restart below, so a worker's result is delivered, not re-run.
 PATIENT_FLEET = {**FAST_FLEET, "lease_ttl_s": 30.0, "worker_stale_s": 30.0}

@@ -19,7 +19,7 @@ from reliability_helpers import (
     wait_for_budget,
 )
 
-from service.testing import ServerFactory, sqlite_url, upgrade_database
+from vramtune.service.testing import ServerFactory, sqlite_url, upgrade_database
 
 
 def test_server_and_worker_write_json_lines_with_trial_and_worker_ids(

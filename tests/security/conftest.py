@@ -8,14 +8,14 @@ import pytest
 from fastapi.testclient import TestClient
 from security_fixtures import TOKEN_KINDS, Live, Secured, first_token, migrated_sqlite
 
-from service.settings import Settings
-from service.testing import run_vramtune, server_factory
+from vramtune.service.settings import Settings
+from vramtune.service.testing import run_vramtune, server_factory
 
 
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
     """create_app with VRAMTUNE_AUTH=on, lifespan running, tokens of every kind."""
-    from service.app import create_app
+    from vramtune.service.app import create_app
 
     url = migrated_sqlite(tmp_path_factory.mktemp("secured"))
     app = create_app(Settings(database_url=url, auth="on"))

@@ -9,12 +9,12 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from service.auth import tokens as auth
-from service.db.engine import make_engine
-from service.db.migrate import upgrade
-from service.db.tables import StudyRow, TrialRow
-from service.state import utcnow
-from service.testing import ServerProcess
+from vramtune.service.auth import tokens as auth
+from vramtune.service.db.engine import make_engine
+from vramtune.service.db.migrate import upgrade
+from vramtune.service.db.tables import StudyRow, TrialRow
+from vramtune.service.state import utcnow
+from vramtune.service.testing import ServerProcess
 
 OWN, OTHER = "own-study", "other-study"
 # kind -> (scopes, studies); "limited" may submit and run trials of OWN only.

@@ -11,10 +11,10 @@ from fastapi.testclient import TestClient
 from security_fixtures import Live, migrated_sqlite, study_spec
 from sqlalchemy import func, select
 
-from service.db.tables import MAX_ROW_ID, StudyRow
-from service.limits import non_finite_number
-from service.settings import Settings
-from service.testing import ServerFactory
+from vramtune.service.db.tables import MAX_ROW_ID, StudyRow
+from vramtune.service.limits import non_finite_number
+from vramtune.service.settings import Settings
+from vramtune.service.testing import ServerFactory
 
 HEADERS = {"content-type": "application/json"}
 
@@ -30,7 +30,7 @@ def study_count(client: TestClient) -> int:
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
     """In-process app, auth off, a small body limit (8 KiB)."""
-    from service.app import create_app
+    from vramtune.service.app import create_app
 
     url = migrated_sqlite(Path(tmp_path_factory.mktemp("bad")))
     settings = Settings(database_url=url, auth="off", max_request_bytes=8192)

@@ -22,10 +22,15 @@ import pytest
 from security_fixtures import first_token
 from sqlalchemy import func, select
 
-from service.db.engine import make_engine
-from service.db.tables import LeaseRow, WorkerRow
-from service.limits import MAX_JSON_DEPTH
-from service.testing import fresh_postgres_database, run_vramtune, server_factory, sqlite_url
+from vramtune.service.db.engine import make_engine
+from vramtune.service.db.tables import LeaseRow, WorkerRow
+from vramtune.service.limits import MAX_JSON_DEPTH
+from vramtune.service.testing import (
+    fresh_postgres_database,
+    run_vramtune,
+    server_factory,
+    sqlite_url,
+)
 
 LIMIT = 5  # max_workers_per_token of the module's servers
 STALE_S = 5.0

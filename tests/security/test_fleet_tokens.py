@@ -22,8 +22,13 @@ import httpx
 import pytest
 from security_fixtures import first_token
 
-from service.db.tables import MAX_ROW_ID
-from service.testing import fresh_postgres_database, run_vramtune, server_factory, sqlite_url
+from vramtune.service.db.tables import MAX_ROW_ID
+from vramtune.service.testing import (
+    fresh_postgres_database,
+    run_vramtune,
+    server_factory,
+    sqlite_url,
+)
 
 WORKER_LIMIT = 40  # max_workers_per_token of the module's server
 _names = itertools.count()
@@ -403,9 +408,9 @@ def test_a_real_worker_whose_token_is_revoked_mid_trial_stops_cleanly(
         assert admin.post("/studies", json=slow).status_code == 201
     doomed = server.token("worker", studies=[name])
     log_path = tmp_path / "worker.log"
-    command = [sys.executable, "-m", "service", "worker", "--server", server.url]
+    command = [sys.executable, "-m", "vramtune", "worker", "--server", server.url]
     command += ["--token", doomed["token"], "--device", "cpu", "--memory-limit", "64MiB"]
-    command += ["--tasks", "worker.tasks.quadratic", "--no-entry-points", "--poll", "0.1"]
+    command += ["--tasks", "vramtune.worker.tasks.quadratic", "--no-entry-points", "--poll", "0.1"]
     with log_path.open("ab") as log:
         process = subprocess.Popen(
             command,

@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, Phase, settings
 from schemathesis.checks import not_a_server_error, response_schema_conformance
 from security_fixtures import migrated_sqlite, study_spec
 
-from service.app import create_app
-from service.settings import Settings
+from vramtune.service.app import create_app
+from vramtune.service.settings import Settings
 
 EXAMPLES_PER_OPERATION = 8
 

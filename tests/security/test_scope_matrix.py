@@ -12,11 +12,11 @@ import pytest
 from security_fixtures import OTHER, OWN, TOKEN_KINDS, Secured, study_spec
 from sqlalchemy import select
 
-from service.app import create_app
-from service.auth import tokens as auth
-from service.auth.guard import endpoint_keys
-from service.db.tables import StudyRow
-from service.settings import Settings
+from vramtune.service.app import create_app
+from vramtune.service.auth import tokens as auth
+from vramtune.service.auth.guard import endpoint_keys
+from vramtune.service.db.tables import StudyRow
+from vramtune.service.settings import Settings
 
 ENDPOINTS = endpoint_keys(create_app(Settings(database_url="sqlite://")))  # connects nothing
 CALLERS = ["none", "bad", "read", "submit", "worker", "admin", "limited-own", "limited-other"]
@@ -67,7 +67,7 @@ def concrete(template: str, secured: Secured, study: str) -> str:
 def test_every_endpoint_has_a_policy() -> None:
     """No endpoint falls through to the fail-closed default; no policy names a ghost route."""
     missing = [key for key in ENDPOINTS if key not in auth.POLICY]
-    assert missing == [], f"add these endpoints to service.auth.tokens.POLICY: {missing}"
+    assert missing == [], f"add these endpoints to vramtune.service.auth.tokens.POLICY: {missing}"
     ghosts = [key for key in auth.POLICY if key not in ENDPOINTS]
     assert ghosts == [], f"POLICY lists endpoints the app does not have: {ghosts}"
 

@@ -16,19 +16,19 @@ from alembic.command import downgrade
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine, inspect
 
-from service.auth import tokens as auth
-from service.db.engine import make_engine, make_sessions
-from service.db.migrate import (
+from vramtune.service.auth import tokens as auth
+from vramtune.service.db.engine import make_engine, make_sessions
+from vramtune.service.db.migrate import (
     VERSION_TABLE,
     alembic_config,
     current_revision,
     head_revision,
     upgrade,
 )
-from service.db.tables import Base
-from service.settings import Settings
-from service.state import utcnow
-from service.testing import free_port, run_vramtune, upgrade_database
+from vramtune.service.db.tables import Base
+from vramtune.service.settings import Settings
+from vramtune.service.state import utcnow
+from vramtune.service.testing import free_port, run_vramtune, upgrade_database
 
 SERVE_ENV = {"VRAMTUNE_AUTH": "", "VRAMTUNE_HOST": "", "VRAMTUNE_LOG_FORMAT": ""}
 
@@ -41,7 +41,7 @@ def serve(url: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
         [
             sys.executable,
             "-m",
-            "service",
+            "vramtune",
             "serve",
             "--database-url",
             url,
@@ -107,7 +107,16 @@ def test_auth_off_beyond_loopback_needs_insecure(tmp_path: Path) -> None:
     assert "--insecure" in refused.stderr and "0.0.0.0" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1
     port = free_port()
-    command = [sys.executable, "-m", "service", "serve", "--database-url", url, "--host", "0.0.0.0"]
+    command = [
+        sys.executable,
+        "-m",
+        "vramtune",
+        "serve",
+        "--database-url",
+        url,
+        "--host",
+        "0.0.0.0",
+    ]
     env = {**os.environ, "VRAMTUNE_AUTH": "off"}
     process = subprocess.Popen(
         [*command, "--port", str(port), "--insecure"],

@@ -12,10 +12,10 @@ import httpx
 import pytest
 from security_fixtures import migrated_sqlite, study_spec
 
-from service.dashboard import pages
-from service.optuna.arguments import PRUNER_BOUNDS, SAMPLER_BOUNDS
-from service.optuna.glue import _PRUNERS, _SAMPLERS
-from service.testing import ServerProcess, server_factory
+from vramtune.service.dashboard import pages
+from vramtune.service.optuna.arguments import PRUNER_BOUNDS, SAMPLER_BOUNDS
+from vramtune.service.optuna.glue import _PRUNERS, _SAMPLERS
+from vramtune.service.testing import ServerProcess, server_factory
 
 API = "/api/v1"
 

@@ -22,9 +22,14 @@ import httpx
 import pytest
 from security_fixtures import first_token
 
-from common.step_time import default_step_time_fit, predicted_step_s
-from service.testing import fresh_postgres_database, run_vramtune, server_factory, sqlite_url
-from service.wire import StepTimeFit, StepTimeObservation
+from vramtune.common.step_time import default_step_time_fit, predicted_step_s
+from vramtune.service.testing import (
+    fresh_postgres_database,
+    run_vramtune,
+    server_factory,
+    sqlite_url,
+)
+from vramtune.service.wire import StepTimeFit, StepTimeObservation
 
 GIB = 2**30
 MIB = 2**20

@@ -12,19 +12,19 @@ from fastapi.testclient import TestClient
 from security_fixtures import BAD_TOKEN, OWN, Live, Secured, first_token, migrated_sqlite
 from sqlalchemy import create_engine, text
 
-from service.app import create_app
-from service.auth import tokens as auth
-from service.cli.parser import main
-from service.cli.tokens import ADMIN_TOKEN_ENV, print_first_admin_token
-from service.db.engine import make_engine
-from service.settings import Settings
-from service.state import utcnow
+from vramtune.service.app import create_app
+from vramtune.service.auth import tokens as auth
+from vramtune.service.cli.parser import main
+from vramtune.service.cli.tokens import ADMIN_TOKEN_ENV, print_first_admin_token
+from vramtune.service.db.engine import make_engine
+from vramtune.service.settings import Settings
+from vramtune.service.state import utcnow
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    """The same CLI in-process (service.cli.parser.main): exit code, stdout, stderr."""
+    """The same CLI in-process (vramtune.service.cli.parser.main): exit code, stdout, stderr."""
     capsys.readouterr()
     code = main(list(args))
     out, err = capsys.readouterr()

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from common.memory import RAW_RESERVED, apply_calibration, calibrated_bytes, raw_peaks
-from service.calibration import DEFAULT_MARGIN, fit_calibration, under_prediction_rate
-from service.wire import Calibration, Prediction
+from vramtune.common.memory import RAW_RESERVED, apply_calibration, calibrated_bytes, raw_peaks
+from vramtune.service.calibration import DEFAULT_MARGIN, fit_calibration, under_prediction_rate
+from vramtune.service.wire import Calibration, Prediction
 
 MiB = 2**20
 
@@ -105,5 +105,5 @@ def test_apply_corrects_both_peaks_keeps_the_raw_ones_and_never_compounds() -> N
 
 
 def test_the_server_can_import_it_without_torch() -> None:
-    code = "import sys, service.calibration; assert 'torch' not in sys.modules"
+    code = "import sys, vramtune.service.calibration; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from service.cli.console import trial_rows
-from service.cli.parser import main
-from service.client import ApiError, Client
-from service.testing import run_vramtune, server_factory, sqlite_url, upgrade_database
-from service.wire import PlanOut, TrialOut
+from vramtune.service.cli.console import trial_rows
+from vramtune.service.cli.parser import main
+from vramtune.service.client import ApiError, Client
+from vramtune.service.testing import run_vramtune, server_factory, sqlite_url, upgrade_database
+from vramtune.service.wire import PlanOut, TrialOut
 
 SPEC = {
     "name": "cli-study",

@@ -1,4 +1,4 @@
-"""service.db.writes: rows written by statements built once, loaded objects kept in step.
+"""vramtune.service.db.writes: rows written by statements built once, loaded objects kept in step.
 
 On SQLite and PostgreSQL, against the migrated schema: what a trial call writes this way is in
 the database after commit, the loaded object reads the new values without being dirty, and a
@@ -14,9 +14,9 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.db.engine import make_engine, make_sessions
-from service.db.tables import LeaseRow, WorkerRow
-from service.db.writes import insert_row, set_columns
+from vramtune.service.db.engine import make_engine, make_sessions
+from vramtune.service.db.tables import LeaseRow, WorkerRow
+from vramtune.service.db.writes import insert_row, set_columns
 
 NOW = datetime(2026, 12, 5, 6, 0, 0)
 

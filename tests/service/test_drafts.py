@@ -11,12 +11,12 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 from optuna.trial import TrialState
 from sqlalchemy.orm import Session
 
-from service.db.engine import make_engine, make_sessions
-from service.errors import Conflict
-from service.optuna import rows as optuna_rows
-from service.optuna.drafts import DRAFT_ID, draft_trials
-from service.optuna.glue import dispose_storage, make_storage
-from service.state import utcnow
+from vramtune.service.db.engine import make_engine, make_sessions
+from vramtune.service.errors import Conflict
+from vramtune.service.optuna import rows as optuna_rows
+from vramtune.service.optuna.drafts import DRAFT_ID, draft_trials
+from vramtune.service.optuna.glue import dispose_storage, make_storage
+from vramtune.service.state import utcnow
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")

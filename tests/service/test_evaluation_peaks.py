@@ -11,12 +11,12 @@ import sqlalchemy as sa
 from alembic.command import downgrade
 from sqlalchemy.engine import Engine
 
-from service.db.engine import make_engine, make_sessions
-from service.db.migrate import alembic_config, current_revision, head_revision, upgrade
-from service.db.tables import MemoryObservationRow
-from service.db.writes import insert_row
-from service.fleet.calibration import calibration_for
-from service.state import utcnow
+from vramtune.service.db.engine import make_engine, make_sessions
+from vramtune.service.db.migrate import alembic_config, current_revision, head_revision, upgrade
+from vramtune.service.db.tables import MemoryObservationRow
+from vramtune.service.db.writes import insert_row
+from vramtune.service.fleet.calibration import calibration_for
+from vramtune.service.state import utcnow
 
 NEW_COLUMNS = {
     "predicted_training",

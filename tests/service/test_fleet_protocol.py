@@ -27,9 +27,9 @@ import pytest
 from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy import func, select
 
-from common.plans import plan_key
-from service.app import build_state
-from service.db.tables import (
+from vramtune.common.plans import plan_key
+from vramtune.service.app import build_state
+from vramtune.service.db.tables import (
     MAX_ROW_ID,
     LeaseRow,
     MemoryObservationRow,
@@ -37,21 +37,21 @@ from service.db.tables import (
     TrialRow,
     WorkerRow,
 )
-from service.fleet import dispatch, predictions
-from service.fleet.dispatch import next_assignment
-from service.fleet.reaper import reap_once
-from service.optuna.drafts import draft_trials
-from service.optuna.glue import dispose_storage
-from service.settings import Settings
-from service.state import AppState, utcnow
-from service.testing import (
+from vramtune.service.fleet import dispatch, predictions
+from vramtune.service.fleet.dispatch import next_assignment
+from vramtune.service.fleet.reaper import reap_once
+from vramtune.service.optuna.drafts import draft_trials
+from vramtune.service.optuna.glue import dispose_storage
+from vramtune.service.settings import Settings
+from vramtune.service.state import AppState, utcnow
+from vramtune.service.testing import (
     ServerFactory,
     fresh_postgres_database,
     server_factory,
     sqlite_url,
     upgrade_database,
 )
-from service.wire import Assignment, NextRequest, Plan, PlanOut
+from vramtune.service.wire import Assignment, NextRequest, Plan, PlanOut
 
 GIB = 2**30
 PLAN = {"micro_batch": None, "accumulation": 1, "checkpointing": False, "bf16": False}
@@ -529,7 +529,9 @@ def test_a_pruned_runs_peak_is_kept_once_when_its_report_pruned_it(env: Env) -> 
         acked = worker.call(assignment, "fail", kind="pruned", plan=PLAN, measured=measured)
         assert acked.status_code == 200 and acked.json()["resolution"] == "pruned"
     [trial] = env.page().values()
-    assert trial["measured_peak_bytes"] == 4 * GIB  # reserved: the one rule of service.wire
+    assert (
+        trial["measured_peak_bytes"] == 4 * GIB
+    )  # reserved: the one rule of vramtune.service.wire
     assert env.observations() == 1
 
 
@@ -1422,7 +1424,7 @@ def test_a_sampler_that_reads_the_study_is_asked_one_trial_at_a_time(env: Env) -
 
 def test_tpe_asks_one_trial_a_call_and_for_the_asks_that_wait_on_its_asker(env: Env) -> None:
     """TPE asks ahead only for the asks of this process waiting on the study's asker
-    (dispatch._Flight; a batch shares one Parzen fit, service.optuna.tpe): asks in sequence
+    (dispatch._Flight; a batch shares one Parzen fit, vramtune.service.optuna.tpe): asks in sequence
     ask one trial each; concurrent ones lease every trial of the budget exactly once."""
     env.create_study(n_trials=12, sampler={"name": "tpe", "args": {"seed": 3}})
     for count, worker in enumerate((env.worker(f"w{i}") for i in range(4)), start=1):

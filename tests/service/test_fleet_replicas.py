@@ -19,8 +19,8 @@ from optuna.trial import TrialState
 from sqlalchemy import create_engine, func, select
 from sqlalchemy.pool import NullPool
 
-from service.db.tables import LeaseRow, TrialRow
-from service.testing import ServerFactory, upgrade_database
+from vramtune.service.db.tables import LeaseRow, TrialRow
+from vramtune.service.testing import ServerFactory, upgrade_database
 
 GIB = 2**30
 N_TRIALS = 48

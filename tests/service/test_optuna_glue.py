@@ -12,9 +12,9 @@ import optuna
 import pytest
 from optuna.storages import BaseStorage
 
-from service.db.tables import StudyRow
-from service.errors import Invalid
-from service.optuna.glue import (
+from vramtune.service.db.tables import StudyRow
+from vramtune.service.errors import Invalid
+from vramtune.service.optuna.glue import (
     forget_study,
     load_optuna_study,
     make_pruner,
@@ -22,8 +22,8 @@ from service.optuna.glue import (
     make_storage,
     search_space,
 )
-from service.testing import sqlite_url, upgrade_database
-from service.wire import PrunerSpec, StudyCreate
+from vramtune.service.testing import sqlite_url, upgrade_database
+from vramtune.service.wire import PrunerSpec, StudyCreate
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

@@ -1,4 +1,4 @@
-"""A plan's key, in memory (common.plans.plan_key: the worker's tried plans, the fleet's
+"""A plan's key, in memory (vramtune.common.plans.plan_key: the worker's tried plans, the fleet's
 predictions) and as the shared-prediction index's column (service.fleet.predictions.plan_column):
 a several-card plan's world size and strategy are part of it (issue 31), a one-card plan's key
 is what it was before."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from common.plans import plan_key
-from service.fleet.predictions import plan_column
-from service.wire import MAX_WORLD_SIZE, Plan, PlanOut
+from vramtune.common.plans import plan_key
+from vramtune.service.fleet.predictions import plan_column
+from vramtune.service.wire import MAX_WORLD_SIZE, Plan, PlanOut
 
 
 def test_plans_on_other_world_sizes_or_strategies_never_share_a_key() -> None:

@@ -14,12 +14,12 @@ from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, inspect
 from sqlalchemy.orm import Session
 
-from service.api.errors import install_error_handlers
-from service.app import create_app
-from service.db.migrate import VERSION_TABLE, NotMigrated, head_revision
-from service.db.tables import Base, StudyRow
-from service.settings import Settings
-from service.testing import (
+from vramtune.service.api.errors import install_error_handlers
+from vramtune.service.app import create_app
+from vramtune.service.db.migrate import VERSION_TABLE, NotMigrated, head_revision
+from vramtune.service.db.tables import Base, StudyRow
+from vramtune.service.settings import Settings
+from vramtune.service.testing import (
     ServerFactory,
     free_port,
     fresh_postgres_database,

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from common.step_time import (
+from vramtune.common.step_time import (
     DEFAULT_ADAFACTOR_SLOWDOWN,
     DEFAULT_ADAMW_8BIT_SLOWDOWN,
     STEP_TIME_MIN_RUNS,
@@ -15,8 +15,8 @@ from common.step_time import (
     predicted_step_s,
     step_time_slowdown as slowdown,
 )
-from service.step_time import fit_step_time, relative_error
-from service.wire import StepTimeFit, StepTimeObservation, Strategy
+from vramtune.service.step_time import fit_step_time, relative_error
+from vramtune.service.wire import StepTimeFit, StepTimeObservation, Strategy
 
 
 def run(

@@ -22,11 +22,16 @@ from optuna.trial import TrialState
 from sqlalchemy import Engine, create_engine, func, select
 from sqlalchemy.orm import Session
 
-from service.app import create_app
-from service.db.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
-from service.optuna.glue import SEARCH_SPACE_ATTR, TASK_ATTR
-from service.settings import Settings
-from service.testing import fresh_postgres_database, server_factory, sqlite_url, upgrade_database
+from vramtune.service.app import create_app
+from vramtune.service.db.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
+from vramtune.service.optuna.glue import SEARCH_SPACE_ATTR, TASK_ATTR
+from vramtune.service.settings import Settings
+from vramtune.service.testing import (
+    fresh_postgres_database,
+    server_factory,
+    sqlite_url,
+    upgrade_database,
+)
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

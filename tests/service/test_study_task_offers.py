@@ -17,8 +17,13 @@ import pytest
 from optuna.storages import RDBStorage
 from sqlalchemy import create_engine, func, select
 
-from service.db.tables import StudyRow
-from service.testing import fresh_postgres_database, server_factory, sqlite_url, upgrade_database
+from vramtune.service.db.tables import StudyRow
+from vramtune.service.testing import (
+    fresh_postgres_database,
+    server_factory,
+    sqlite_url,
+    upgrade_database,
+)
 
 STALE_S = 2.0
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from common.task_rules import study_problem
+from vramtune.common.task_rules import study_problem
 
 
 def test_every_combination_of_choices_is_checked() -> None:

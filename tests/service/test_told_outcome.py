@@ -1,14 +1,14 @@
-"""The shared outcome rule (common.plans.told_outcome), a plan in words (common.plans.plan_in_words)
-and human byte units (common.units)."""
+"""The shared outcome rule (vramtune.common.plans.told_outcome), a plan in words
+(vramtune.common.plans.plan_in_words) and human byte units (vramtune.common.units)."""
 
 from __future__ import annotations
 
 import pytest
 
-from common.plans import plan_in_words, rungs_in_words, told_outcome
-from common.units import GIB, MIB, human_bytes
-from service.cli.console import trial_rows
-from service.wire import PlanOut, TrialOut
+from vramtune.common.plans import plan_in_words, rungs_in_words, told_outcome
+from vramtune.common.units import GIB, MIB, human_bytes
+from vramtune.service.cli.console import trial_rows
+from vramtune.service.wire import PlanOut, TrialOut
 
 AS_ASKED = {"micro_batch": None, "accumulation": 1, "checkpointing": False, "bf16": False}
 HALVED = {"micro_batch": 8, "accumulation": 2, "checkpointing": False, "bf16": False}

@@ -16,12 +16,12 @@ import pytest
 from optuna.distributions import FloatDistribution
 from optuna.trial import FrozenTrial, TrialState
 
-from service.db.engine import make_engine, make_sessions
-from service.optuna import rows as optuna_rows
-from service.optuna.drafts import DraftStorage, draft_trials
-from service.optuna.glue import dispose_storage, make_storage
-from service.optuna.tpe import SharedFitTPESampler
-from service.state import utcnow
+from vramtune.service.db.engine import make_engine, make_sessions
+from vramtune.service.optuna import rows as optuna_rows
+from vramtune.service.optuna.drafts import DraftStorage, draft_trials
+from vramtune.service.optuna.glue import dispose_storage, make_storage
+from vramtune.service.optuna.tpe import SharedFitTPESampler
+from vramtune.service.state import utcnow
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from service.wire import CardInfo, Plan, TrainBudget
-from worker.run.training import TorchTaskRunner
-from worker.tasks.contract import check_task, cpu_threads
-from worker.trial.runner import CardSpec, RunResult
-from worker.trial.task import Task
+from vramtune.service.wire import CardInfo, Plan, TrainBudget
+from vramtune.worker.run.training import TorchTaskRunner
+from vramtune.worker.tasks.contract import check_task, cpu_threads
+from vramtune.worker.trial.runner import CardSpec, RunResult
+from vramtune.worker.trial.task import Task
 
 __all__ = ["GIB", "RecordingReporter", "check_task", "cpu_threads", "run_trial", "simulated_card"]
 

@@ -14,15 +14,20 @@ import pytest
 import torch
 from test_predictor import measured_cpu_peak
 
-from common.memory import peak_of
-from common.plans import plan_in_words, ran_as, rungs_of, stored_plan, told_outcome
-from service.wire import CardInfo, MemoryPolicy, Plan
-from worker.plan.policy import HandBack, RunAsPlanned, choose_plan
-from worker.predictor import clear_cache, predict
-from worker.run.training import TorchTaskRunner
-from worker.tasks.charlm import CharTransformerTask
-from worker.trial.runner import CardSpec
-from worker.trial.steps import batch_feeder, build_for_plan, build_optimizer_for_plan, train_step
+from vramtune.common.memory import peak_of
+from vramtune.common.plans import plan_in_words, ran_as, rungs_of, stored_plan, told_outcome
+from vramtune.service.wire import CardInfo, MemoryPolicy, Plan
+from vramtune.worker.plan.policy import HandBack, RunAsPlanned, choose_plan
+from vramtune.worker.predictor import clear_cache, predict
+from vramtune.worker.run.training import TorchTaskRunner
+from vramtune.worker.tasks.charlm import CharTransformerTask
+from vramtune.worker.trial.runner import CardSpec
+from vramtune.worker.trial.steps import (
+    batch_feeder,
+    build_for_plan,
+    build_optimizer_for_plan,
+    train_step,
+)
 
 # One sequence of 8: no micro-batches to take, and the optimizer's state sets the peak.
 TINY: dict[str, Any] = {"n_layers": 2, "d_model": 64, "n_heads": 4, "seq_len": 8, "batch_size": 1}

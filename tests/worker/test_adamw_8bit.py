@@ -19,18 +19,18 @@ import torch
 from test_adafactor import CPU, CPU_CARD, TINY, _optimizer_after_a_step
 from test_predictor import measured_cpu_peak
 
-from common.memory import peak_of
-from common.plans import plan_in_words, ran_as, rungs_of, stored_plan
-from service.wire import MemoryPolicy, Plan
-from worker.device.memory import MemoryTracker
-from worker.plan import policy
-from worker.plan.policy import HandBack, RunAsPlanned, choose_plan
-from worker.predictor import clear_cache, predict
-from worker.run.training import TorchTaskRunner
-from worker.tasks.charlm import CharTransformerTask
-from worker.trial import optimizers
-from worker.trial.steps import build_for_plan, build_optimizer_for_plan
-from worker.trial.task import TaskConfigError
+from vramtune.common.memory import peak_of
+from vramtune.common.plans import plan_in_words, ran_as, rungs_of, stored_plan
+from vramtune.service.wire import MemoryPolicy, Plan
+from vramtune.worker.device.memory import MemoryTracker
+from vramtune.worker.plan import policy
+from vramtune.worker.plan.policy import HandBack, RunAsPlanned, choose_plan
+from vramtune.worker.predictor import clear_cache, predict
+from vramtune.worker.run.training import TorchTaskRunner
+from vramtune.worker.tasks.charlm import CharTransformerTask
+from vramtune.worker.trial import optimizers
+from vramtune.worker.trial.steps import build_for_plan, build_optimizer_for_plan
+from vramtune.worker.trial.task import TaskConfigError
 
 torchao_optim = pytest.importorskip("torchao.optim")  # the optim8bit extra (in dev)
 
@@ -151,10 +151,10 @@ def test_on_a_card_the_compiled_update_needs_no_more_than_predicted() -> None:
     """On CUDA, outside any dispatch mode, torchao compiles the update; the trace counts the
     eager one's temporaries (one parameter's at a time), so it may count over, never under.
     The bound (25 %) is a first guess for bench/gpu_check.sh, not yet measured on a card."""
-    from service.wire import CardInfo
-    from worker.predictor import measure_card_constants
-    from worker.trial.runner import CardSpec
-    from worker.trial.steps import batch_feeder, train_step
+    from vramtune.service.wire import CardInfo
+    from vramtune.worker.predictor import measure_card_constants
+    from vramtune.worker.trial.runner import CardSpec
+    from vramtune.worker.trial.steps import batch_feeder, train_step
 
     device = torch.device("cuda:0")
     card = CardSpec(
@@ -181,7 +181,7 @@ def test_on_a_card_the_compiled_update_needs_no_more_than_predicted() -> None:
 
 
 def test_the_trial_story_says_the_optimizer_was_swapped() -> None:
-    from service.dashboard.story import plan_words
+    from vramtune.service.dashboard.story import plan_words
 
     stored = Plan(micro_batch=4, accumulation=2, optimizer="adamw_8bit").model_dump(mode="json")
     assert plan_words(stored) == f"micro-batch 4 × 2, {WORDS}"
@@ -190,8 +190,8 @@ def test_the_trial_story_says_the_optimizer_was_swapped() -> None:
 
 def test_a_cuda_card_traces_the_8bit_state_on_this_cpu_build() -> None:
     """A GPU worker's trace (CUDA's rules emulated on fake cpu here) counts the same state."""
-    from service.wire import CardInfo
-    from worker.trial.runner import CardSpec
+    from vramtune.service.wire import CardInfo
+    from vramtune.worker.trial.runner import CardSpec
 
     info = CardInfo(model="NVIDIA H100", total_bytes=80 * 2**30, free_bytes=80 * 2**30)
     card = CardSpec(info=info, device="cuda:0")

@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from pydantic import BaseModel
 
-from service.wire import (
+from vramtune.service.wire import (
     Assignment,
     CompleteRequest,
     FailRequest,
@@ -28,7 +28,7 @@ from service.wire import (
     TrainBudget,
     WorkerRegister,
 )
-from worker.loop.api import (
+from vramtune.worker.loop.api import (
     LeaseLost,
     Rejected,
     ServerClient,

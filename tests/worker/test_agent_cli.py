@@ -10,17 +10,17 @@ import sys
 import time
 from pathlib import Path
 
-from service.testing import free_port
-from worker.cli import _child_argv, add_commands
+from vramtune.service.testing import free_port
+from vramtune.worker.cli import _child_argv, add_commands
 
 REPO = Path(__file__).resolve().parents[2]
-QUADRATIC_ONLY = ["--tasks", "worker.tasks.quadratic", "--no-entry-points"]
+QUADRATIC_ONLY = ["--tasks", "vramtune.worker.tasks.quadratic", "--no-entry-points"]
 
 
 def vramtune(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("VRAMTUNE_")}
     return subprocess.run(
-        [sys.executable, "-m", "service", *args],
+        [sys.executable, "-m", "vramtune", *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -72,13 +72,14 @@ def test_a_node_of_simulated_cards_needs_the_cpu_and_a_size() -> None:
 
 
 def test_the_worker_commands_do_not_import_torch() -> None:
-    code = "import sys, worker.cli, worker.loop.agent; sys.exit('torch' in sys.modules)"
+    code = "import sys, vramtune.worker.cli, vramtune.worker.loop.agent\n"
+    code += "sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO, check=False).returncode == 0
 
 
 def test_a_worker_waits_for_its_server_and_still_exits_cleanly_on_sigterm(tmp_path: Path) -> None:
     server = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    command = [sys.executable, "-m", "service", "worker", "--device", "cpu"]
+    command = [sys.executable, "-m", "vramtune", "worker", "--device", "cpu"]
     command += ["--memory-limit", "64MiB", *QUADRATIC_ONLY]
     with (tmp_path / "worker.log").open("wb") as log:
         worker = subprocess.Popen(
@@ -106,7 +107,7 @@ def test_all_gpus_starts_one_worker_per_card_with_the_same_options() -> None:
         ["worker", *options.split(), "--max-trials", "5", "--exit-when-idle", "30"]
     )
     argv = _child_argv(args, 3)
-    assert argv[:4] == [sys.executable, "-m", "worker.cli", "worker"]
+    assert argv[:4] == [sys.executable, "-m", "vramtune.worker.cli", "worker"]
     assert "--all-gpus" not in argv
     pairs = dict(zip(argv[4::2], argv[5::2], strict=False))
     assert pairs["--device"] == "cuda:3" and pairs["--name"] == "box-cuda3"

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from service.wire import CardInfo, Plan, TrainBudget
-from worker.tasks.quadratic import (
+from vramtune.service.wire import CardInfo, Plan, TrainBudget
+from vramtune.worker.tasks.quadratic import (
     MIB,
     QuadraticConfig,
     QuadraticConfigError,
@@ -15,7 +15,7 @@ from worker.tasks.quadratic import (
     footprint_bytes,
     quadratic_value,
 )
-from worker.trial.runner import CardSpec, OutOfMemory, Stopped, TrialRunner
+from vramtune.worker.trial.runner import CardSpec, OutOfMemory, Stopped, TrialRunner
 
 BUDGET = TrainBudget(max_steps=6, eval_every=2)
 

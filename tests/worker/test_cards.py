@@ -9,16 +9,16 @@ from typing import Any, cast
 
 import pytest
 
-from service.wire import CardInfo, Plan, TrainBudget
 from tests.worker.test_agent_quadratic import Recorder
-from worker.loop.agent import Agent
-from worker.loop.api import ServerClient
-from worker.loop.cycle import AgentOptions
-from worker.loop.node import NodePacker, _OnCard
-from worker.run.cards import CardBook, CardGrant
-from worker.run.slot_process import SlotProcess
-from worker.tasks.quadratic import QuadraticTask
-from worker.trial.runner import CardSpec
+from vramtune.service.wire import CardInfo, Plan, TrainBudget
+from vramtune.worker.loop.agent import Agent
+from vramtune.worker.loop.api import ServerClient
+from vramtune.worker.loop.cycle import AgentOptions
+from vramtune.worker.loop.node import NodePacker, _OnCard
+from vramtune.worker.run.cards import CardBook, CardGrant
+from vramtune.worker.run.slot_process import SlotProcess
+from vramtune.worker.tasks.quadratic import QuadraticTask
+from vramtune.worker.trial.runner import CardSpec
 
 MIB = 2**20
 

@@ -15,20 +15,20 @@ from __future__ import annotations
 
 import pytest
 
-from common.step_time import default_step_time_fit
-from service.wire import DistributedPolicy, MemoryPolicy, Plan, StepTimeFit
-from worker.device.gpu import parse_size, simulated_card
-from worker.plan.distributed import (
+from vramtune.common.step_time import default_step_time_fit
+from vramtune.service.wire import DistributedPolicy, MemoryPolicy, Plan, StepTimeFit
+from vramtune.worker.device.gpu import parse_size, simulated_card
+from vramtune.worker.plan.distributed import (
     DistributedHandBack,
     choose_distributed,
     plans_at,
     rank_prediction,
     world_sizes,
 )
-from worker.plan.policy import Decision, RunAsPlanned, choose_plan
-from worker.run.training import TorchTaskRunner
-from worker.tasks.digits import DigitsCNNTask
-from worker.trial.runner import CardSpec
+from vramtune.worker.plan.policy import Decision, RunAsPlanned, choose_plan
+from vramtune.worker.run.training import TorchTaskRunner
+from vramtune.worker.tasks.digits import DigitsCNNTask
+from vramtune.worker.trial.runner import CardSpec
 
 TASK = DigitsCNNTask()
 RUNNER = TorchTaskRunner(TASK)

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import HashStore
 
-from service.wire import Plan
-from worker.device.memory import MemoryTracker
-from worker.predictor import clear_cache, predict
-from worker.predictor.distributed import (
+from vramtune.service.wire import Plan
+from vramtune.worker.device.memory import MemoryTracker
+from vramtune.worker.predictor import clear_cache, predict
+from vramtune.worker.predictor.distributed import (
     STRATEGIES,
     RankRun,
     Strategy,
@@ -23,9 +23,9 @@ from worker.predictor.distributed import (
     shard_units,
     trace_rank,
 )
-from worker.tasks.digits import DigitsCNNTask
-from worker.tasks.hf import HFCausalLMTask
-from worker.trial.task import TaskConfigError
+from vramtune.worker.tasks.digits import DigitsCNNTask
+from vramtune.worker.tasks.hf import HFCausalLMTask
+from vramtune.worker.trial.task import TaskConfigError
 
 TASK = DigitsCNNTask()
 CONFIG = {"width": 8, "depth": 2, "resolution": 16, "batch_size": 16}

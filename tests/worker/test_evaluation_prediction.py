@@ -13,14 +13,14 @@ from task_contract import run_trial, simulated_card
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from service.wire import MemoryPolicy, Plan
-from worker.plan.policy import RunAsPlanned, choose_plan
-from worker.predictor import clear_cache, predict
-from worker.predictor.evaluation import UNTRACED_BOUND
-from worker.run.training import TorchTaskRunner
-from worker.tasks import digits as digits_module
-from worker.tasks.digits import DigitsMLPTask
-from worker.trial.task import Config
+from vramtune.service.wire import MemoryPolicy, Plan
+from vramtune.worker.plan.policy import RunAsPlanned, choose_plan
+from vramtune.worker.predictor import clear_cache, predict
+from vramtune.worker.predictor.evaluation import UNTRACED_BOUND
+from vramtune.worker.run.training import TorchTaskRunner
+from vramtune.worker.tasks import digits as digits_module
+from vramtune.worker.tasks.digits import DigitsMLPTask
+from vramtune.worker.trial.task import Config
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
 from my_task import WineTask

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from worker.device import gpu
+from vramtune.worker.device import gpu
 
 
 @pytest.fixture

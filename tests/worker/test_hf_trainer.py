@@ -14,12 +14,12 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from service.wire import Plan, TrainBudget
-from worker.device.gpu import parse_size, simulated_card
-from worker.integrations.hf_trainer import TrainerTask
-from worker.tasks.registry import discover
-from worker.trial.runner import CardSpec, OutOfMemory, Stopped
-from worker.trial.task import TaskConfigError
+from vramtune.service.wire import Plan, TrainBudget
+from vramtune.worker.device.gpu import parse_size, simulated_card
+from vramtune.worker.integrations.hf_trainer import TrainerTask
+from vramtune.worker.tasks.registry import discover
+from vramtune.worker.trial.runner import CardSpec, OutOfMemory, Stopped
+from vramtune.worker.trial.task import TaskConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "hf_trainer" / "tasks.py"
@@ -252,7 +252,7 @@ def test_trainer_class_must_be_a_trainer() -> None:
 def test_the_example_study_file_is_a_valid_study() -> None:
     import yaml
 
-    from service.wire import StudyCreate
+    from vramtune.service.wire import StudyCreate
 
     body = yaml.safe_load((EXAMPLE.parent / "study.yaml").read_text())
     assert StudyCreate.model_validate(body).task == "hf-trainer-gpt2"
@@ -340,7 +340,7 @@ def test_the_example_is_discovered_as_a_task() -> None:
 def test_a_worker_without_accelerate_does_not_advertise_the_example() -> None:
     script = (
         "import sys; sys.modules['accelerate'] = None\n"  # find_spec then answers None
-        "from worker.tasks.registry import discover\n"
+        "from vramtune.worker.tasks.registry import discover\n"
         f"found = discover([{str(EXAMPLE)!r}], entry_points=False)\n"
         "print(sorted(found.runners)); print(found.errors)\n"
     )

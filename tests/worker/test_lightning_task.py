@@ -21,12 +21,12 @@ pytest.importorskip("lightning")
 
 import lightning as L
 
-from service.wire import Plan, TrainBudget
-from worker.device.gpu import parse_size, simulated_card
-from worker.integrations.lightning import LightningTask, divisors
-from worker.tasks.registry import discover
-from worker.trial.runner import CardSpec, OutOfMemory, Stopped, plan_for_micro_batch
-from worker.trial.task import TaskConfigError
+from vramtune.service.wire import Plan, TrainBudget
+from vramtune.worker.device.gpu import parse_size, simulated_card
+from vramtune.worker.integrations.lightning import LightningTask, divisors
+from vramtune.worker.tasks.registry import discover
+from vramtune.worker.trial.runner import CardSpec, OutOfMemory, Stopped, plan_for_micro_batch
+from vramtune.worker.trial.task import TaskConfigError
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lightning"
 sys.path.insert(0, str(EXAMPLE))
@@ -250,10 +250,10 @@ def test_the_example_is_advertised_with_its_metric() -> None:
 def test_a_worker_without_lightning_does_not_advertise_the_task() -> None:
     script = (
         "import sys, json; sys.modules['lightning'] = None\n"
-        "from worker.tasks.registry import discover\n"
+        "from vramtune.worker.tasks.registry import discover\n"
         f"found = discover([{str(EXAMPLE / 'tasks.py')!r}], entry_points=False)\n"
         "try:\n"
-        "    import worker.integrations.lightning\n"
+        "    import vramtune.worker.integrations.lightning\n"
         "except ImportError as error:\n"
         "    found.errors['integration'] = str(error)\n"
         "print(json.dumps({'runners': sorted(found.runners), 'errors': found.errors}))\n"

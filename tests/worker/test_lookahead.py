@@ -1,4 +1,5 @@
-"""worker.loop.lookahead: hand-backs settled in the background while the current trial trains.
+"""vramtune.worker.loop.lookahead: hand-backs settled in the background while the current trial
+trains.
 
 Real threads, fake server calls: a trial whose choice is a hand-back is handed back by the
 background thread itself, which leases and plans the next one, so the main thread (the card)
@@ -11,8 +12,8 @@ from __future__ import annotations
 import threading
 from datetime import UTC, datetime
 
-from service.wire import Assignment, MemoryPolicy, TrainBudget
-from worker.loop.lookahead import PlanAhead, Prepared, lease_delay
+from vramtune.service.wire import Assignment, MemoryPolicy, TrainBudget
+from vramtune.worker.loop.lookahead import PlanAhead, Prepared, lease_delay
 
 WAIT_S = 30.0
 

@@ -16,10 +16,10 @@ import torch
 from task_contract import check_task
 from test_predictor import measured_cpu_peak
 
-from service.wire import Plan
-from worker.predictor import clear_cache, predict
-from worker.trial.steps import batch_feeder, build_for_plan, train_step
-from worker.trial.task import Task, TaskConfigError
+from vramtune.service.wire import Plan
+from vramtune.worker.predictor import clear_cache, predict
+from vramtune.worker.trial.steps import batch_feeder, build_for_plan, train_step
+from vramtune.worker.trial.task import Task, TaskConfigError
 
 pytest.importorskip("transformers", reason="pip install 'vramtune[hf]'")
 pytest.importorskip("peft", reason="pip install 'vramtune[peft]'")
@@ -42,7 +42,7 @@ CPU = torch.device("cpu")
 
 
 def _task() -> Task:
-    from worker.tasks.hf import HFCausalLMTask
+    from vramtune.worker.tasks.hf import HFCausalLMTask
 
     return HFCausalLMTask()
 
@@ -159,9 +159,9 @@ def test_lora_fake_cuda_prediction_is_close_to_the_measured_cuda_peak(
     config: dict[str, Any],
 ) -> None:
     """On the card: the model built on meta and converted to fake cuda, against real steps."""
-    from service.wire import CardInfo
-    from worker.predictor import measure_card_constants
-    from worker.trial.runner import CardSpec
+    from vramtune.service.wire import CardInfo
+    from vramtune.worker.predictor import measure_card_constants
+    from vramtune.worker.trial.runner import CardSpec
 
     device = torch.device("cuda:0")
     card = CardSpec(

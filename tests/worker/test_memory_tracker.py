@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from worker.device.memory import CATEGORIES, MemoryLimitExceeded, MemoryTracker, round_up
+from vramtune.worker.device.memory import CATEGORIES, MemoryLimitExceeded, MemoryTracker, round_up
 
 
 def test_a_storage_counts_once_rounded_to_512_and_is_uncounted_when_it_dies() -> None:

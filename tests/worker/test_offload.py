@@ -24,19 +24,24 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from common.memory import peak_of
-from common.plans import plan_in_words, plan_key, rungs_of, stored_plan
-from common.step_time import default_step_time_fit, step_time_slowdown
-from service.fleet.predictions import plan_column
-from service.wire import CardInfo, MemoryPolicy, Plan, PlanOut, Resize
-from worker.plan.policy import HandBack, RunAsPlanned, choose_plan, step_features
-from worker.predictor import clear_cache, predict
-from worker.run.training import TorchTaskRunner
-from worker.tasks.charlm import CharTransformerTask
-from worker.trial.offload import HostOffloadedOptimizer, offload_optimizer, traced_host
-from worker.trial.runner import CardSpec
-from worker.trial.steps import batch_feeder, build_for_plan, build_optimizer_for_plan, train_step
-from worker.trial.task import TaskConfigError
+from vramtune.common.memory import peak_of
+from vramtune.common.plans import plan_in_words, plan_key, rungs_of, stored_plan
+from vramtune.common.step_time import default_step_time_fit, step_time_slowdown
+from vramtune.service.fleet.predictions import plan_column
+from vramtune.service.wire import CardInfo, MemoryPolicy, Plan, PlanOut, Resize
+from vramtune.worker.plan.policy import HandBack, RunAsPlanned, choose_plan, step_features
+from vramtune.worker.predictor import clear_cache, predict
+from vramtune.worker.run.training import TorchTaskRunner
+from vramtune.worker.tasks.charlm import CharTransformerTask
+from vramtune.worker.trial.offload import HostOffloadedOptimizer, offload_optimizer, traced_host
+from vramtune.worker.trial.runner import CardSpec
+from vramtune.worker.trial.steps import (
+    batch_feeder,
+    build_for_plan,
+    build_optimizer_for_plan,
+    train_step,
+)
+from vramtune.worker.trial.task import TaskConfigError
 
 CONFIG: dict[str, Any] = {
     "n_layers": 2,
@@ -251,7 +256,7 @@ def test_the_plan_record_keys_and_words_of_the_offload_rungs() -> None:
 def test_on_a_real_card_offloading_lowers_the_peak_the_trace_predicts(plan: Plan) -> None:
     from task_contract import RecordingReporter
 
-    from service.wire import TrainBudget
+    from vramtune.service.wire import TrainBudget
 
     total = torch.cuda.get_device_properties(0).total_memory
     info = CardInfo(model=torch.cuda.get_device_name(0), total_bytes=total, free_bytes=total)

@@ -6,8 +6,8 @@ from datetime import UTC, datetime
 
 import pytest
 
-from common.memory import peak_of
-from service.wire import (
+from vramtune.common.memory import peak_of
+from vramtune.service.wire import (
     Assignment,
     CompleteRequest,
     FailRequest,
@@ -17,8 +17,8 @@ from service.wire import (
     Prediction,
     TrainBudget,
 )
-from worker.loop import outcomes
-from worker.trial.runner import RunResult, Stopped
+from vramtune.worker.loop import outcomes
+from vramtune.worker.trial.runner import RunResult, Stopped
 
 PEAK = Measured(peak_allocated_bytes=3_000, peak_reserved_bytes=4_096)
 PREDICTION = Prediction(peak_allocated_bytes=3_000, peak_reserved_bytes=4_000)

@@ -9,11 +9,11 @@ import pytest
 import torch
 from task_contract import check_task, run_trial, simulated_card
 
-from service.wire import Plan
-from worker.run.training import TorchTaskRunner
-from worker.tasks.check_file import check_file
-from worker.tasks.registry import discover
-from worker.trial.task import Task
+from vramtune.service.wire import Plan
+from vramtune.worker.run.training import TorchTaskRunner
+from vramtune.worker.tasks.check_file import check_file
+from vramtune.worker.tasks.registry import discover
+from vramtune.worker.trial.task import Task
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "plain_task.py"
 

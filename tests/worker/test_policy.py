@@ -6,16 +6,24 @@ from typing import Any
 
 import pytest
 
-from common.memory import peak_of
-from service.wire import Calibration, CardInfo, MemoryPolicy, Plan, PlanOut, Prediction, StepTimeFit
-from worker.plan.policy import (
+from vramtune.common.memory import peak_of
+from vramtune.service.wire import (
+    Calibration,
+    CardInfo,
+    MemoryPolicy,
+    Plan,
+    PlanOut,
+    Prediction,
+    StepTimeFit,
+)
+from vramtune.worker.plan.policy import (
     HandBack,
     RunAsPlanned,
     choose_plan,
     expected_slowdown,
 )
-from worker.tasks.quadratic import MIB, QuadraticConfig, QuadraticTask, footprint_bytes
-from worker.trial.runner import CardSpec, Config, TrialRunner
+from vramtune.worker.tasks.quadratic import MIB, QuadraticConfig, QuadraticTask, footprint_bytes
+from vramtune.worker.trial.runner import CardSpec, Config, TrialRunner
 
 KIB = 1024
 # fixed 16 MiB + weights 4 MiB, then 256 KiB of activations per sample (128 with checkpointing,
@@ -309,7 +317,7 @@ def test_a_decision_says_how_long_choosing_it_took(monkeypatch: pytest.MonkeyPat
             predictions.append(plan)
             return super().predict(config, plan, card)
 
-    monkeypatch.setattr("worker.plan.policy.time.perf_counter", clock)
+    monkeypatch.setattr("vramtune.worker.plan.policy.time.perf_counter", clock)
     resized = choose(free=need(Plan(micro_batch=4, accumulation=4)), runner=Slow())
     assert resized.seconds == len(predictions) > 1
     predictions.clear()

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from service.wire import Calibration, CardConstants, CardInfo, MemoryPolicy, Plan
-from worker.device.memory import MemoryTracker
-from worker.plan.policy import HandBack, choose_plan
-from worker.predictor import (
+from vramtune.service.wire import Calibration, CardConstants, CardInfo, MemoryPolicy, Plan
+from vramtune.worker.device.memory import MemoryTracker
+from vramtune.worker.plan.policy import HandBack, choose_plan
+from vramtune.worker.predictor import (
     CPU_TARGET,
     EMULATED_CUDA_TARGET,
     CannotTrace,
@@ -26,10 +26,15 @@ from worker.predictor import (
     target_for,
     trace_training,
 )
-from worker.run.training import TorchTaskRunner
-from worker.trial.runner import CardSpec, plan_for_micro_batch
-from worker.trial.steps import batch_feeder, build_for_plan, build_optimizer_for_plan, train_step
-from worker.trial.task import Batch, Config, Metric, Task
+from vramtune.worker.run.training import TorchTaskRunner
+from vramtune.worker.trial.runner import CardSpec, plan_for_micro_batch
+from vramtune.worker.trial.steps import (
+    batch_feeder,
+    build_for_plan,
+    build_optimizer_for_plan,
+    train_step,
+)
+from vramtune.worker.trial.task import Batch, Config, Metric, Task
 
 MiB = 2**20
 
@@ -465,9 +470,9 @@ def test_an_untraceable_model_says_why_and_falls_back_to_a_measured_probe() -> N
 
 
 def test_a_probed_plan_says_why_in_its_reason() -> None:
-    from service.wire import MemoryPolicy
-    from worker.plan.policy import RunAsPlanned, choose_plan
-    from worker.run.training import TorchTaskRunner
+    from vramtune.service.wire import MemoryPolicy
+    from vramtune.worker.plan.policy import RunAsPlanned, choose_plan
+    from vramtune.worker.run.training import TorchTaskRunner
 
     card = CardSpec(
         info=CardInfo(model="cpu", total_bytes=2**30, free_bytes=2**30), constants={}, device="cpu"

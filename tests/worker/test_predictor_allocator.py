@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from worker.predictor.allocator import CachingAllocatorModel, replay, round_request, segment_size
+from vramtune.worker.predictor.allocator import (
+    CachingAllocatorModel,
+    replay,
+    round_request,
+    segment_size,
+)
 
 MiB = 2**20
 

@@ -16,12 +16,12 @@ from test_predictor import _SmallTask, measured_cpu_peak
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from service.wire import Plan
-from worker.device.memory import MemoryTracker
-from worker.predictor import clear_cache, predict
-from worker.predictor.conversion import to_fake
-from worker.predictor.trace import CPU_TARGET, CannotTrace, trace_training
-from worker.trial.task import Batch, Config
+from vramtune.service.wire import Plan
+from vramtune.worker.device.memory import MemoryTracker
+from vramtune.worker.predictor import clear_cache, predict
+from vramtune.worker.predictor.conversion import to_fake
+from vramtune.worker.predictor.trace import CPU_TARGET, CannotTrace, trace_training
+from vramtune.worker.trial.task import Batch, Config
 
 PLANS = [Plan(), Plan(micro_batch=2, accumulation=2), Plan(checkpointing=True)]
 

@@ -12,8 +12,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from worker.device.memory import MemoryTracker
-from worker.predictor.emulation import (
+from vramtune.worker.device.memory import MemoryTracker
+from vramtune.worker.predictor.emulation import (
     CUDA_AUTOCAST_POLICY,
     _registered,
     cuda_emulation,

@@ -11,9 +11,9 @@ from task_contract import RecordingReporter, run_trial, simulated_card
 from test_predictor import CNNTask, EncoderTask, GPTTask, LSTMTask, measured_cpu_peak
 from torch import nn
 
-from service.wire import Plan, TrainBudget
-from worker.device.memory import MemoryTracker
-from worker.predictor import (
+from vramtune.service.wire import Plan, TrainBudget
+from vramtune.worker.device.memory import MemoryTracker
+from vramtune.worker.predictor import (
     CPU_TARGET,
     EMULATED_CUDA_TARGET,
     clear_cache,
@@ -23,12 +23,12 @@ from worker.predictor import (
     trace as trace_module,
     trace_training,
 )
-from worker.tasks.charlm import CharTransformerTask
-from worker.tasks.digits import DigitsCNNTask, DigitsMLPTask
-from worker.tasks.quadratic import QuadraticTask
-from worker.trial.runner import plan_for_micro_batch
-from worker.trial.steps import micro_batch_sizes, traced_micro_batch_sizes
-from worker.trial.task import Config
+from vramtune.worker.tasks.charlm import CharTransformerTask
+from vramtune.worker.tasks.digits import DigitsCNNTask, DigitsMLPTask
+from vramtune.worker.tasks.quadratic import QuadraticTask
+from vramtune.worker.trial.runner import plan_for_micro_batch
+from vramtune.worker.trial.steps import micro_batch_sizes, traced_micro_batch_sizes
+from vramtune.worker.trial.task import Config
 
 
 @pytest.fixture(autouse=True)
@@ -61,7 +61,7 @@ def test_the_shortened_step_traces_the_same_peaks_as_every_micro_batch(
     assert {k: v for k, v in short.phase_peaks.items() if k != "setup"} == every.phase_peaks
     assert short.breakdown == every.breakdown
     if target is EMULATED_CUDA_TARGET:  # the allocator model sees the same reserve
-        from worker.predictor.allocator import replay
+        from vramtune.worker.predictor.allocator import replay
 
         assert replay(short.events) == replay(every.events)
 
@@ -181,8 +181,8 @@ def test_the_quadratic_tasks_run_peaks_at_its_prediction() -> None:
 
 
 def test_the_warm_up_runs_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    from worker.predictor import warm_up, warm_up_in_background, warmup as warmup_module
-    from worker.tasks.warm import warm_up_workloads
+    from vramtune.worker.predictor import warm_up, warm_up_in_background, warmup as warmup_module
+    from vramtune.worker.tasks.warm import warm_up_workloads
 
     monkeypatch.setattr(warmup_module, "_warmed", False)
     warm_up_in_background(warm_up_workloads()).join()

@@ -18,11 +18,11 @@ import pytest
 import torch
 from test_predictor import measured_cpu_peak
 
-from service.wire import Plan
-from worker.device.memory import MemoryTracker
-from worker.predictor import clear_cache, predict
-from worker.trial.steps import batch_feeder, build_for_plan, train_step
-from worker.trial.task import Task, TaskConfigError
+from vramtune.service.wire import Plan
+from vramtune.worker.device.memory import MemoryTracker
+from vramtune.worker.predictor import clear_cache, predict
+from vramtune.worker.trial.steps import batch_feeder, build_for_plan, train_step
+from vramtune.worker.trial.task import Task, TaskConfigError
 
 pytest.importorskip("peft", reason="pip install 'vramtune[peft]'")
 pytest.importorskip("torchao", reason="pip install 'vramtune[qlora]'")
@@ -47,7 +47,7 @@ CPU = torch.device("cpu")
 
 
 def _task() -> Task:
-    from worker.tasks.hf import HFCausalLMTask
+    from vramtune.worker.tasks.hf import HFCausalLMTask
 
     return HFCausalLMTask()
 
@@ -118,7 +118,7 @@ def test_the_predictors_fake_base_holds_the_same_packed_storage(kind: str) -> No
     shape would count 4-8x its packed bytes."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from worker.predictor.conversion import build_for_trace
+    from vramtune.worker.predictor.conversion import build_for_trace
 
     task = _task()
     settings = {**LLAMA, "quantized_base": kind}
@@ -147,7 +147,7 @@ def test_the_int8_base_saves_its_int8_weight_not_a_float_copy() -> None:
     backward instead, with the same input gradient, and the peak falls below the float's."""
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
-    from worker.tasks.hf import Int8BaseLinear
+    from vramtune.worker.tasks.hf import Int8BaseLinear
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(64, 32)
@@ -173,7 +173,7 @@ def test_a_cuda_trace_keeps_of_the_build_only_what_outlives_it() -> None:
     base before quantization (nor what peft's failed build under fake tensors made), so an
     emulated-CUDA trace drops them. Wide layers and one short window: the float base outweighs
     the QLoRA step's peak."""
-    from worker.predictor.trace import CPU_TARGET, EMULATED_CUDA_TARGET, trace_training
+    from vramtune.worker.predictor.trace import CPU_TARGET, EMULATED_CUDA_TARGET, trace_training
 
     task = _task()
     wide = {**LLAMA, "hidden_size": 512, "intermediate_size": 1024, "seq_len": 4, "batch_size": 1}
@@ -256,9 +256,9 @@ def test_qlora_fake_cuda_prediction_is_close_to_the_measured_cuda_peak(
     """On the card: the quantized model built on meta and converted to fake cuda (its packed
     weights on the card), against two real steps of the model quantized on the host and
     moved; within 5 % like the float-base LoRA check, and the parameters to the byte."""
-    from service.wire import CardInfo
-    from worker.predictor import measure_card_constants
-    from worker.trial.runner import CardSpec
+    from vramtune.service.wire import CardInfo
+    from vramtune.worker.predictor import measure_card_constants
+    from vramtune.worker.trial.runner import CardSpec
 
     device = torch.device("cuda:0")
     card = CardSpec(

@@ -13,14 +13,14 @@ import time
 
 import pytest
 
-from service.wire import Plan, TrainBudget
-from worker.cli import node_devices
-from worker.device.gpu import parse_size, simulated_card
-from worker.predictor.distributed import trace_rank
-from worker.run.ranks import RankGroupRunner, backend_for, rank_config, rank_device
-from worker.run.training import TorchTaskRunner
-from worker.tasks.digits import DigitsCNNTask
-from worker.trial.runner import CardSpec, OutOfMemory, RunFailed, Stopped
+from vramtune.service.wire import Plan, TrainBudget
+from vramtune.worker.cli import node_devices
+from vramtune.worker.device.gpu import parse_size, simulated_card
+from vramtune.worker.predictor.distributed import trace_rank
+from vramtune.worker.run.ranks import RankGroupRunner, backend_for, rank_config, rank_device
+from vramtune.worker.run.training import TorchTaskRunner
+from vramtune.worker.tasks.digits import DigitsCNNTask
+from vramtune.worker.trial.runner import CardSpec, OutOfMemory, RunFailed, Stopped
 
 pytestmark = pytest.mark.timeout(900)  # each run spawns processes that import torch
 TASK = DigitsCNNTask()
@@ -99,7 +99,7 @@ def test_two_ranks_train_and_each_measures_its_own_peak(strategy: str, reshard: 
     assert [step for step, _ in reporter.reports] == [2]  # rank 0 reported, once
     assert result.values == [reporter.reports[0][1]]
     predicted = trace_rank(TASK, CONFIG, plan, plan.strategy or "ddp", 2).allocated_bytes
-    # Evaluation runs under the training peak (worker/run/training.py drops the gradients).
+    # Evaluation runs under the training peak (vramtune/worker/run/training.py drops the gradients).
     assert peaks[0] == pytest.approx(predicted, rel=0.001)
 
 

@@ -16,16 +16,16 @@ import torch
 from pydantic import ValidationError
 from test_predictor import measured_cpu_peak
 
-from common.memory import peak_of
-from common.plans import plan_key, rungs_of
-from service.wire import CardInfo, MemoryPolicy, Plan
-from worker.plan.policy import HandBack, RunAsPlanned, choose_plan
-from worker.predictor import clear_cache, predict
-from worker.run.training import TorchTaskRunner
-from worker.tasks.charlm import CharTransformerTask
-from worker.trial.runner import CardSpec
-from worker.trial.steps import build_for_plan
-from worker.trial.task import Task, TaskConfigError
+from vramtune.common.memory import peak_of
+from vramtune.common.plans import plan_key, rungs_of
+from vramtune.service.wire import CardInfo, MemoryPolicy, Plan
+from vramtune.worker.plan.policy import HandBack, RunAsPlanned, choose_plan
+from vramtune.worker.predictor import clear_cache, predict
+from vramtune.worker.run.training import TorchTaskRunner
+from vramtune.worker.tasks.charlm import CharTransformerTask
+from vramtune.worker.trial.runner import CardSpec
+from vramtune.worker.trial.steps import build_for_plan
+from vramtune.worker.trial.task import Task, TaskConfigError
 
 pytest.importorskip("transformers", reason="pip install 'vramtune[hf]'")
 
@@ -56,7 +56,7 @@ CPU_CARD = CardSpec(info=CardInfo(model="cpu", total_bytes=2**40, free_bytes=2**
 
 
 def _hf() -> Task:
-    from worker.tasks.hf import HFCausalLMTask
+    from vramtune.worker.tasks.hf import HFCausalLMTask
 
     return HFCausalLMTask()
 

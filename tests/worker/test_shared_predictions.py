@@ -7,16 +7,16 @@ from typing import Any
 
 import pytest
 
-from service.wire import CardInfo, MemoryPolicy, Plan, Prediction, SharedPrediction
-from worker.plan.policy import RunAsPlanned, choose_plan
-from worker.plan.shared_predictions import (
+from vramtune.service.wire import CardInfo, MemoryPolicy, Plan, Prediction, SharedPrediction
+from vramtune.worker.plan.policy import RunAsPlanned, choose_plan
+from vramtune.worker.plan.shared_predictions import (
     SharedPredictionsWithSolver,
     largest_fitting,
     shape_keys,
     shared,
 )
-from worker.tasks.quadratic import MIB, QuadraticConfig, QuadraticTask, footprint_bytes
-from worker.trial.runner import CardSpec, Config, plan_for_micro_batch
+from vramtune.worker.tasks.quadratic import MIB, QuadraticConfig, QuadraticTask, footprint_bytes
+from vramtune.worker.trial.runner import CardSpec, Config, plan_for_micro_batch
 
 # 16 MiB fixed + 4 MiB of weights, then 256 KiB of activations per sample.
 CONFIG: dict[str, Any] = {"width": 64, "batch_size": 256, "x": 0.5}

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from service.wire import (
+from tests.worker.test_agent_quadratic import Recorder
+from vramtune.service.wire import (
     Assignment,
     CardInfo,
     Measured,
@@ -19,22 +20,27 @@ from service.wire import (
     Prediction,
     TrainBudget,
 )
-from tests.worker.test_agent_quadratic import Recorder
-from worker.loop.agent import Agent
-from worker.loop.api import ServerClient
-from worker.loop.cycle import AgentOptions
-from worker.loop.packing import Packer
-from worker.plan.policy import RunAsPlanned
-from worker.run.slot_process import STOP_CHECK_S, Given, SlotProcess, _outcome, limit_memory
-from worker.run.slots import (
+from vramtune.worker.loop.agent import Agent
+from vramtune.worker.loop.api import ServerClient
+from vramtune.worker.loop.cycle import AgentOptions
+from vramtune.worker.loop.packing import Packer
+from vramtune.worker.plan.policy import RunAsPlanned
+from vramtune.worker.run.slot_process import (
+    STOP_CHECK_S,
+    Given,
+    SlotProcess,
+    _outcome,
+    limit_memory,
+)
+from vramtune.worker.run.slots import (
     SlotBook,
     cuda_memory_fraction,
     default_max_trials_per_card,
     reservation_bytes,
     threads_per_trial,
 )
-from worker.tasks.quadratic import MIB, QuadraticConfig, QuadraticTask, footprint_bytes
-from worker.trial.runner import CardSpec, OutOfMemory, RunFailed, Stopped
+from vramtune.worker.tasks.quadratic import MIB, QuadraticConfig, QuadraticTask, footprint_bytes
+from vramtune.worker.trial.runner import CardSpec, OutOfMemory, RunFailed, Stopped
 
 BUDGET = TrainBudget(max_steps=6, eval_every=2)
 

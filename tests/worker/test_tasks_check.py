@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from worker.tasks.check_file import check_file
-from worker.tasks.members import TASK_ATTRIBUTES
-from worker.trial.task import Task
+from vramtune.worker.tasks.check_file import check_file
+from vramtune.worker.tasks.members import TASK_ATTRIBUTES
+from vramtune.worker.trial.task import Task
 
 ROOT = Path(__file__).parents[2]
 EXAMPLE_TASK = ROOT / "examples" / "my_task.py"
@@ -29,7 +29,7 @@ def variant(tmp_path: Path, old: str, new: str) -> str:
 def test_the_readme_task_keeps_every_rule() -> None:
     # The installed command, as the README runs it.
     done = subprocess.run(
-        [sys.executable, "-m", "service", "tasks", "check", str(EXAMPLE_TASK), *STUDY_OPTION],
+        [sys.executable, "-m", "vramtune", "tasks", "check", str(EXAMPLE_TASK), *STUDY_OPTION],
         capture_output=True,
         text=True,
         timeout=300,

@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 from task_contract import check_task
 
-from worker.run.training import TorchTaskRunner
-from worker.tasks.charlm import CharTransformerTask
-from worker.tasks.digits import DigitsCNNTask, DigitsMLPTask
-from worker.tasks.registry import discover
-from worker.trial.task import Task
+from vramtune.worker.run.training import TorchTaskRunner
+from vramtune.worker.tasks.charlm import CharTransformerTask
+from vramtune.worker.tasks.digits import DigitsCNNTask, DigitsMLPTask
+from vramtune.worker.tasks.registry import discover
+from vramtune.worker.trial.task import Task
 
 EXAMPLE_TASK = Path(__file__).parents[2] / "examples" / "my_task.py"
 

@@ -9,10 +9,10 @@ import pytest
 import yaml
 from task_contract import run_trial
 
-from service.wire import CategoricalParam, StudyCreate
-from worker.run.training import TorchTaskRunner, trial_config
-from worker.tasks.registry import discover
-from worker.trial.runner import OutOfMemory
+from vramtune.service.wire import CategoricalParam, StudyCreate
+from vramtune.worker.run.training import TorchTaskRunner, trial_config
+from vramtune.worker.tasks.registry import discover
+from vramtune.worker.trial.runner import OutOfMemory
 
 STUDIES = sorted((Path(__file__).parents[2] / "examples").glob("*.yaml"))
 BUILT_IN = {

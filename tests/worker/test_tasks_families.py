@@ -16,12 +16,12 @@ import pytest
 import torch
 from task_contract import check_task
 
-from service.wire import Plan
-from worker.device.memory import MemoryTracker
-from worker.predictor import clear_cache, predict
-from worker.tasks.registry import discover
-from worker.trial.steps import batch_feeder, build_for_plan, train_step
-from worker.trial.task import Task, TaskConfigError
+from vramtune.service.wire import Plan
+from vramtune.worker.device.memory import MemoryTracker
+from vramtune.worker.predictor import clear_cache, predict
+from vramtune.worker.tasks.registry import discover
+from vramtune.worker.trial.steps import batch_feeder, build_for_plan, train_step
+from vramtune.worker.trial.task import Task, TaskConfigError
 
 CPU = torch.device("cpu")
 
@@ -35,7 +35,7 @@ def _vision_or_skip() -> None:
 
 def _hf() -> Task:
     pytest.importorskip("transformers", reason="pip install 'vramtune[hf]'")
-    from worker.tasks.hf import HFCausalLMTask
+    from vramtune.worker.tasks.hf import HFCausalLMTask
 
     return HFCausalLMTask()
 
@@ -43,14 +43,14 @@ def _hf() -> Task:
 def _timm() -> Task:
     _vision_or_skip()
     pytest.importorskip("timm", reason="pip install 'vramtune[vision]'")
-    from worker.tasks.timm_image import TimmImageTask
+    from vramtune.worker.tasks.timm_image import TimmImageTask
 
     return TimmImageTask()
 
 
 def _torchvision() -> Task:
     _vision_or_skip()
-    from worker.tasks.vision import TorchvisionImageTask
+    from vramtune.worker.tasks.vision import TorchvisionImageTask
 
     return TorchvisionImageTask()
 
@@ -187,7 +187,7 @@ def test_a_missing_extra_leaves_the_task_out_instead_of_failing(
         "find_spec",
         lambda name, *a: None if name == "transformers" else real_find_spec(name, *a),
     )
-    monkeypatch.delitem(sys.modules, "worker.tasks.hf", raising=False)
+    monkeypatch.delitem(sys.modules, "vramtune.worker.tasks.hf", raising=False)
     found = discover()
     assert "hf-causal-lm" not in found.runners
     assert "hf-causal-lm" not in found.errors

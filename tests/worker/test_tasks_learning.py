@@ -6,8 +6,8 @@ import math
 
 from task_contract import run_trial
 
-from worker.tasks.charlm import VOCAB, CharTransformerTask
-from worker.tasks.digits import N_CLASSES, DigitsCNNTask, DigitsMLPTask
+from vramtune.worker.tasks.charlm import VOCAB, CharTransformerTask
+from vramtune.worker.tasks.digits import N_CLASSES, DigitsCNNTask, DigitsMLPTask
 
 DIGITS_CHANCE = 1 / N_CLASSES
 

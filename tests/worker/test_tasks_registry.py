@@ -5,15 +5,15 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from worker.run.training import TorchTaskRunner
-from worker.tasks.members import TASK_METHODS
-from worker.tasks.registry import _protocol_methods, discover, format_listing
-from worker.trial.task import Task
+from vramtune.worker.run.training import TorchTaskRunner
+from vramtune.worker.tasks.members import TASK_METHODS
+from vramtune.worker.tasks.registry import _protocol_methods, discover, format_listing
+from vramtune.worker.trial.task import Task
 
 BUILT_INS = {"digits-mlp", "digits-cnn", "char-transformer"}
 
 RUNNER_SOURCE = """
-from service.wire import Prediction
+from vramtune.service.wire import Prediction
 
 class EchoRunner:
     task_name, can_checkpoint, can_bf16 = "echo", False, False
@@ -43,7 +43,7 @@ def test_the_installed_entry_points_give_the_built_in_tasks_wrapped_in_the_torch
         runner = found.runners[name]
         assert isinstance(runner, TorchTaskRunner) and runner.task.name == name
         assert runner.can_checkpoint and runner.can_bf16
-    assert found.sources["digits-cnn"] == "worker.tasks.digits:DigitsCNNTask"
+    assert found.sources["digits-cnn"] == "vramtune.worker.tasks.digits:DigitsCNNTask"
 
 
 def test_a_task_file_loads_beside_the_entry_points() -> None:
@@ -54,7 +54,7 @@ def test_a_task_file_loads_beside_the_entry_points() -> None:
 
 
 def test_a_dotted_module_name_loads_its_task_classes() -> None:
-    found = discover(["worker.tasks.digits"], entry_points=False)
+    found = discover(["vramtune.worker.tasks.digits"], entry_points=False)
     assert found.runners.keys() == {"digits-mlp", "digits-cnn"}
     assert not found.errors
 
@@ -111,7 +111,7 @@ def test_the_listing_shows_each_task_and_each_failure(tmp_path: Path) -> None:
         "(maximize)",
         "batch_size",
         "depth,resolution,width",
-        "worker.tasks.digits:DigitsCNNTask",
+        "vramtune.worker.tasks.digits:DigitsCNNTask",
     ]
     assert lines[-2:] == ["failed to load:", f"  {broken}: ValueError: bad file"]
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 from task_contract import RecordingReporter
 
-from service.wire import CardInfo, Plan, TrainBudget
-from worker.run.training import TorchTaskRunner
-from worker.tasks.charlm import CharTransformerTask
-from worker.tasks.digits import DigitsCNNTask
-from worker.trial.runner import CardSpec, OutOfMemory
+from vramtune.service.wire import CardInfo, Plan, TrainBudget
+from vramtune.worker.run.training import TorchTaskRunner
+from vramtune.worker.tasks.charlm import CharTransformerTask
+from vramtune.worker.tasks.digits import DigitsCNNTask
+from vramtune.worker.trial.runner import CardSpec, OutOfMemory
 
 pytestmark = [
     pytest.mark.gpu,

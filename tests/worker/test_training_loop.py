@@ -10,13 +10,13 @@ import pytest
 import torch
 from task_contract import RecordingReporter, cpu_threads, run_trial, simulated_card
 
-from service.wire import Plan, TrainBudget
-from worker.run.training import TorchTaskRunner, TrainingDiverged, trial_config
-from worker.tasks.charlm import CharTransformerTask
-from worker.tasks.contract import gradients_after_one_step
-from worker.tasks.digits import DigitsCNNTask, DigitsMLPTask
-from worker.trial.runner import OutOfMemory, Stopped
-from worker.trial.task import Config, TaskConfigError
+from vramtune.service.wire import Plan, TrainBudget
+from vramtune.worker.run.training import TorchTaskRunner, TrainingDiverged, trial_config
+from vramtune.worker.tasks.charlm import CharTransformerTask
+from vramtune.worker.tasks.contract import gradients_after_one_step
+from vramtune.worker.tasks.digits import DigitsCNNTask, DigitsMLPTask
+from vramtune.worker.trial.runner import OutOfMemory, Stopped
+from vramtune.worker.trial.task import Config, TaskConfigError
 
 MIB = 1024**2
 GPT = {
@@ -175,7 +175,7 @@ def test_evaluation_runs_in_eval_mode_in_chunks_of_the_micro_batch() -> None:
 
 
 def test_progress_is_logged_as_lines_without_a_terminal(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="worker.run.training"):
+    with caplog.at_level(logging.INFO, logger="vramtune.worker.run.training"):
         run_trial(DigitsMLPTask(), {"batch_size": 4}, steps=4, eval_every=2)
     lines = [r.getMessage() for r in caplog.records if "step" in r.getMessage()]
     assert len(lines) == 2 and lines[1].startswith("digits-mlp step 4/4 loss ")
@@ -194,7 +194,7 @@ def test_progress_is_a_bar_on_a_terminal(
 ) -> None:
     terminal = Terminal()
     monkeypatch.setattr("sys.stderr", terminal)
-    with caplog.at_level(logging.INFO, logger="worker.run.training"):
+    with caplog.at_level(logging.INFO, logger="vramtune.worker.run.training"):
         run_trial(DigitsMLPTask(), {"batch_size": 4}, steps=4, eval_every=2)
     assert "digits-mlp" in terminal.getvalue() and "step" in terminal.getvalue()
     assert not [r for r in caplog.records if "step" in r.getMessage()]

@@ -1,1 +1,0 @@
-"""The REST routers, mounted under service.wire.API_PREFIX by service.app."""

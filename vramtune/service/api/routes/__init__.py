@@ -1,0 +1,1 @@
+"""The REST routers, mounted under vramtune.service.wire.API_PREFIX by vramtune.service.app."""

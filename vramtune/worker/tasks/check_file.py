@@ -1,0 +1,75 @@
+"""`vramtune tasks check FILE`: a user's task file checked the way a worker would load and run it.
+
+Loading errors come first (a class that lacks members is named with each missing member's
+rule); then, given a configuration (a study file's smallest one, or JSON), each task runs the
+contract checks of `worker.tasks.contract`. Exit codes: 0 all kept, 1 a rule broken or nothing
+loadable, 2 a bad --study or --config.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from vramtune.service.wire import StudyCreate
+from vramtune.worker.tasks.registry import discover
+
+NO_CONFIG_HINT = (
+    "members present; add --study STUDY or --config JSON to build, train, evaluate and trace it"
+)
+
+
+def check_file(path: str, *, study: str | None, config: str | None, device: str) -> tuple[str, int]:
+    """The report `vramtune tasks check` prints, and its exit code."""
+    try:
+        task_name, chosen = _configuration(study, config)
+    except ValueError as bad:
+        return str(bad), 2
+    found = discover([path], entry_points=False)
+    lines = [f"{source}: {error}" for source, error in sorted(found.errors.items())]
+    broken = bool(found.errors) or not found.runners
+    for name, runner in sorted(found.runners.items()):
+        task = getattr(runner, "task", None)
+        if task is None:
+            lines.append(f"{name}: a TrialRunner (it runs trials itself); no Task contract")
+        elif chosen is None:
+            lines.append(f"{name}: {NO_CONFIG_HINT}")
+        elif task_name in (None, name):
+            from vramtune.worker.tasks.contract import format_findings, run_checks
+
+            findings = run_checks(task, chosen, device)
+            lines.append(format_findings(name, findings))
+            broken |= not all(f.passed for f in findings)
+    if task_name is not None and task_name not in found.runners:
+        lines.append(
+            f"--study: the study asks for task {task_name!r}, which {path} does not define"
+        )
+        broken = True
+    return "\n".join(lines), int(broken)
+
+
+def _configuration(
+    study: str | None, config: str | None
+) -> tuple[str | None, dict[str, Any] | None]:
+    """(the study's task or None, the configuration to check or None)."""
+    if config is not None:
+        try:
+            parsed = json.loads(config)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--config: not JSON ({error})") from None
+        if not isinstance(parsed, dict):
+            raise ValueError("--config: give a JSON object of parameter values")
+        return None, parsed
+    if study is None:
+        return None, None
+    try:
+        spec = StudyCreate.model_validate(yaml.safe_load(Path(study).read_text()))
+    except (OSError, yaml.YAMLError, ValidationError) as error:
+        raise ValueError(f"--study: {study}: {error}") from None
+    from vramtune.worker.tasks.contract import smallest_config
+
+    return spec.task, smallest_config(spec)
