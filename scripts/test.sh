@@ -2,7 +2,7 @@
 # The test command: set up, lint, type-check and run the whole suite (SQLite and PostgreSQL,
 # real servers, real workers, headless Chromium). Extra arguments go to pytest.
 #   --quick: no setup; lint, types and the fast tier only (unit tests: no browser, no e2e fleet,
-#   no reliability or deploy runs), a few minutes, for the edit-test loop.
+#   no reliability or deploy runs), for the edit-test loop.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 quick=0
