@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_wheel_installs_one_import_name(tmp_path: Path) -> None:
+    pip_wheel = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
     built = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w"]
-        + [str(tmp_path), str(ROOT)],
+        [*pip_wheel, "-w", str(tmp_path), str(ROOT)],
         capture_output=True,
         text=True,
         check=False,
