@@ -47,7 +47,7 @@ def test_the_table_and_the_budget_gate() -> None:
     assert done.returncode == 0, done.stderr
     table = done.stdout
     assert "plain-digits (batch_size=16, width=32) on CUDA cards: predicted peak" in table
-    assert "fits as asked" in table and "does not fit" in table and "budget 8 GiB: fits" in table
+    assert "fits as asked" in table and "does not fit" in table and "budget 8.00 GiB: fits" in table
     over = vramtune_fit("--config", CONFIG, "--cards", "H100", "--budget", "4KiB")
     assert over.returncode == 1 and "budget 4.00 KiB: does not fit" in over.stdout
 
@@ -69,3 +69,11 @@ def test_the_table_and_the_budget_gate() -> None:
 def test_bad_input_is_named_and_exits_2(args: list[str], message: str) -> None:
     done = vramtune_fit(*args)
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_the_card_table_and_the_command_line_need_no_torch() -> None:
+    code = "import sys, vramtune; vramtune.CARDS; vramtune.register_card\n"
+    code += "from vramtune.service.cli.parser import build_parser\n"
+    code += "build_parser().parse_args(['fit', 'task.py', '--cards', 'T4'])\n"
+    code += "sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=False).returncode == 0

@@ -35,13 +35,13 @@ from vramtune.worker.fit.adapter import (
     OptimizerSource,
 )
 from vramtune.worker.fit.cards import CARDS, Card, card_named
-from vramtune.worker.plan.policy import HandBack, choose_plan, expected_slowdown
+from vramtune.worker.plan.policy import HandBack, RunAsPlanned, choose_plan, expected_slowdown
 from vramtune.worker.predictor import footprint, largest_micro_batch, phase_peaks, predict
 from vramtune.worker.predictor.trace import OwnStep
 from vramtune.worker.run.training import TorchTaskRunner
 from vramtune.worker.tasks.registry import as_runner
 from vramtune.worker.trial.runner import CardSpec, Config, TrialRunner
-from vramtune.worker.trial.task import Task
+from vramtune.worker.trial.task import Task, TaskConfigError
 
 Device = Literal["cuda", "cpu"]
 
@@ -256,13 +256,13 @@ def _resolve(
     runner = as_runner(model)
     if batch is not None or step is not None or loss is not None or optimizer != "adamw":
         raise ValueError("batch, optimizer, step and loss go with a model; a task has its own")
-    task = getattr(runner, "task", None)
+    wrapped: Task | None = getattr(runner, "task", None)
     given = dict(config or {})
-    if batch_size is not None and task is not None:
-        given[task.batch_size_param] = batch_size
-    if task is not None and task.batch_size_param not in given:
-        raise ValueError(f"config: the task's batch size {task.batch_size_param!r} is missing")
-    return runner, task, given
+    if batch_size is not None and wrapped is not None:
+        given[wrapped.batch_size_param] = batch_size
+    if wrapped is not None and wrapped.batch_size_param not in given:
+        raise ValueError(f"config: the task's batch size {wrapped.batch_size_param!r} is missing")
+    return runner, wrapped, given
 
 
 def _is_model(model: object) -> bool:
@@ -314,8 +314,7 @@ def _card_fit(
     if getattr(task, "own_step", None) is not None or plan != Plan():
         # Your own step (or a plan you chose) is not resized: the gap is the whole answer.
         return dataclasses.replace(base, short_by_bytes=max(footprint(prediction) - budget, 0))
-    policy = MemoryPolicy(resizes=list(resizes), margin=margin)
-    decision = choose_plan(runner, config, policy, spec, card.usable_bytes)
+    decision = _climb(runner, config, spec, card.usable_bytes, resizes, margin)
     if isinstance(decision, HandBack):
         smallest = decision.plan.model_copy(update={"reason": ""}) if decision.plan else None
         return dataclasses.replace(
@@ -333,6 +332,30 @@ def _card_fit(
         plan_in_words=plan_in_words(chosen),
         plan_footprint_bytes=footprint(decision.prediction),
         slowdown=round(expected_slowdown(chosen, runner.batch_size(config)), 3),
+    )
+
+
+def _climb(
+    runner: TrialRunner,
+    config: Config,
+    spec: CardSpec,
+    free_bytes: int,
+    resizes: Sequence[Resize],
+    margin: float,
+) -> RunAsPlanned | HandBack:
+    """The ladder's decision for the card. A task that marks no modules to checkpoint says so
+    only when a checkpointing plan is built (TaskConfigError; a plain module without a
+    ModuleList or Sequential, a PlainTask that keeps the default): the ladder is then climbed
+    again without that rung, rather than failing the whole answer."""
+    policy = MemoryPolicy(resizes=list(resizes), margin=margin)
+    try:
+        return choose_plan(runner, config, policy, spec, free_bytes)
+    except TaskConfigError as error:
+        if "checkpointing" not in resizes or "checkpointing" not in str(error):
+            raise
+    kept = [rung for rung in resizes if rung not in ("checkpointing", "selective_checkpointing")]
+    return choose_plan(
+        runner, config, policy.model_copy(update={"resizes": kept}), spec, free_bytes
     )
 
 

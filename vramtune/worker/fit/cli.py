@@ -173,7 +173,7 @@ def load_task(path: str, name: str | None) -> Task:
         raise BadInput(f"TASK_FILE: cannot load {path}: {error}") from error
     for source, problem in found.errors.items():
         print(f"vramtune fit: {source}: {problem}", file=sys.stderr)
-    tasks = {
+    tasks: dict[str, Task] = {
         task_name: task
         for task_name, runner in found.runners.items()
         if (task := getattr(runner, "task", None)) is not None
