@@ -174,7 +174,7 @@ def fit(
             ``.loss`` or mean).
         batch_size: the batch to predict; default the example batch's (required with a builder).
         config: a task's configuration (its batch size and shape parameters).
-        cards: card names (`vramtune.worker.fit.cards.CARDS`, case-insensitive), sizes such as
+        cards: card names (`vramtune.CARDS`, case-insensitive), sizes such as
             "8GiB", or `Card`s; None: every built-in card.
         plan: run the step under this plan (micro-batches, checkpointing, bf16...) rather than
             as asked; not with ``step``.
