@@ -15,7 +15,6 @@ import inspect
 import json
 import sys
 import textwrap
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import yaml
@@ -291,16 +290,3 @@ def _row(answer: CardFit) -> tuple[str, str, str, str]:
         smallest = f" (smallest: {answer.plan_in_words})" if answer.plan_in_words else ""
         said = f"does not fit: {short} short{smallest}"
     return answer.card, human_bytes(answer.usable_bytes), largest, said
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m vramtune.worker.fit.cli ...`: the command without the server's CLI."""
-    parser = argparse.ArgumentParser(prog="vramtune")
-    add_commands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    code: int = args.func(args)
-    return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())
