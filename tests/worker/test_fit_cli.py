@@ -77,3 +77,11 @@ def test_the_card_table_and_the_command_line_need_no_torch() -> None:
     code += "build_parser().parse_args(['fit', 'task.py', '--cards', 'T4'])\n"
     code += "sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=False).returncode == 0
+
+
+def test_the_keys_a_task_reads_are_its_shapes_batch_and_literal_reads() -> None:
+    from vramtune.worker.fit.cli import config_keys
+
+    runner = discover([str(ROOT / EXAMPLE)], entry_points=False).runners["plain-digits"]
+    # width: a shape parameter; lr: read by build_optimizer as config.get("lr", 0.1).
+    assert config_keys(runner.task) == {"batch_size", "width", "lr"}  # type: ignore[attr-defined]

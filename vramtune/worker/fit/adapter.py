@@ -197,9 +197,12 @@ def _tensors(batch: Any) -> tuple[torch.Tensor, ...]:
 
 
 def _name_of(model: ModelSource) -> str:
-    """A readable name: the module's class, or the builder's name."""
+    """A readable name: the module's class (or the class given as the builder), or the
+    builder function's name."""
     if isinstance(model, nn.Module):
         return type(model).__name__
+    if inspect.isclass(model):
+        return model.__name__
     name = getattr(model, "__name__", "") if inspect.isfunction(model) else ""
     return name if name and name != "<lambda>" else "model"
 

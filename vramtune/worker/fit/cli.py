@@ -105,6 +105,8 @@ def fit_command(args: argparse.Namespace) -> int:
         from vramtune.worker.fit.api import fit
         from vramtune.worker.trial.task import TaskConfigError
 
+        if sys.stderr.isatty():  # a large model traces for seconds: say what is happening
+            print(f"vramtune fit: tracing {task.name}...", file=sys.stderr, flush=True)
         try:
             result = fit(task, config=config, cards=cards, device=args.device, margin=args.margin)
         except TaskConfigError as error:
