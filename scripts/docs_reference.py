@@ -249,9 +249,12 @@ def _documented(name: str, obj: Any) -> list[str]:
 
 
 def _summary(obj: Any) -> str:
-    """The first paragraph of an object's docstring; a type alias says what it stands for."""
+    """The first paragraph of an object's docstring; a type alias says what it stands for; a
+    table (a dict, such as the card table) names its keys rather than printing its values."""
     if inspect.isclass(obj) or inspect.isfunction(obj):
         return (inspect.getdoc(obj) or "").split("\n\n")[0]
+    if isinstance(obj, dict):
+        return f"a table of {len(obj)}, by name: " + ", ".join(f"`{key}`" for key in obj)
     return f"a type: `{obj}`"
 
 

@@ -23,7 +23,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # Lowest tier first. The worker: the card, what a trial is, predicting it, running it, choosing
-# its plan, the tasks and integrations that plug in, the agent loop, and what starts it (the
+# its plan, the tasks and integrations that plug in, the predictor on its own (fit/: "will it
+# fit?", over all of those), the agent loop, and what starts it (the
 # command line; engines/, which starts `vramtune worker` processes on Ray and others).
 WORKER_TIERS: list[set[str]] = [
     {"device"},
@@ -33,6 +34,7 @@ WORKER_TIERS: list[set[str]] = [
     {"plan"},
     {"integrations"},
     {"tasks"},
+    {"fit"},
     {"loop"},
     {"cli", "engines"},
 ]

@@ -7,6 +7,8 @@ What a user touches is importable from here; every other module is internal and 
   ``Batch`` and ``Config`` types and ``check_task`` (the contract's rules, for a user's tests).
 - The service: ``Client`` (REST), ``StudySpec`` (what a study is created from), ``ApiError``.
 - The predictor: ``predict``, ``largest_micro_batch``, ``Plan``, ``Prediction``.
+- Will it fit?: ``fit`` (a model or task, card by card) with ``FitResult`` and ``CardFit``;
+  the card table ``CARDS`` of ``Card``, extended by ``register_card``.
 
 Names load on first use (PEP 562), so ``import vramtune`` on a server-only install, which has
 no torch, works, and ``vramtune.Client`` needs only httpx and pydantic.
@@ -41,6 +43,12 @@ _PUBLIC: dict[str, str] = {
     "largest_micro_batch": "vramtune.worker.predictor",
     "Plan": "vramtune.service.wire",
     "Prediction": "vramtune.service.wire",
+    "fit": "vramtune.worker.fit.api",
+    "FitResult": "vramtune.worker.fit.api",
+    "CardFit": "vramtune.worker.fit.api",
+    "Card": "vramtune.worker.fit.cards",
+    "CARDS": "vramtune.worker.fit.cards",
+    "register_card": "vramtune.worker.fit.cards",
 }
 # A public name that differs from the internal one.
 _ALIASES = {"StudySpec": "StudyCreate"}
@@ -50,6 +58,12 @@ __all__ = ["__version__", *sorted(_PUBLIC)]
 if TYPE_CHECKING:  # the names as mypy and IDEs see them (`X as X` re-exports them)
     from vramtune.service.client import ApiError as ApiError, Client as Client
     from vramtune.service.wire import Plan as Plan, Prediction as Prediction, StudyCreate
+    from vramtune.worker.fit.api import CardFit as CardFit, FitResult as FitResult, fit as fit
+    from vramtune.worker.fit.cards import (
+        CARDS as CARDS,
+        Card as Card,
+        register_card as register_card,
+    )
     from vramtune.worker.integrations.hf_trainer import TrainerTask as TrainerTask
     from vramtune.worker.integrations.lightning import LightningTask as LightningTask
     from vramtune.worker.integrations.plain import PlainTask as PlainTask

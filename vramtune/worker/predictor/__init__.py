@@ -5,6 +5,7 @@ Public API:
     largest_micro_batch(task, config, plan, budget_bytes, card=None) -> (micro, Prediction) | None
     measure_card_constants(device) -> CardConstants
     footprint(prediction) -> int: the bytes a card must hold (reserved, or allocated if larger)
+    phase_peaks(task, config, plan, card=None) -> dict: each phase's peak of the last predict
     clear_cache(): forget cached predictions and probes
     warm_up(workloads) / warm_up_in_background(workloads): pay the first trace's one-time cost
     wait_for_warm_up(stop=None) -> bool: return once a warm-up asked for has finished
@@ -17,6 +18,7 @@ from vramtune.worker.predictor.core import (
     footprint,
     from_trace,
     largest_micro_batch,
+    phase_peaks,
     predict,
 )
 from vramtune.worker.predictor.trace import (
@@ -40,6 +42,7 @@ __all__ = [
     "from_trace",
     "largest_micro_batch",
     "measure_card_constants",
+    "phase_peaks",
     "predict",
     "target_for",
     "trace_training",

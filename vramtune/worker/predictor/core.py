@@ -211,10 +211,15 @@ class _Point:
         return _Point(self.prediction, raised)
 
 
-def _phase_peaks(
-    task: Task, config: Config, plan: Plan, card: CardSpec | None, target: Target | None
+def phase_peaks(
+    task: Task,
+    config: Config,
+    plan: Plan,
+    card: CardSpec | None = None,
+    target: Target | None = None,
 ) -> dict[str, int]:
-    """The phase peaks of a prediction made just before (cached), or none."""
+    """The raw live-bytes peak of each phase (forward, backward, optimizer, evaluation...) of
+    the prediction made just before with these arguments (cached), or none (a probe)."""
     target = target or target_for(card)
     constants = card_constants(card) if target.cuda else CardConstants()
     point: _Point | None = _PREDICTIONS.get(_prediction_key(task, config, plan, target, constants))
@@ -363,7 +368,7 @@ def largest_micro_batch(
     def at(micro: int) -> _Point:
         plan_at = plan_for_micro_batch(batch, micro, **flags)
         prediction = predict(task, config, plan_at, card, target=target)
-        phases = _phase_peaks(task, config, plan_at, card, target)
+        phases = phase_peaks(task, config, plan_at, card, target)
         if calibration is not None:
             prediction = apply_calibration(prediction, calibration)
         return _Point(prediction, phases)

@@ -229,6 +229,9 @@ def _run_steps(
     def next_batch(size: int) -> Batch:
         return task.example_batch(config, size, device)
 
+    own_step = getattr(task, "own_step", None)
+    if own_step is not None:
+        return _run_own_steps(own_step, model, optimizer, next_batch, batch_size, tracker)
     sizes = traced_micro_batch_sizes(batch_size, plan)
     loss = None
     for step in range(TRACED_STEPS):
@@ -259,6 +262,34 @@ def _run_steps(
     )
     del loss
     return part
+
+
+OwnStep = Callable[[nn.Module, Batch, torch.optim.Optimizer], object]
+"""A user's own training step, `step(model, batch, optimizer)`, run as written
+(`vramtune.worker.fit`): its forward, backward and optimizer step are its own."""
+
+
+def _run_own_steps(
+    own_step: OwnStep,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    next_batch: Callable[[int], Batch],
+    batch_size: int,
+    tracker: MemoryTracker,
+) -> TrainingPart:
+    """`TRACED_STEPS` calls of a user's own step, as the loop ``for batch in batches: out =
+    step(model, batch, optimizer)`` runs them: each batch is made while the previous one and the
+    previous step's result are still referenced, and both steps are traced whole (none is
+    replayed: what the user's step keeps alive, zeroes or frees is its own). Nothing is
+    evaluated: the loop has no evaluation of vramtune's (the part's reason is then None)."""
+    batch: Batch | None = None
+    out: object = None
+    for _ in range(TRACED_STEPS):
+        batch = next_batch(batch_size)
+        out = own_step(model, batch, optimizer)
+        tracker.label_training_state(model, optimizer)
+    del batch, out
+    return TrainingPart(tracker.peak_bytes, len(tracker.events or []), None)
 
 
 def _forget_build_transients(tracker: MemoryTracker, built_from: int) -> None:

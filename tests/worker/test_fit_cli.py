@@ -1,0 +1,87 @@
+"""`vramtune fit TASK_FILE`: the table, --json against a real CPU run, the --budget gate, and
+bad input named with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from task_contract import run_trial
+
+from vramtune.worker.tasks.registry import discover
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = "examples/plain_task.py"
+CONFIG = "batch_size=16,width=32"
+
+
+def vramtune_fit(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "vramtune", "fit", EXAMPLE, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+def test_json_is_the_real_cpu_runs_peak_to_the_byte() -> None:
+    done = vramtune_fit("--config", CONFIG, "--cards", "8GiB,T4", "--device", "cpu", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    runner = discover([str(ROOT / EXAMPLE)], entry_points=False).runners["plain-digits"]
+    config = {"batch_size": 16, "width": 32}
+    # Evaluating after every step puts the evaluation inside the measured window each time.
+    measured = run_trial(runner.task, config, steps=3, eval_every=1).measured  # type: ignore[attr-defined]
+    assert result["peak_bytes"] == measured.peak_allocated_bytes
+    assert result["evaluation_bytes"] == measured.evaluation_peak_bytes
+    assert [card["verdict"] for card in result["cards"]] == ["fits", "fits"]
+    assert result["peak_phase"] in ("forward", "backward", "optimizer", "evaluation")
+
+
+def test_the_table_and_the_budget_gate() -> None:
+    done = vramtune_fit("--config", CONFIG, "--cards", "8GiB,H100,4KiB", "--budget", "8GiB")
+    assert done.returncode == 0, done.stderr
+    table = done.stdout
+    assert "plain-digits (batch_size=16, width=32) on CUDA cards: predicted peak" in table
+    assert "fits as asked" in table and "does not fit" in table and "budget 8.00 GiB: fits" in table
+    over = vramtune_fit("--config", CONFIG, "--cards", "H100", "--budget", "4KiB")
+    assert over.returncode == 1 and "budget 4.00 KiB: does not fit" in over.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--config", "batch_size=16,width=32,depth=2"],
+            "--config: task 'plain-digits' takes no 'depth'",
+        ),
+        (["--config", "batch_size=16"], "--config: task 'plain-digits' needs width"),
+        (["--config", "batch_size"], "--config: expected KEY=VALUE, got 'batch_size'"),
+        (["--config", CONFIG, "--cards", "8GiB,H1000"], "--cards: unknown card 'H1000'"),
+        (["--config", CONFIG, "--budget", "lots"], "--budget: not a size: 'lots'"),
+    ],
+    ids=["unknown-key", "missing-key", "not-key-value", "unknown-card", "budget"],
+)
+def test_bad_input_is_named_and_exits_2(args: list[str], message: str) -> None:
+    done = vramtune_fit(*args)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_the_card_table_and_the_command_line_need_no_torch() -> None:
+    code = "import sys, vramtune; vramtune.CARDS; vramtune.register_card\n"
+    code += "from vramtune.service.cli.parser import build_parser\n"
+    code += "build_parser().parse_args(['fit', 'task.py', '--cards', 'T4'])\n"
+    code += "sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=False).returncode == 0
+
+
+def test_the_keys_a_task_reads_are_its_shapes_batch_and_literal_reads() -> None:
+    from vramtune.worker.fit.cli import config_keys
+
+    runner = discover([str(ROOT / EXAMPLE)], entry_points=False).runners["plain-digits"]
+    # width: a shape parameter; lr: read by build_optimizer as config.get("lr", 0.1).
+    assert config_keys(runner.task) == {"batch_size", "width", "lr"}  # type: ignore[attr-defined]
