@@ -31,7 +31,7 @@ import yaml
 from vramtune.service.client import ApiError, Client
 from vramtune.service.wire import StudySummary, TrialOut
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"  # the checkout's examples/
 DEFAULT_STUDY = EXAMPLES / "char-transformer.yaml"
 CARDS = (("small", "64MiB"), ("large", "256MiB"))
 
