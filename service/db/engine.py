@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, make_url
+from sqlalchemy import Connection, Engine, create_engine, event, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 SQLITE_BUSY_TIMEOUT_S = 30.0
@@ -41,6 +41,30 @@ def make_engine(url: str) -> Engine:
     if is_sqlite(url):
         event.listen(engine, "connect", _sqlite_pragmas)
     return engine
+
+
+def read_one_snapshot(session: Session) -> None:
+    """Make the session's transaction read one snapshot: every statement sees the same commits.
+
+    Without it a read of several statements can straddle a writer's commit and see half of it
+    (issue 49): PostgreSQL's default READ COMMITTED takes a snapshot per statement, and
+    pysqlite begins no transaction before a SELECT, so each one reads on its own. Here
+    PostgreSQL reads at REPEATABLE READ (one snapshot per transaction; a reader never waits nor
+    fails there) and SQLite gets an explicit BEGIN (with WAL, a read transaction keeps its
+    snapshot while writers go on). For reads only: a REPEATABLE READ writer fails on a
+    concurrent update, and a SQLite read transaction cannot become a writer once another
+    writer committed. Call it before the transaction's first statement.
+    """
+    if session.get_bind().dialect.name == "postgresql":
+        session.connection(execution_options={"isolation_level": "REPEATABLE READ"})
+        return
+    connection = session.connection()
+    if connection.dialect.name == "sqlite" and not _in_sqlite_transaction(connection):
+        connection.exec_driver_sql("BEGIN")
+
+
+def _in_sqlite_transaction(connection: Connection) -> bool:
+    return bool(connection.connection.dbapi_connection.in_transaction)  # type: ignore[union-attr]
 
 
 def make_sessions(engine: Engine) -> sessionmaker[Session]:
