@@ -229,11 +229,8 @@ def _brief(trial: TrialOut) -> dict[str, Any]:
 
 
 def finished(count: int) -> Callable[[list[TrialOut]], bool]:
-    """`count` trials, all finished with vramtune's outcome recorded.
-
-    The server tells Optuna first and writes its own row after, so for a moment a trial can be
-    COMPLETE without its outcome: wait for both.
-    """
+    """`count` trials, all finished with vramtune's outcome recorded (it commits with Optuna's
+    state; a trial finished through plain Optuna has none)."""
     return lambda trials: (
         len(trials) >= count
         and all(t.state in {"COMPLETE", "FAIL", "PRUNED"} and t.outcome is not None for t in trials)
