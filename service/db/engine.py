@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Connection, Engine, create_engine, event, make_url
+from sqlalchemy import Engine, create_engine, event, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 SQLITE_BUSY_TIMEOUT_S = 30.0
@@ -55,16 +55,13 @@ def read_one_snapshot(session: Session) -> None:
     concurrent update, and a SQLite read transaction cannot become a writer once another
     writer committed. Call it before the transaction's first statement.
     """
-    if session.get_bind().dialect.name == "postgresql":
+    dialect = session.get_bind().dialect.name
+    if dialect == "postgresql":
         session.connection(execution_options={"isolation_level": "REPEATABLE READ"})
-        return
-    connection = session.connection()
-    if connection.dialect.name == "sqlite" and not _in_sqlite_transaction(connection):
-        connection.exec_driver_sql("BEGIN")
-
-
-def _in_sqlite_transaction(connection: Connection) -> bool:
-    return bool(connection.connection.dbapi_connection.in_transaction)  # type: ignore[union-attr]
+    elif dialect == "sqlite":
+        connection = session.connection()
+        if not connection.connection.driver_connection.in_transaction:  # type: ignore[union-attr]
+            connection.exec_driver_sql("BEGIN")
 
 
 def make_sessions(engine: Engine) -> sessionmaker[Session]:

@@ -71,7 +71,9 @@ class SnapshotRDBStorage(RDBStorage):
     and for Optuna's own readers of the trial in this process (samplers, pruners, the cache).
 
     ``_CachedStorage`` keeps a trial once it is read finished and never reads it again: it is
-    read after its tell committed, so whole.
+    read after its tell committed, so whole. Only what is written to a finished trial later
+    stays out of a copy cached before: a run pruned at its report gets its measured peak with
+    the worker's next call (service.fleet.trials._keep_measured), which vramtune's row keeps.
     """
 
     def _get_trials(
