@@ -22,11 +22,13 @@ from tests.browser.conftest import (
     Page,
     quadratic_spec,
 )
+from tests.e2e.conftest import tell_non_finite
 
 pytestmark = pytest.mark.browser
 
 WAIT_MS = 60_000
 DASH = "\u2013"  # an en dash, as in the pager's "1-25 of 30"
+INF, MINUS_INF = "\u221e", "\u2212\u221e"  # how the pages write +inf and -inf
 PLOTS = ("history", "memory", "calibration", "regions", "curve")
 
 
@@ -321,6 +323,30 @@ def test_hostile_names_render_as_text(live: Live, open_page: OpenPage) -> None:
     assert XSS_PARAM in page.page.locator("#trials thead th").all_inner_texts()
     assert page.page.locator("main img").count() == 0
     assert_no_script_ran(page)
+
+
+def test_values_that_are_not_finite_show_as_symbols(live: Live, open_page: OpenPage) -> None:
+    name = f"dash-non-finite-{uuid.uuid4().hex[:6]}"
+    space = {"x": {"type": "float", "low": 0.0, "high": 1.0}}
+    live.client.create_study(quadratic_spec(name, 4, task="told-by-optuna", search_space=space))
+    tell_non_finite(live.database_url, name)  # +inf, -inf, NaN (a FAIL), 1.5
+    page = open_page(study_url(live, name))
+    wait_rendered(page)
+    page.page.click("#trials th[data-sort='number']")  # oldest first
+    wait_table(page, "rows.length === 4 && rows[0].querySelector('td').textContent === '0'")
+    assert column(page, "value") == [INF, MINUS_INF, DASH, "1.5"]
+    assert text(page, "#study-summary").count(MINUS_INF) == 1  # the best value
+    page.page.click("#trials tbody tr[data-number='0']")
+    wait_text(page, "#curve-title", " === 'Trial #0'")
+    assert text(page, "#curve-details dt:text-is('value') + dd") == INF
+    assert points(page, "curve") == 1  # 0.5: NaN and the infinities have no place on an axis
+    shown = page.page.evaluate("() => ['Infinity', '-Infinity', 'NaN', 2].map(VT.value)")
+    assert shown == [INF, MINUS_INF, "NaN", "2"]
+    page = open_page(f"{live.url}/")
+    row = page.page.locator(f"tr[data-study='{name}']")
+    row.wait_for(timeout=WAIT_MS)
+    assert MINUS_INF in row.inner_text()
+    assert page.errors == []
 
 
 def assert_no_script_ran(page: Page) -> None:

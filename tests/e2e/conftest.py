@@ -7,18 +7,21 @@ trials. Leases, heartbeats and the reaper run on short periods so that crashes a
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import httpx
+import optuna
 import pytest
 import sqlalchemy as sa
 
@@ -226,15 +229,31 @@ def _brief(trial: TrialOut) -> dict[str, Any]:
 
 
 def finished(count: int) -> Callable[[list[TrialOut]], bool]:
-    """`count` trials, all finished with vramtune's outcome recorded.
-
-    The server tells Optuna first and writes its own row after, so for a moment a trial can be
-    COMPLETE without its outcome: wait for both.
-    """
+    """`count` trials, all finished with vramtune's outcome recorded (it commits with Optuna's
+    state; a trial finished through plain Optuna has none)."""
     return lambda trials: (
         len(trials) >= count
         and all(t.state in {"COMPLETE", "FAIL", "PRUNED"} and t.outcome is not None for t in trials)
     )
+
+
+def tell_non_finite(database_url: str, name: str) -> None:
+    """Trials of a study told through plain Optuna, as a user's own objective would tell them:
+    +inf (after reporting NaN, +inf, -inf and 0.5), -inf (the best when minimized), NaN (which
+    Optuna tells as FAIL) and 1.5."""
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    study = optuna.load_study(study_name=name, storage=database_url)
+    trial = study.ask()
+    for step, value in enumerate(REPORTED):
+        trial.report(value, step)
+    study.tell(trial, math.inf)
+    for value in (-math.inf, math.nan, 1.5):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "The value nan is not acceptable": the FAIL
+            study.tell(study.ask(), value)
+
+
+REPORTED = (math.nan, math.inf, -math.inf, 0.5)  # trial 0's intermediate values, steps 0 to 3
 
 
 def running_on(worker: WorkerProcess) -> Callable[[list[TrialOut]], bool]:

@@ -207,8 +207,8 @@ def _duration(trial: FrozenTrial) -> float | None:
 
 def trial_out(trial: FrozenTrial, row: TrialRow | None, worker: WorkerRow | None) -> TrialOut:
     """One trial as Optuna and vramtune know it."""
-    # Optuna is told before vramtune's row commits, and every terminal path writes the
-    # ``vramtune.*`` user attributes first: they fill in for a row that lags by a moment.
+    # Every terminal path writes the ``vramtune.*`` user attributes with Optuna's state: they
+    # stand in for a row that is missing or ahead of Optuna's snapshot (trials_out).
     attrs = trial.user_attrs
 
     def known(column: str) -> Any:
@@ -257,6 +257,11 @@ def trials_out(session: Session, trials: Sequence[FrozenTrial]) -> list[TrialOut
     out = []
     for trial in trials:
         row = rows.get(trial._trial_id)
+        if row is not None and row.status == "done" and not trial.state.is_finished():
+            # Told since Optuna's snapshot of it was read (vramtune's rows are read after it):
+            # the trial reads as that snapshot has it, its vramtune.* attributes with it (every
+            # tell writes them with the state), not with an end its state does not show yet.
+            row = None
         worker = workers.get(row.worker_id) if row and row.worker_id is not None else None
         out.append(trial_out(trial, row, worker))
     return out

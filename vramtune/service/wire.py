@@ -2,7 +2,8 @@
 
 This module imports nothing but pydantic (and the standard library) so that a worker-only
 install and the Python client can use it without the server's dependencies. Field names are
-the JSON names. Byte counts are plain integers; every float is finite.
+the JSON names. Byte counts are plain integers; every float is finite but objective values
+(ObjectiveValue).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PlainSerializer,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -26,6 +29,32 @@ API_PREFIX = "/api/v1"
 EXABYTE = 10**18
 Bytes = Annotated[int, Field(ge=0, le=EXABYTE, description="A byte count, 0 to 10**18.")]
 Finite = Annotated[float, Field(allow_inf_nan=False)]
+# JSON has no infinity and no NaN: a non-finite objective value (an objective that returned
+# inf, Optuna's placeholder of an infeasible trial, a NaN intermediate value) travels as one of
+# these strings, which JavaScript's Number() and Python's float() (and so pydantic) read back.
+# Never null: null is "no value", and a client's list[float] refused it (issue 49).
+NON_FINITE = ("Infinity", "-Infinity", "NaN")
+
+
+def wire_float(value: float) -> float | str:
+    """A float as JSON carries it: itself when finite, else "Infinity", "-Infinity" or "NaN"."""
+    if math.isfinite(value):
+        return value
+    if math.isnan(value):
+        return "NaN"
+    return "Infinity" if value > 0 else "-Infinity"
+
+
+ObjectiveValue = Annotated[
+    float,
+    PlainSerializer(wire_float, when_used="json"),
+    WithJsonSchema(
+        {
+            "anyOf": [{"type": "number"}, {"type": "string", "enum": list(NON_FINITE)}],
+            "description": 'A number, or "Infinity", "-Infinity" or "NaN" when it is not finite.',
+        }
+    ),
+]
 Name = Annotated[
     str,
     Field(
@@ -402,7 +431,7 @@ class StudySummary(Wire):
     directions: list[Direction]
     n_trials: int
     counts: dict[str, int] = Field(description="Trials by Optuna TrialState name.")
-    best_value: float | None = None
+    best_value: ObjectiveValue | None = None
     created_at: UtcDatetime
     spec: StudyCreate
     warnings: list[str] = Field(
@@ -450,13 +479,13 @@ class TrialOut(Wire):
     id: int
     number: int
     state: str
-    values: list[float] | None = Field(
+    values: list[ObjectiveValue] | None = Field(
         None,
         description="The objective values; none for a trial not finished, and for an infeasible "
         "one (no card of the fleet could hold it: Optuna keeps placeholder values for it).",
     )
     params: dict[str, ParamValue]
-    intermediate: dict[int, float] = Field(default_factory=dict)
+    intermediate: dict[int, ObjectiveValue] = Field(default_factory=dict)
     datetime_start: UtcDatetime | None = None
     datetime_complete: UtcDatetime | None = None
     duration_s: float | None = None

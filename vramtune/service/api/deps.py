@@ -15,6 +15,7 @@ from fastapi import Depends, Path, Query, Request
 from optuna.storages import BaseStorage
 from sqlalchemy.orm import Session
 
+from vramtune.service.db.engine import read_one_snapshot
 from vramtune.service.db.tables import MAX_ROW_ID
 from vramtune.service.settings import Settings
 from vramtune.service.state import AppState
@@ -39,6 +40,14 @@ def get_session(state: StateDep) -> Iterator[Session]:
         yield session
 
 
+def get_read_session(state: StateDep) -> Iterator[Session]:
+    """get_session for a request that only reads: all its statements see one snapshot
+    (vramtune.service.db.engine.read_one_snapshot), so what it answers belongs to one moment."""
+    with state.sessions.begin() as session:
+        read_one_snapshot(session)
+        yield session
+
+
 async def get_storage(state: StateDep) -> BaseStorage:
     """The Optuna storage on the server's database."""
     return state.storage
@@ -53,6 +62,7 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 # scope="function": the commit happens before the response is sent, so a client that got a 2xx
 # reads its own write on the next call.
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
+ReadSessionDep = Annotated[Session, Depends(get_read_session, scope="function")]
 StorageDep = Annotated[BaseStorage, Depends(get_storage)]
 NowDep = Annotated[datetime, Depends(get_now)]
 

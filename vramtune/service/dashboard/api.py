@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Path, Query
 from optuna.trial import TrialState
 
-from vramtune.service.api.deps import NowDep, SessionDep, SettingsDep, path_id
+from vramtune.service.api.deps import NowDep, ReadSessionDep, SettingsDep, path_id
 from vramtune.service.auth.tokens import PrincipalDep
 from vramtune.service.dashboard import (
     advice as advice_view,
@@ -56,7 +56,7 @@ StateName = Literal["RUNNING", "COMPLETE", "PRUNED", "FAIL", "WAITING"]
 
 
 @router.get("/studies")
-def list_studies(session: SessionDep, now: NowDep) -> StudyListOut:
+def list_studies(session: ReadSessionDep, now: NowDep) -> StudyListOut:
     """Every study with state counts, best value, trials per hour and running trials."""
     return studies_view.list_studies(session, now)
 
@@ -64,7 +64,7 @@ def list_studies(session: SessionDep, now: NowDep) -> StudyListOut:
 @router.get("/studies/{name:path}/history")
 def history(
     name: StudyName,
-    session: SessionDep,
+    session: ReadSessionDep,
     objective: Objective = 0,
     max_points: MaxPoints = MAX_POINTS,
 ) -> History:
@@ -75,7 +75,7 @@ def history(
 @router.get("/studies/{name:path}/memory")
 def memory(
     name: StudyName,
-    session: SessionDep,
+    session: ReadSessionDep,
     objective: Objective = 0,
     max_points: MaxPoints = MAX_POINTS,
 ) -> MemoryScatter:
@@ -86,7 +86,7 @@ def memory(
 @router.get("/studies/{name:path}/pareto")
 def pareto(
     name: StudyName,
-    session: SessionDep,
+    session: ReadSessionDep,
     x: Objective = 0,
     y: Objective = 1,
     max_points: MaxPoints = MAX_POINTS,
@@ -97,7 +97,7 @@ def pareto(
 
 @router.get("/studies/{name:path}/calibration")
 def calibration(
-    name: StudyName, session: SessionDep, max_points: MaxPoints = MAX_POINTS
+    name: StudyName, session: ReadSessionDep, max_points: MaxPoints = MAX_POINTS
 ) -> Calibration:
     """Predicted against measured peak memory of every run, per card model."""
     return plots.calibration(session, name, max_points)
@@ -106,7 +106,7 @@ def calibration(
 @router.get("/studies/{name:path}/regions")
 def regions(
     name: StudyName,
-    session: SessionDep,
+    session: ReadSessionDep,
     x: OptionalParamName = None,
     y: OptionalParamName = None,
     max_points: MaxPoints = MAX_POINTS,
@@ -120,14 +120,14 @@ def regions(
 
 @router.get("/studies/{name:path}/importances")
 def importances(
-    name: StudyName, session: SessionDep, now: NowDep, objective: Objective = 0
+    name: StudyName, session: ReadSessionDep, now: NowDep, objective: Objective = 0
 ) -> Importances:
     """Optuna's parameter importances over a bounded sample of completed trials (cached)."""
     return importance.importances(session, name, objective, now)
 
 
 @router.get("/studies/{name:path}/advice")
-def advice(name: StudyName, session: SessionDep, settings: SettingsDep, now: NowDep) -> Advice:
+def advice(name: StudyName, session: ReadSessionDep, settings: SettingsDep, now: NowDep) -> Advice:
     """What to do next: infeasible configurations and what would make them fit, a biased
     calibration and its likely cause, a task no live worker offers, OOMs prediction missed."""
     return advice_view.advice(session, name, settings, now)
@@ -136,7 +136,7 @@ def advice(name: StudyName, session: SessionDep, settings: SettingsDep, now: Now
 @router.get("/studies/{name:path}/trials")
 def trials(
     name: StudyName,
-    session: SessionDep,
+    session: ReadSessionDep,
     settings: SettingsDep,
     now: NowDep,
     sort: Annotated[
@@ -181,7 +181,7 @@ def trials(
 def trial(
     name: StudyName,
     number: Annotated[int, path_id("The trial number.", low=0)],
-    session: SessionDep,
+    session: ReadSessionDep,
     max_points: MaxPoints = MAX_POINTS,
 ) -> TrialDetail:
     """One trial in full, with its intermediate values."""
@@ -190,7 +190,7 @@ def trial(
 
 @router.get("/fleet")
 def fleet(
-    session: SessionDep,
+    session: ReadSessionDep,
     settings: SettingsDep,
     now: NowDep,
     principal: PrincipalDep,
@@ -209,6 +209,6 @@ def fleet(
 
 # Last: {name:path} also matches the suffixed paths above, which must win.
 @router.get("/studies/{name:path}")
-def study_overview(name: StudyName, session: SessionDep, now: NowDep) -> StudyOverview:
+def study_overview(name: StudyName, session: ReadSessionDep, now: NowDep) -> StudyOverview:
     """One study's header: counts, best trial, parameters, card models and a revision token."""
     return studies_view.overview(session, name, now)

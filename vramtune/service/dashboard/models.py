@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from vramtune.service.wire import ParamValue, PlanOut
+from vramtune.service.wire import ObjectiveValue, ParamValue, PlanOut
 
 DashboardState = Literal["running", "paused", "done", "idle"]
 WorkerState = Literal["live", "stale", "lost", "stopped"]
@@ -38,7 +38,7 @@ class StudyListItem(BaseModel):
     memory: MemoryCounts | None = Field(description="None for a plain Optuna study.")
     finished: int
     running: int
-    best_value: float | None
+    best_value: ObjectiveValue | None
     trials_per_hour: float | None = Field(
         description="Finished trials per hour over the last hour of activity."
     )
@@ -68,7 +68,7 @@ class BestTrial(BaseModel):
     """The best completed trial of a single-objective study."""
 
     number: int
-    values: list[float | None]
+    values: list[ObjectiveValue]
     params: dict[str, ParamValue]
 
 
@@ -217,7 +217,7 @@ class TrialRowOut(BaseModel):
     id: int
     number: int
     state: str
-    values: list[float | None] | None
+    values: list[ObjectiveValue] | None
     feasible: bool = Field(
         description="False when a constraint is violated: values are placeholders."
     )
@@ -288,7 +288,7 @@ class TrialDetail(TrialRowOut):
     """One trial in full: its intermediate curve, message, attempts' plans and runs."""
 
     intermediate_steps: list[int]
-    intermediate_values: list[float | None]
+    intermediate_values: list[ObjectiveValue]
     intermediate_total: int
     message: str | None
     plans_tried: list[PlanOut]

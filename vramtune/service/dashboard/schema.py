@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 from datetime import UTC, datetime
+from enum import Enum
 from functools import lru_cache
 from typing import Any
 
@@ -54,7 +55,6 @@ vt_observations = MemoryObservationRow.__table__
 FINITE = models.TrialValueModel.TrialValueType.FINITE
 INF_POS = models.TrialValueModel.TrialValueType.INF_POS
 INF_NEG = models.TrialValueModel.TrialValueType.INF_NEG
-IV_FINITE = models.TrialIntermediateValueModel.TrialIntermediateValueType.FINITE
 
 
 def utc(moment: datetime) -> datetime:
@@ -65,13 +65,6 @@ def utc(moment: datetime) -> datetime:
 def aware(moment: datetime | None) -> datetime | None:
     """utc() of a datetime that may be missing."""
     return None if moment is None else utc(moment)
-
-
-def finite(value: float | None) -> float | None:
-    """The value if it is a finite float, else None (JSON has no inf or NaN)."""
-    if value is None or not math.isfinite(value):
-        return None
-    return float(value)
 
 
 def duration_seconds(session: Session) -> ColumnElement[Any]:
@@ -138,11 +131,16 @@ def _violates(value: Any) -> bool:
     return any(isinstance(v, int | float) and v > 0 for v in values)
 
 
-def objective_value(value: float | None, value_type: Any) -> float | None:
-    """A stored objective value: finite, or None for the infinities (stored as NULL)."""
-    if value_type == FINITE:
-        return finite(value)
-    return None
+def stored_value(value: float | None, value_type: Enum) -> float:
+    """An objective or intermediate value as Optuna stored it: the infinities (and an
+    intermediate NaN) as a type without a value; the wire says them as strings (ObjectiveValue)."""
+    if value_type.name == "INF_POS":
+        return math.inf
+    if value_type.name == "INF_NEG":
+        return -math.inf
+    if value_type.name == "NAN" or value is None:  # SQLite keeps a NaN as NULL
+        return math.nan
+    return float(value)
 
 
 def revision(session: Session, study_id: int) -> str:

@@ -198,20 +198,22 @@ def best_feasible(session: Session, facts: StudyFacts) -> tuple[int, int, float]
     """(trial id, number, value) of the best feasible completed trial by the first objective."""
     skip = infeasible(session, facts)
     minimize = facts.directions[0] != StudyDirection.MAXIMIZE
+    # -inf, the finite values, then +inf (Optuna stores the infinities as types without a value)
+    types = V.c.value_type
+    rank = case((types == schema.INF_NEG, 0), (types == schema.INF_POS, 2), else_=1)
     query = (
-        select(T.c.trial_id, T.c.number, V.c.value)
+        select(T.c.trial_id, T.c.number, V.c.value, V.c.value_type)
         .join(V, and_(V.c.trial_id == T.c.trial_id, V.c.objective == 0))
-        .where(
-            T.c.study_id == facts.study_id,
-            T.c.state == TrialState.COMPLETE,
-            V.c.value_type == schema.FINITE,
+        .where(T.c.study_id == facts.study_id, T.c.state == TrialState.COMPLETE)
+        .order_by(
+            *((rank.asc(), V.c.value.asc()) if minimize else (rank.desc(), V.c.value.desc())),
+            T.c.number,
         )
-        .order_by(V.c.value.asc() if minimize else V.c.value.desc(), T.c.number)
         .limit(len(skip) + 1)  # the best feasible one is among these
     )
-    for trial_id, number, value in session.execute(query):
+    for trial_id, number, value, value_type in session.execute(query):
         if trial_id not in skip:
-            return trial_id, number, float(value)
+            return trial_id, number, schema.stored_value(value, value_type)
     return None
 
 

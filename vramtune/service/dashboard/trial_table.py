@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -238,21 +239,17 @@ def _rows_out(session: Session, rows: list[Any], infeasible: set[int]) -> list[T
     ]
 
 
-def _all_values(session: Session, trial_ids: list[int]) -> dict[int, list[float | None]]:
+def _all_values(session: Session, trial_ids: list[int]) -> dict[int, list[float]]:
     """Every objective value of the given trials, in objective order."""
-    found: dict[int, list[float | None]] = defaultdict(list)
+    found: dict[int, list[float]] = defaultdict(list)
     if trial_ids:
         for tid, value, vtype in session.execute(
             select(V.c.trial_id, V.c.value, V.c.value_type)
             .where(V.c.trial_id.in_(trial_ids))
             .order_by(V.c.trial_id, V.c.objective)
         ):
-            found[tid].append(_value(value, vtype))
+            found[tid].append(schema.stored_value(value, vtype))
     return dict(found)
-
-
-def _value(value: float | None, vtype: Any) -> float | None:
-    return schema.objective_value(value, vtype)
 
 
 def plan_out(plan: dict[str, Any] | None) -> PlanOut | None:
@@ -296,7 +293,7 @@ def trial_detail(session: Session, name: str, number: int, max_points: int) -> T
         raise NotFound(f"study {name!r} has no trial {number}")
     row = _rows_out(session, [found], infeasible(session, facts))[0]
     steps, values = _intermediate(session, found.trial_id)
-    kept = series.extremes([v if v is not None else 0.0 for v in values], max_points)
+    kept = series.extremes([v if math.isfinite(v) else 0.0 for v in values], max_points)
     record = session.get(TrialRow, found.trial_id)
     attrs = _user_attrs(session, found.trial_id)
     return TrialDetail(
@@ -315,7 +312,7 @@ def trial_detail(session: Session, name: str, number: int, max_points: int) -> T
     )
 
 
-def _intermediate(session: Session, trial_id: int) -> tuple[list[int], list[float | None]]:
+def _intermediate(session: Session, trial_id: int) -> tuple[list[int], list[float]]:
     IV = schema.intermediate
     rows = list(
         session.execute(
@@ -325,7 +322,7 @@ def _intermediate(session: Session, trial_id: int) -> tuple[list[int], list[floa
         )
     )
     steps = [step for step, _, _ in rows]
-    values = [schema.finite(v) if t == schema.IV_FINITE else None for _, v, t in rows]
+    values = [schema.stored_value(v, t) for _, v, t in rows]
     return steps, values
 
 

@@ -43,6 +43,27 @@ def make_engine(url: str) -> Engine:
     return engine
 
 
+def read_one_snapshot(session: Session) -> None:
+    """Make the session's transaction read one snapshot: every statement sees the same commits.
+
+    Without it a read of several statements can straddle a writer's commit and see half of it
+    (issue 49): PostgreSQL's default READ COMMITTED takes a snapshot per statement, and
+    pysqlite begins no transaction before a SELECT, so each one reads on its own. Here
+    PostgreSQL reads at REPEATABLE READ (one snapshot per transaction; a reader never waits nor
+    fails there) and SQLite gets an explicit BEGIN (with WAL, a read transaction keeps its
+    snapshot while writers go on). For reads only: a REPEATABLE READ writer fails on a
+    concurrent update, and a SQLite read transaction cannot become a writer once another
+    writer committed. Call it before the transaction's first statement.
+    """
+    dialect = session.get_bind().dialect.name
+    if dialect == "postgresql":
+        session.connection(execution_options={"isolation_level": "REPEATABLE READ"})
+    elif dialect == "sqlite":
+        connection = session.connection()
+        if not connection.connection.driver_connection.in_transaction:  # type: ignore[union-attr]
+            connection.exec_driver_sql("BEGIN")
+
+
 def make_sessions(engine: Engine) -> sessionmaker[Session]:
     """Session factory; objects stay readable after commit (responses are built after it)."""
     return sessionmaker(engine, expire_on_commit=False)

@@ -12,7 +12,7 @@ import math
 import threading
 import typing
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -33,7 +33,7 @@ from optuna.trial import FrozenTrial, TrialState
 from pydantic import TypeAdapter, ValidationError
 from sqlalchemy.orm import Session
 
-from vramtune.service.db.engine import engine_kwargs
+from vramtune.service.db.engine import engine_kwargs, read_one_snapshot
 from vramtune.service.db.tables import StudyRow, TrialRow
 from vramtune.service.errors import Invalid, NotFound
 from vramtune.service.optuna import rows as optuna_rows
@@ -55,9 +55,55 @@ TASK_ATTR = "vramtune.task"
 Param = FloatParam | IntParam | CategoricalParam
 
 
+class SnapshotRDBStorage(RDBStorage):
+    """Optuna's RDBStorage whose trial reads each see one snapshot of the database (issue 49).
+
+    RDBStorage builds trials from several SELECTs in one session: the trial rows (their state),
+    then the user attributes, the values, the intermediate values, the parameters and the system
+    attributes (``get_trial`` loads them lazily, one by one). Each SELECT saw its own snapshot
+    (PostgreSQL's READ COMMITTED; pysqlite's reads without a transaction), so a read straddling
+    the commit of a tell built a RUNNING trial with the values told, but without the attributes
+    read before the commit: an infeasible trial's placeholder values without their
+    ``vramtune.placeholder_values`` mark, then served as JSON null. Every tell commits Optuna's
+    rows and vramtune's together (service.optuna.rows); read in one snapshot, a trial is as it
+    was before a tell or after it, never between. The snapshot, rather than marking placeholders
+    some other way, because it holds for every row of a trial (an outcome, a plan, a constraint)
+    and for Optuna's own readers of the trial in this process (samplers, pruners, the cache).
+
+    ``_CachedStorage`` keeps a trial once it is read finished and never reads it again: it is
+    read after its tell committed, so whole. Only what is written to a finished trial later
+    stays out of a copy cached before: a run pruned at its report gets its measured peak with
+    the worker's next call (service.fleet.trials._keep_measured), which vramtune's row keeps.
+    """
+
+    def _get_trials(
+        self,
+        study_id: int,
+        states: Container[TrialState] | None,
+        included_trial_ids: set[int],
+        trial_id_greater_than: int,
+    ) -> list[FrozenTrial]:
+        self._begin_snapshot()
+        return super()._get_trials(study_id, states, included_trial_ids, trial_id_greater_than)
+
+    def get_trial(self, trial_id: int) -> FrozenTrial:
+        self._begin_snapshot()
+        return super().get_trial(trial_id)
+
+    def _begin_snapshot(self) -> None:
+        """Begin the session the read then uses (this thread's) as one snapshot."""
+        session = self.scoped_session()
+        try:
+            read_one_snapshot(session)
+        except BaseException:
+            session.close()
+            raise
+
+
 def make_storage(url: str) -> BaseStorage:
-    """Optuna storage on an upgraded database, cached as ``optuna.load_study(storage=url)`` is."""
-    rdb = RDBStorage(url, engine_kwargs=engine_kwargs(url), skip_table_creation=True)
+    """Optuna storage on an upgraded database, cached as ``optuna.load_study(storage=url)`` is;
+    its trials read in one snapshot each (SnapshotRDBStorage)."""
+    rdb = SnapshotRDBStorage(url, engine_kwargs=engine_kwargs(url), skip_table_creation=True)
     return _CachedStorage(rdb)
 
 

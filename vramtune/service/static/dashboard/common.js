@@ -79,13 +79,23 @@ const VT = (() => {
     return `${name} (${type === "log" ? `${unit}, log` : unit})`;
   }
 
+  // How num() writes the numbers that are not finite, by their String().
+  const NON_FINITE = { Infinity: "∞", "-Infinity": "−∞", NaN: "NaN" };
+
   function num(v) {
     if (v === null || v === undefined) return "–";
     if (typeof v !== "number") return String(v);
+    if (!Number.isFinite(v)) return NON_FINITE[String(v)];
     if (Number.isInteger(v)) return v.toLocaleString("en-US");
     const abs = Math.abs(v);
     if (abs !== 0 && (abs < 1e-3 || abs >= 1e6)) return v.toExponential(3);
     return String(Number(v.toPrecision(5)));
+  }
+
+  /** An objective value. JSON has no infinity nor NaN: those come as the strings "Infinity",
+   * "-Infinity" and "NaN" (vramtune.service.wire.ObjectiveValue), which Number() reads. */
+  function value(v) {
+    return num(typeof v === "string" && Object.hasOwn(NON_FINITE, v) ? Number(v) : v);
   }
 
   /** A rate per hour: whole numbers from 100 up, one decimal below ("–" when unknown). */
@@ -349,7 +359,7 @@ const VT = (() => {
   }
 
   return {
-    api, can, onAuthChange, poll, start, el, fill, bytes, byteScale, spanType, axisTitle, num, rate, duration, ago,
+    api, can, onAuthChange, poll, start, el, fill, bytes, byteScale, spanType, axisTitle, num, value, rate, duration, ago,
     badge, errorBox, plot, COLORS, HttpError,
   };
 })();

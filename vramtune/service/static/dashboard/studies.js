@@ -104,7 +104,7 @@
         el("td", {}, progress(s)),
         el("td", {}, counts(s)),
         el("td", { "data-col": "memory" }, memory(s)),
-        el("td", { class: "num", text: VT.num(s.best_value) }),
+        el("td", { class: "num", text: VT.value(s.best_value) }),
         el("td", { class: "num", text: VT.rate(s.trials_per_hour) }),
         el("td", { class: "num", text: s.running }),
         el("td", { class: "muted", text: VT.ago(s.last_activity, latest.now) }),

@@ -94,7 +94,7 @@
       tile("Running", o.running, `${c.WAITING} waiting`),
       tile("Trials per hour", VT.rate(o.trials_per_hour), "over the last hour"),
       best
-        ? tile(`Best ${objectiveName(0)}`, VT.num(best.values[0]), `trial #${best.number}: ${paramText(best.params)}`)
+        ? tile(`Best ${objectiveName(0)}`, VT.value(best.values[0]), `trial #${best.number}: ${paramText(best.params)}`)
         : tile(o.directions.length > 1 ? "Objectives" : "Best value", o.directions.length > 1 ? o.directions.length : "–", o.directions.length > 1 ? "see the Pareto front" : "no completed trial yet"),
     );
     renderActions(o);
@@ -451,13 +451,13 @@
           x: { title: "step" },
           y: { title: "reported value" },
           legend: false,
-          traces: [{ mode: "lines+markers", x: t.intermediate_steps, y: t.intermediate_values, color: VT.COLORS[0], size: 5, opacity: 1, hover: (i) => `step ${t.intermediate_steps[i]}: ${VT.num(t.intermediate_values[i])}` }],
+          traces: [{ mode: "lines+markers", x: t.intermediate_steps, y: t.intermediate_values, color: VT.COLORS[0], size: 5, opacity: 1, hover: (i) => `step ${t.intermediate_steps[i]}: ${VT.value(t.intermediate_values[i])}` }],
         },
         "This trial reported no intermediate value.",
       );
       hint("curve-hint", `${t.state.toLowerCase()}${t.intermediate_total ? ` · ${t.intermediate_total} reports` : ""}`);
       const pairs = [
-        ["value", t.feasible ? (t.values || []).map(VT.num).join(", ") || "–" : "– (infeasible)"],
+        ["value", t.feasible ? (t.values || []).map(VT.value).join(", ") || "–" : "– (infeasible)"],
         ["params", paramText(t.params)],
         ["plan", planText(t)],
         ["peak predicted / measured", `${VT.bytes(t.predicted_bytes)} / ${VT.bytes(t.measured_bytes)}`],
@@ -537,7 +537,7 @@
       { label: "#", sort: "number", num: true, cell: (r) => r.number },
       { label: "State", sort: "state", cell: (r) => VT.badge(r.state) },
     ];
-    const value = (r, i) => (r.feasible ? VT.num(r.values ? r.values[i] : null) : el("span", { class: "muted", title: "infeasible: the value is a placeholder", text: "–" }));
+    const value = (r, i) => (r.feasible ? VT.value(r.values ? r.values[i] : null) : el("span", { class: "muted", title: "infeasible: the value is a placeholder", text: "–" }));
     o.directions.forEach((_, i) => cols.push({ label: objectiveName(i), sort: i === 0 ? "value" : `value:${i}`, num: true, cell: (r) => value(r, i) }));
     for (const p of o.params) {
       cols.push({ label: p.name, sort: `param:${p.name}`, num: p.kind !== "categorical", cell: (r) => (p.name in r.params ? VT.num(r.params[p.name]) : "–") });
