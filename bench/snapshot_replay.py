@@ -108,11 +108,15 @@ def derive(snapshot: dict[str, Any], device: int = 0) -> dict[str, Any]:
                 live[block["address"]] = block["size"]
     for event in reversed(trace):  # undo the trace: what existed before recording began
         action, address = event["action"], event.get("addr")
-        if action in ("segment_alloc", "segment_map"):
+        if action == "segment_alloc":
             segments.pop(address, None)
-        elif action in ("segment_free", "segment_unmap"):
+        elif action == "segment_free":
             size = event["size"]
             segments[address] = (size, size == SMALL_SEGMENT, event.get("stream", 0))
+        elif action == "segment_map":
+            _unmap(segments, address, event["size"])
+        elif action == "segment_unmap":
+            _map(segments, address, event["size"], event.get("stream", 0))
         elif action == "alloc":
             live.pop(address, None)
         elif action == "free_completed":
@@ -176,6 +180,32 @@ def derive(snapshot: dict[str, Any], device: int = 0) -> dict[str, Any]:
     if len(stream_ids) > 1:
         out["streams"] = streams
     return out
+
+
+def _unmap(segments: dict[int, tuple[int, bool, int]], address: int, size: int) -> None:
+    # An expandable segment's mapped range is reported as one segment however many pages were
+    # mapped into it: undoing a map cuts the pages out, leaving the pieces on either side.
+    for start, (total, small, stream) in list(segments.items()):
+        if start <= address < start + total:
+            del segments[start]
+            if address > start:
+                segments[start] = (address - start, small, stream)
+            if address + size < start + total:
+                segments[address + size] = (start + total - address - size, small, stream)
+            return
+
+
+def _map(segments: dict[int, tuple[int, bool, int]], address: int, size: int, stream: int) -> None:
+    # Undoing an unmap puts the pages back, joined to the mapped ranges they touch.
+    small = size == SMALL_SEGMENT
+    for start, (total, _, _) in list(segments.items()):
+        if start + total == address:
+            del segments[start]
+            address, size = start, size + total
+        elif address + size == start:
+            del segments[start]
+            size += total
+    segments[address] = (size, small, stream)
 
 
 def replay(data: dict[str, Any]) -> dict[str, Any]:

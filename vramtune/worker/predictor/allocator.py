@@ -14,12 +14,14 @@ one, a larger one only when it wastes less than `max_non_split_rounding_mb`, 20 
 `expandable_segments` gives each pool one segment that grows by mapping pages (2 MiB small,
 20 MiB large) when no free block fits, so reserved follows allocated within a page.
 Each stream has its own pools, as in the allocator (a block freed on one stream is never
-reused by another). The snapshot replays (tests/worker/test_snapshot_replay.py) check these
-rules against real runs.
+reused by another); `release_cached` is `empty_cache()` (whole free segments given back; with
+expandable segments, the whole pages inside free blocks unmapped). Checked against real runs:
+tests/worker/test_snapshot_replay.py replays public snapshots (bench/snapshot_replay.py) and
+every one, default, expandable and ten-stream alike, gets the same segments to the byte.
 
 Not modelled: `garbage_collection_threshold` (it needs the card's capacity and the blocks'
 ages), blocks used on a second stream (`record_stream`), and the retry that frees cached blocks
-when cudaMalloc fails near the card's limit.
+when cudaMalloc fails near the card's limit (a replay sees its segment frees as a release).
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class _Block:
     prev: _Block | None = None
     next: _Block | None = None
     stream: int = 0
+    unmapped: int = 0  # expandable segments: bytes of the block's pages given back
 
     def order(self) -> tuple[int, int, int]:
         """Best-fit order of the free lists: size, then address."""
@@ -117,7 +120,6 @@ class CachingAllocatorModel:
     _segments: int = 0
     # expandable_segments: the last block of each pool's one segment (its mapped end)
     _tails: dict[tuple[bool, int], _Block] = field(default_factory=dict)
-    _heads: dict[int, _Block] = field(default_factory=dict)  # each segment's first block
 
     def malloc(self, key: int, nbytes: int, stream: int = 0) -> None:
         """Allocate `nbytes` for the storage called `key`."""
@@ -130,6 +132,8 @@ class CachingAllocatorModel:
                 if self.settings.expandable_segments
                 else self._new_segment(size, small, stream)
             )
+        if block.unmapped:
+            self._remap(block, size)
         self._split(block, size)
         block.free = False
         self._live[key] = block
@@ -162,9 +166,7 @@ class CachingAllocatorModel:
         previous: _Block | None = None
         for key, size in blocks:
             block = _Block(self._segments, offset, size, small, prev=previous, stream=stream)
-            if previous is None:
-                self._heads[block.segment] = block
-            else:
+            if previous is not None:
                 previous.next = block
             offset += size
             previous = block
@@ -179,15 +181,37 @@ class CachingAllocatorModel:
         self.peak_reserved = max(self.peak_reserved, self.reserved)
 
     def release_cached(self) -> None:
-        """`torch.cuda.empty_cache()`: give back every segment that is one free block."""
+        """`torch.cuda.empty_cache()`: give back every segment that is one free block.
+
+        With expandable segments the allocator instead unmaps every whole page inside a free
+        block; the model counts those bytes on the block and maps them again when the block is
+        used (by count, not by address: which pages come back first is not modelled).
+        """
+        if self.settings.expandable_segments:
+            for pool in self._free.values():
+                for _, block in pool:
+                    page = SMALL_SEGMENT if block.small else LARGE_SEGMENT
+                    first = -(-block.offset // page) * page
+                    last = (block.offset + block.size) // page * page
+                    pages = max(0, last - first)
+                    if pages > block.unmapped:
+                        self.reserved -= pages - block.unmapped
+                        block.unmapped = pages
+            return
         for pool in self._free.values():
             for _, block in list(pool):
                 if block.prev is None and block.next is None:
                     self._remove_free(block)
                     self.reserved -= block.size
-                    self._heads.pop(block.segment, None)
-                    if self._tails.get(block.pool) is block:
-                        del self._tails[block.pool]
+
+    def _remap(self, block: _Block, size: int) -> None:
+        # Map back as many of the block's given-back pages as the request needs.
+        page = SMALL_SEGMENT if block.small else LARGE_SEGMENT
+        mapped = min(block.unmapped, -(-size // page) * page)
+        block.unmapped -= mapped
+        self.reserved += mapped
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        self.segment_sizes.append(mapped)
 
     def _take_free(self, size: int, small: bool, stream: int) -> _Block | None:
         pool = self._free.get((small, stream), [])
@@ -217,7 +241,6 @@ class CachingAllocatorModel:
         self.peak_reserved = max(self.peak_reserved, self.reserved)
         self.segment_sizes.append(total)
         block = _Block(segment=self._segments, offset=0, size=total, small=small, stream=stream)
-        self._heads[block.segment] = block
         return block
 
     def _grow(self, size: int, small: bool, stream: int) -> _Block:
@@ -241,7 +264,6 @@ class CachingAllocatorModel:
         if tail is None:
             self._segments += 1
             block = _Block(self._segments, 0, mapped, small, stream=stream)
-            self._heads[block.segment] = block
         else:
             block = _Block(tail.segment, tail.offset + tail.size, mapped, small, prev=tail)
             block.stream = stream
@@ -273,6 +295,7 @@ class CachingAllocatorModel:
             self._tails[block.pool] = tail
         block.next = tail
         block.size = size
+        tail.unmapped, block.unmapped = block.unmapped, 0
         self._insert_free(tail)
 
     def _merge(self, block: _Block, neighbour: _Block) -> _Block:
@@ -280,6 +303,7 @@ class CachingAllocatorModel:
             (neighbour, block) if neighbour.offset < block.offset else (block, neighbour)
         )
         first.size += second.size
+        first.unmapped += second.unmapped
         first.next = second.next
         if second.next is not None:
             second.next.prev = first
