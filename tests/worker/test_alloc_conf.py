@@ -25,7 +25,8 @@ def test_the_documented_keys() -> None:
     settings = parse(
         "expandable_segments:True, max_split_size_mb:128,garbage_collection_threshold:0.6,"
         "release_lock_on_cudamalloc:True,pinned_use_cuda_host_register:True,"
-        "pinned_num_register_threads:8,max_non_split_rounding_mb:64"
+        "pinned_num_register_threads:8,max_non_split_rounding_mb:64,"
+        "graph_capture_record_stream_reuse:False"
     )
     assert settings.expandable_segments
     assert settings.max_split_size == 128 * MiB
@@ -39,6 +40,9 @@ def test_roundup_power2_divisions_int_and_list_forms() -> None:
     table = parse("roundup_power2_divisions:[256:1,512:2,1024:4,>:8]").roundup_power2_divisions
     # the first size also covers the smaller ones; '>' every size above the last one named
     assert table == (1,) * 9 + (2, 4) + (8,) * 5
+    # a size past the last interval (32 GiB and up) is clamped into it, as PyTorch does
+    assert parse("roundup_power2_divisions:[65536:4]").roundup_power2_divisions[-1] == 4
+    assert parse("max_split_size_mb:20").max_split_size == 20 * MiB
     settings = parse(
         "max_split_size_mb:64,roundup_power2_divisions:[1:2,>:4],expandable_segments:False"
     )
@@ -58,9 +62,12 @@ def test_pytorch_alloc_conf_wins_over_the_cuda_name() -> None:
         ("expandable_segment:True", "expandable_segment"),
         ("expandable_segments:yes", "expandable_segments"),
         ("max_split_size_mb:abc", "max_split_size_mb"),
-        ("max_split_size_mb:20", "max_split_size_mb"),
+        ("max_split_size_mb:19", "max_split_size_mb"),
+        ("max_non_split_rounding_mb:8", "max_non_split_rounding_mb"),
         ("roundup_power2_divisions:3", "roundup_power2_divisions"),
-        ("roundup_power2_divisions:[256:1,128:2]", "roundup_power2_divisions"),
+        ("roundup_power2_divisions:[256:3]", "roundup_power2_divisions"),
+        ("roundup_power2_divisions:[200:2]", "roundup_power2_divisions"),
+        ("roundup_power2_divisions:0", "roundup_power2_divisions"),
         ("roundup_power2_divisions:[256:1", "roundup_power2_divisions"),
         ("garbage_collection_threshold:1.5", "garbage_collection_threshold"),
         ("max_split_size_mb:64,max_split_size_mb:128", "max_split_size_mb"),

@@ -4,8 +4,10 @@ The keys and their forms are PyTorch's documented ones (docs "CUDA memory manage
 c10/cuda/CUDAAllocatorConfig): `key:value` pairs separated by commas, except the bracketed list
 form of `roundup_power2_divisions` (`[256:1,512:2,>:8]`), whose commas belong to the list.
 A bad key or value is an error naming the key, so a worker refuses at start what PyTorch
-itself would refuse at its first allocation. The `pinned_*` keys configure host memory, which
-the predictor does not model; they are checked for form only and otherwise ignored.
+itself would refuse at its first allocation. The `pinned_*` keys (host memory) and
+`graph_capture_record_stream_reuse` (CUDA graphs) configure what the predictor does not model;
+they are checked for form only and otherwise ignored. The limits follow PyTorch's
+c10/core/AllocatorConfig.cpp (the shared allocator config of recent releases).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ _PINNED = (
 )
 
 
+# keys checked for form only: what they configure (host memory, graph capture) is not modelled
+_IGNORED = (*_PINNED, "graph_capture_record_stream_reuse")
 # the keys whose field names drop the unit
 _FIELDS = {
     "max_split_size_mb": "max_split_size",
@@ -106,9 +110,7 @@ def parse(text: str) -> AllocatorSettings:
         if key in values:
             raise AllocConfError(f"PYTORCH_CUDA_ALLOC_CONF: {key} is given twice")
         values[key] = _value(key, value)
-    fields = {
-        _FIELDS.get(key, key): v for key, v in values.items() if not key.startswith("pinned_")
-    }
+    fields = {_FIELDS.get(key, key): v for key, v in values.items() if key not in _IGNORED}
     return AllocatorSettings(**fields)
 
 
@@ -142,20 +144,15 @@ def _pairs(text: str) -> list[tuple[str, str]]:
 def _value(key: str, value: str) -> Any:
     if key in ("expandable_segments", "release_lock_on_cudamalloc"):
         return _bool(key, value)
-    if key == "max_split_size_mb":
+    if key == "graph_capture_record_stream_reuse":  # CUDA graphs only: checked, not modelled
+        _bool(key, value)
+        return value
+    if key in ("max_split_size_mb", "max_non_split_rounding_mb"):
         mb = _int(key, value)
-        # PyTorch refuses limits up to a large segment's 20 MiB (kLargeBuffer)
-        if mb * MiB <= LARGE_BUFFER:
-            raise AllocConfError(
-                f"PYTORCH_CUDA_ALLOC_CONF: max_split_size_mb must be > 20, got {mb}"
-            )
-        return mb * MiB
-    if key == "max_non_split_rounding_mb":
-        mb = _int(key, value)
-        if mb < 1:
-            raise AllocConfError(
-                f"PYTORCH_CUDA_ALLOC_CONF: max_non_split_rounding_mb must be >= 1, got {mb}"
-            )
+        # PyTorch's floor for both is a large segment's 20 MiB (kLargeBuffer); releases before
+        # the shared AcceleratorAllocatorConfig wanted max_split_size_mb above it.
+        if mb * MiB < LARGE_BUFFER:
+            raise AllocConfError(f"PYTORCH_CUDA_ALLOC_CONF: {key} must be >= 20, got {mb}")
         return mb * MiB
     if key == "roundup_power2_divisions":
         return _divisions(key, value)
@@ -202,7 +199,10 @@ def _power_of_two(key: str, divisions: int) -> int:
 
 def _divisions(key: str, value: str) -> tuple[int, ...]:
     if not value.startswith("["):
-        return (_power_of_two(key, _int(key, value)),) * ROUNDUP_INTERVALS
+        divisions = _int(key, value)
+        if divisions < 1:  # the single-number form takes powers of two only, not 0
+            raise AllocConfError(f"PYTORCH_CUDA_ALLOC_CONF: {key} must be a power of two")
+        return (_power_of_two(key, divisions),) * ROUNDUP_INTERVALS
     table = [0] * ROUNDUP_INTERVALS
     last = -1
     entries = [entry.strip() for entry in value[1:-1].split(",") if entry.strip()]
@@ -220,12 +220,8 @@ def _divisions(key: str, value: str) -> tuple[int, ...]:
         mb = _int(key, size)
         if mb <= 0 or mb & (mb - 1):
             raise AllocConfError(f"PYTORCH_CUDA_ALLOC_CONF: {key}: {mb} is not a power of two")
-        index = mb.bit_length() - 1
-        if index >= ROUNDUP_INTERVALS or index <= last:
-            raise AllocConfError(
-                f"PYTORCH_CUDA_ALLOC_CONF: {key}: sizes must increase and stay below "
-                f"{1 << ROUNDUP_INTERVALS} MiB, got {mb}"
-            )
+        # sizes past the last interval share it, as PyTorch clamps them
+        index = min(mb.bit_length() - 1, ROUNDUP_INTERVALS - 1)
         if last < 0:
             # the first entry also covers the smaller sizes
             table[:index] = [divisions] * index
