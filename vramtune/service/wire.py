@@ -545,6 +545,11 @@ class CardInfo(Wire):
     cuda_version: str | None = Field(None, max_length=64)
     torch_version: str | None = Field(None, max_length=64)
     simulated: bool = False
+    # The worker's PYTORCH_CUDA_ALLOC_CONF as it read it (None: unset, PyTorch's defaults):
+    # predictions for this card follow the same allocator rules.
+    alloc_conf: str | None = Field(
+        None, max_length=1024, description="PYTORCH_CUDA_ALLOC_CONF as the worker read it."
+    )
 
     @field_validator("free_bytes")
     @classmethod

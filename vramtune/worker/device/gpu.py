@@ -16,6 +16,7 @@ from types import ModuleType
 from typing import Any, TypeVar
 
 from vramtune.service.wire import CardInfo
+from vramtune.worker.device import alloc_conf
 
 _UNITS = {
     "": 1,
@@ -114,6 +115,7 @@ def card_info(device_index: int) -> CardInfo | None:
             driver_version=_text(nvml.nvmlSystemGetDriverVersion()),
             cuda_version=f"{cuda // 1000}.{cuda % 1000 // 10}",
             torch_version=torch_version(),
+            alloc_conf=allocator_conf(),
         )
 
     return _ask(device_index, facts)
@@ -148,6 +150,7 @@ def simulated_card(memory_limit: int) -> CardInfo:
         free_bytes=memory_limit,
         torch_version=torch_version(),
         simulated=True,
+        alloc_conf=allocator_conf(),
     )
 
 
@@ -174,6 +177,19 @@ def card_for_device(device: str, memory_limit: int | None = None) -> CardInfo:
             update={"free_bytes": capped, "total_bytes": min(info.total_bytes, memory_limit)}
         )
     return info
+
+
+def allocator_conf() -> str | None:
+    """This process's `PYTORCH_CUDA_ALLOC_CONF`, checked; DeviceError names a bad key.
+
+    Checked here, at the worker's start, so a typo fails once with the key's name instead of
+    at the first trial's first CUDA allocation.
+    """
+    try:
+        alloc_conf.from_environ()
+    except alloc_conf.AllocConfError as error:
+        raise DeviceError(str(error)) from None
+    return alloc_conf.raw_from_environ()
 
 
 def torch_version() -> str | None:

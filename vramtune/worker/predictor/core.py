@@ -24,6 +24,7 @@ import torch
 from vramtune.common.memory import apply_calibration, calibrated_bytes, raw_peaks
 from vramtune.common.plans import plan_flags
 from vramtune.service.wire import Calibration, CardConstants, Plan, Prediction
+from vramtune.worker.device import alloc_conf
 from vramtune.worker.device.memory import EVALUATION_PHASE
 from vramtune.worker.predictor.allocator import replay
 from vramtune.worker.predictor.evaluation import UNTRACED_BOUND
@@ -271,8 +272,14 @@ def _evaluation_peak(trace: Trace) -> int | None:
 
 
 def _on_card(events: list[tuple[int, int]], constants: CardConstants) -> tuple[int, int]:
-    """(allocated, reserved) of these allocation events through the caching-allocator model."""
-    peaks = replay(events, preallocated=[constants.cublas_workspace_bytes])
+    """(allocated, reserved) of these allocation events through the caching-allocator model.
+
+    The model follows this process's PYTORCH_CUDA_ALLOC_CONF: the worker predicts for the card
+    it drives, whose real runs allocate under the same settings.
+    """
+    peaks = replay(
+        events, preallocated=[constants.cublas_workspace_bytes], settings=alloc_conf.from_environ()
+    )
     return peaks.allocated + constants.other_bytes, peaks.reserved + constants.other_bytes
 
 

@@ -43,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from vramtune.service.wire import Plan
+from vramtune.worker.device import alloc_conf
 from vramtune.worker.device.memory import MemoryTracker
 from vramtune.worker.predictor.allocator import replay
 from vramtune.worker.predictor.emulation import answer_scalar_reads
@@ -195,7 +196,7 @@ def trace_rank(
             raise CannotTrace(untraceable_reason(error)) from error
     return RankPrediction(
         allocated_bytes=tracker.peak_bytes,
-        reserved_bytes=replay(tracker.events or []).reserved,
+        reserved_bytes=replay(tracker.events or [], settings=alloc_conf.from_environ()).reserved,
         breakdown=tracker.breakdown(),
         seconds=time.perf_counter() - started,
     )

@@ -1,0 +1,99 @@
+"""Real GPU runs as the allocator model's check: every committed snapshot trace replayed.
+
+tests/data/snapshots/ holds numbers derived from public `torch.cuda.memory._dump_snapshot`
+pickles by bench/snapshot_replay.py (each file names its repository, path and commit): the
+cache the process held when recording began, every request in order, and what the real
+allocator did. The model must make the same decisions: the same segments (or, with expandable
+segments, the same page maps) in the same order, so the same reserved peak to the byte. That
+holds for every committed trace, the default settings' and `expandable_segments:True`'s alike,
+so no tolerance is granted; a new trace that misses must be explained, not absorbed.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.snapshot_replay import derive, load_snapshot, replay
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "snapshots"
+TRACES = sorted(DATA.glob("*.json"))
+
+
+def _load(path: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data
+
+
+def test_the_suite_has_traces_from_several_repositories() -> None:
+    traces = [_load(path) for path in TRACES]
+    assert len(traces) >= 10
+    assert len({trace["source"]["repository"] for trace in traces}) >= 5
+    assert all(len(trace["source"]["commit"]) == 40 for trace in traces)
+    # the issue's cases: expandable segments, and a run on several streams
+    assert any(trace["settings"] and trace["settings"]["expandable_segments"] for trace in traces)
+    assert any(len(set(trace.get("streams", [0]))) > 1 for trace in traces)
+
+
+@pytest.mark.parametrize("path", TRACES, ids=[path.stem for path in TRACES])
+def test_a_real_trace_replays_to_its_reserved_peak(path: Path) -> None:
+    data = _load(path)
+    model = replay(data)
+    real = data["real"]
+    assert model["segments"] == real["segments"]
+    assert model["peak_reserved"] == real["peak_reserved"]
+    # the model counts whole blocks, the trace only rounded requests: never fewer bytes
+    assert model["peak_allocated"] >= real["peak_allocated_rounded"]
+
+
+def test_a_snapshot_loads_as_plain_data_and_any_class_is_refused() -> None:
+    plain = {"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": 2}]]}
+    assert load_snapshot(pickle.dumps(plain)) == plain
+    with pytest.raises(pickle.UnpicklingError, match="refused"):
+        load_snapshot(pickle.dumps({"segments": [], "device_traces": [], "x": Path("p")}))
+
+
+def test_a_warm_start_is_rebuilt_from_the_final_state_and_the_trace() -> None:
+    base, mib = 1 << 40, 1 << 20
+    # At the dump: one 20 MiB segment whose first 4 MiB block was live before recording began;
+    # in the trace a 2 MiB block after it is allocated and freed, and a new segment is made.
+    snapshot = {
+        "segments": [
+            {
+                "address": base,
+                "total_size": 20 * mib,
+                "segment_type": "large",
+                "stream": 0,
+                "blocks": [
+                    {"address": base, "size": 4 * mib, "state": "active_allocated"},
+                    {"address": base + 4 * mib, "size": 16 * mib, "state": "inactive"},
+                ],
+            },
+            {
+                "address": base + 64 * mib,
+                "total_size": 40 * mib,
+                "segment_type": "large",
+                "stream": 0,
+                "blocks": [{"address": base + 64 * mib, "size": 40 * mib, "state": "inactive"}],
+            },
+        ],
+        "device_traces": [
+            [
+                {"action": "alloc", "addr": base + 4 * mib, "size": 2 * mib, "stream": 0},
+                {"action": "free_completed", "addr": base + 4 * mib, "size": 2 * mib},
+                {"action": "segment_alloc", "addr": base + 64 * mib, "size": 40 * mib},
+                {"action": "alloc", "addr": base + 64 * mib, "size": 40 * mib, "stream": 0},
+                {"action": "free_completed", "addr": base + 64 * mib, "size": 40 * mib},
+            ]
+        ],
+    }
+    data = derive(snapshot)
+    assert data["initial"] == [[0, 0, [[4 * mib, 1], [16 * mib, 0]]]]
+    assert data["events"] == [2 * mib, -2, 40 * mib, -3]
+    assert data["real"]["start_reserved"] == 20 * mib
+    assert data["real"]["peak_reserved"] == 60 * mib
+    assert replay(data)["segments"] == [40 * mib]
