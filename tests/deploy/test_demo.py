@@ -79,9 +79,7 @@ def _places(tmp_path: Path) -> list[str]:
     return ["--port", "0", "--database", database, "--log-dir", logs]
 
 
-def _demo(
-    tmp_path: Path, study_name: str, *args: str, cwd: Path | None = None
-) -> optuna.Study:
+def _demo(tmp_path: Path, study_name: str, *args: str, cwd: Path | None = None) -> optuna.Study:
     """Run `vramtune demo ARGS` until it exits by itself (no flag asks it to); the study kept."""
     database = tmp_path / "demo.db"
     result = run_vramtune("demo", *args, *_places(tmp_path), timeout=900, cwd=cwd)

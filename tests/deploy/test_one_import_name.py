@@ -22,10 +22,12 @@ from vramtune.service.testing import ServerProcess, run_vramtune, sqlite_url, up
 ROOT = Path(__file__).resolve().parents[2]
 
 
+WHEEL = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w"]
+
+
 def test_the_wheel_installs_one_import_name(tmp_path: Path) -> None:
     built = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w"]
-        + [str(tmp_path), str(ROOT)],
+        [*WHEEL, str(tmp_path), str(ROOT)],
         capture_output=True,
         text=True,
         check=False,

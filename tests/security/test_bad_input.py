@@ -14,7 +14,7 @@ from sqlalchemy import func, select
 from vramtune.service.db.tables import MAX_ROW_ID, StudyRow
 from vramtune.service.limits import non_finite_number
 from vramtune.service.settings import Settings
-from vramtune.service.testing import ServerFactory
+from vramtune.service.testing import IN_PROCESS_HOSTS, ServerFactory
 
 HEADERS = {"content-type": "application/json"}
 
@@ -33,7 +33,9 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
     from vramtune.service.app import create_app
 
     url = migrated_sqlite(Path(tmp_path_factory.mktemp("bad")))
-    settings = Settings(database_url=url, auth="off", max_request_bytes=8192)
+    settings = Settings(
+        database_url=url, auth="off", allowed_hosts=IN_PROCESS_HOSTS, max_request_bytes=8192
+    )
     with TestClient(create_app(settings)) as test_client:
         yield test_client
 

@@ -18,6 +18,7 @@ from security_fixtures import migrated_sqlite, study_spec
 
 from vramtune.service.app import create_app
 from vramtune.service.settings import Settings
+from vramtune.service.testing import IN_PROCESS_HOSTS
 
 EXAMPLES_PER_OPERATION = 8
 
@@ -28,9 +29,11 @@ def fuzzed_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FastAPI]:
     from fastapi.testclient import TestClient
 
     url = migrated_sqlite(Path(tmp_path_factory.mktemp("fuzz")))
-    with TestClient(create_app(Settings(database_url=url, auth="off"))) as client:
+    with TestClient(
+        create_app(Settings(database_url=url, auth="off", allowed_hosts=IN_PROCESS_HOSTS))
+    ) as client:
         assert client.post("/api/v1/studies", json=study_spec("a")).status_code == 201
-    yield create_app(Settings(database_url=url, auth="off"))
+    yield create_app(Settings(database_url=url, auth="off", allowed_hosts=IN_PROCESS_HOSTS))
 
 
 # The document needs no database (create_app connects nothing); the calls go to fuzzed_app.
