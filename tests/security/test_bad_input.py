@@ -101,6 +101,17 @@ BAD_SPECS = [
     ({"sampler": {"name": "tpe", "args": {"seed": {"nested": 1}}}},
      ("body", "sampler", "args", "seed")),
     ({"n_trials": 10**7}, ("body", "n_trials")),
+    # issue 47: each rung once (70,000 entries were stored and sent with every assignment;
+    # 12 is past the 9 rungs there are)
+    ({"memory_policy": {"resizes": ["micro_batch"] * 12}}, ("body", "memory_policy", "resizes")),
+    ({"memory_policy": {"resizes": ["bf16", "micro_batch", "bf16"]}},
+     ("body", "memory_policy", "resizes")),
+    # issue 47: a bad choice past the first 4,096 combinations of a family's search space
+    ({"task": "hf-causal-lm", "search_space": {
+        "quantized_base": {"type": "categorical", "choices": ["none", "bogus"]},
+        **{f"z{i}": {"type": "categorical", "choices": list(range(n))}
+           for i, n in enumerate((17, 16, 16))}}},
+     ("body", "search_space", "quantized_base")),
 ]  # fmt: skip
 
 
