@@ -17,7 +17,7 @@ import schemathesis
 from fastapi import FastAPI
 from hypothesis import HealthCheck, Phase, settings
 from schemathesis.checks import not_a_server_error, response_schema_conformance
-from security_fixtures import TOKEN_KINDS, Secured, migrated_sqlite, study_spec
+from security_fixtures import Secured, migrated_sqlite, study_spec
 
 from vramtune.service.app import create_app
 from vramtune.service.settings import Settings
@@ -62,21 +62,6 @@ def test_no_server_error_and_schema_conformance(
     assert "Traceback" not in response.text
 
 
-@pytest.fixture(scope="module")
-def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FastAPI, Secured]]:
-    """The app with auth on, lifespan running, tokens of every kind and two studies."""
-    from fastapi.testclient import TestClient
-
-    url = migrated_sqlite(Path(tmp_path_factory.mktemp("fuzz-auth")))
-    app = create_app(Settings(database_url=url, auth="on"))
-    with TestClient(app) as client:
-        secured = Secured(app, client, url)
-        for kind, (scopes, studies) in TOKEN_KINDS.items():
-            secured.tokens[kind] = secured.add_token(scopes, studies)[1]
-        secured.ensure_studies()
-        yield app, secured
-
-
 # Path and query values that have broken parsers: Unicode digits (str.isdigit() but not
 # int(): the guard's 500 of issue 47), an id past the columns, a sign, a NUL, a long string,
 # and ordinary ones. schemathesis over the same operations with auth took ~8 s an operation here.
@@ -104,7 +89,7 @@ def _operations() -> list[tuple[str, str, list[str], list[str]]]:
     ids=[f"{m} {p}" for m, p, *_ in _operations()],
 )
 def test_no_server_error_for_a_worker_a_study_limited_or_no_token(
-    guarded: tuple[FastAPI, Secured],
+    secured: Secured,
     method: str,
     path: str,
     in_path: list[str],
@@ -112,7 +97,6 @@ def test_no_server_error_for_a_worker_a_study_limited_or_no_token(
 ) -> None:
     """Every hostile value in every path and query parameter, sent as a worker token, a
     study-limited token and no token: never a 5xx, never a trace."""
-    _, secured = guarded
     for value in HOSTILE_VALUES:
         url = path
         for name in in_path:
