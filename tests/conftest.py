@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from vramtune.service.testing import (
+    IN_PROCESS_HOSTS,
     ServerFactory,
     fresh_postgres_database,
     server_factory,
@@ -64,7 +65,9 @@ def app_client(migrated_url: str) -> Iterator[TestClient]:
     from vramtune.service.app import create_app
     from vramtune.service.settings import Settings
 
-    with TestClient(create_app(Settings(database_url=migrated_url, auth="off"))) as client:
+    with TestClient(
+        create_app(Settings(database_url=migrated_url, auth="off", allowed_hosts=IN_PROCESS_HOSTS))
+    ) as client:
         yield client
 
 

@@ -11,7 +11,12 @@ import pytest
 from fastapi.testclient import TestClient
 
 from vramtune.service.settings import Settings
-from vramtune.service.testing import fresh_postgres_database, sqlite_url, upgrade_database
+from vramtune.service.testing import (
+    IN_PROCESS_HOSTS,
+    fresh_postgres_database,
+    sqlite_url,
+    upgrade_database,
+)
 
 V = "/api/v1"
 D = f"{V}/dashboard/studies"
@@ -34,7 +39,7 @@ def client(
         else:
             url = stack.enter_context(fresh_postgres_database())
         upgrade_database(url)
-        app = create_app(Settings(database_url=url, auth="off"))
+        app = create_app(Settings(database_url=url, auth="off", allowed_hosts=IN_PROCESS_HOSTS))
         client = stack.enter_context(TestClient(app))
         run_study(client)
         yield client

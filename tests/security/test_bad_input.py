@@ -14,7 +14,7 @@ from sqlalchemy import func, select
 from vramtune.service.db.tables import MAX_ROW_ID, StudyRow
 from vramtune.service.limits import non_finite_number
 from vramtune.service.settings import Settings
-from vramtune.service.testing import ServerFactory
+from vramtune.service.testing import IN_PROCESS_HOSTS, ServerFactory
 
 HEADERS = {"content-type": "application/json"}
 
@@ -33,7 +33,9 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
     from vramtune.service.app import create_app
 
     url = migrated_sqlite(Path(tmp_path_factory.mktemp("bad")))
-    settings = Settings(database_url=url, auth="off", max_request_bytes=8192)
+    settings = Settings(
+        database_url=url, auth="off", allowed_hosts=IN_PROCESS_HOSTS, max_request_bytes=8192
+    )
     with TestClient(create_app(settings)) as test_client:
         yield test_client
 
@@ -99,6 +101,17 @@ BAD_SPECS = [
     ({"sampler": {"name": "tpe", "args": {"seed": {"nested": 1}}}},
      ("body", "sampler", "args", "seed")),
     ({"n_trials": 10**7}, ("body", "n_trials")),
+    # issue 47: each rung once (70,000 entries were stored and sent with every assignment;
+    # 12 is past the 9 rungs there are)
+    ({"memory_policy": {"resizes": ["micro_batch"] * 12}}, ("body", "memory_policy", "resizes")),
+    ({"memory_policy": {"resizes": ["bf16", "micro_batch", "bf16"]}},
+     ("body", "memory_policy", "resizes")),
+    # issue 47: a bad choice past the first 4,096 combinations of a family's search space
+    ({"task": "hf-causal-lm", "search_space": {
+        "quantized_base": {"type": "categorical", "choices": ["none", "bogus"]},
+        **{f"z{i}": {"type": "categorical", "choices": list(range(n))}
+           for i, n in enumerate((17, 16, 16))}}},
+     ("body", "search_space", "quantized_base")),
 ]  # fmt: skip
 
 

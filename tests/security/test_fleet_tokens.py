@@ -267,6 +267,21 @@ def test_a_trial_id_past_the_id_columns_is_a_4xx_for_every_token(server: Server)
     assert invalid.status_code == 422 and invalid.json()["detail"][0]["loc"] == ["path", "trial_id"]
 
 
+@pytest.mark.parametrize("trial_id", ["%C2%B2", "%D9%A3", "%EF%BC%91", "1%C2%B2"])
+def test_a_unicode_digit_trial_id_is_a_422_naming_it_not_a_500(
+    server: Server, trial_id: str
+) -> None:
+    """'²', Arabic-Indic and full-width digits pass str.isdigit() but not int(): the guard
+    resolving a study-limited token's study answered a 500 and reset the connection."""
+    study, task = server.study(n_trials=1)
+    limited = Worker(server, server.token("worker", studies=[study])["token"], task)
+    body = {"lease": "x" * 16, "plan": PLAN}
+    for _ in range(2):  # the keep-alive connection survives the first answer
+        response = limited.http.post(f"/trials/{trial_id}/start", json=body)
+        assert response.status_code == 422, response.text
+        assert response.json()["detail"][0]["loc"] == ["path", "trial_id"]
+
+
 def test_revoking_a_token_mid_trial_stops_its_workers_and_reoffers_the_trial(
     server: Server,
 ) -> None:

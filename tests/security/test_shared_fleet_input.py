@@ -163,6 +163,38 @@ def test_auth_off_refuses_a_foreign_host_header(server: ServerProcess, host: str
     assert study_names(server) == before
 
 
+@pytest.mark.parametrize("forwarded", ["testclient", "testclient:50000", "127.0.0.1"])
+def test_a_forwarded_for_header_does_not_pass_the_host_check(
+    server: ServerProcess, forwarded: str
+) -> None:
+    """X-Forwarded-For, which a page script may send, named the client "testclient" through
+    uvicorn's proxy headers (on for 127.0.0.1 by default) and so passed the rebinding check
+    (issue 47): a rebound page created and deleted studies."""
+    before = study_names(server)
+    headers = {"Host": "attacker.example", "X-Forwarded-For": forwarded}
+    created = httpx.post(f"{server.url}{API}/studies", json=study_spec("xff"), headers=headers)
+    assert created.status_code == 400, created.text
+    deleted = httpx.delete(f"{server.url}{API}/studies/{next(iter(before), 'x')}", headers=headers)
+    assert deleted.status_code == 400, deleted.text
+    assert study_names(server) == before
+
+
+def test_proxy_headers_are_read_only_from_configured_proxies(tmp_path: Path) -> None:
+    """Without trusted_proxies no X-Forwarded-For is believed; an operator's proxy is, and even
+    then a forwarded "testclient" is no way past the Host check."""
+    headers = {"Host": "attacker.example", "X-Forwarded-For": "testclient"}
+    with server_factory(tmp_path) as start:
+        server = start(migrated_sqlite(tmp_path), trusted_proxies="127.0.0.1")
+        refused = httpx.get(f"{server.url}{API}/studies", headers=headers)
+        assert refused.status_code == 400, refused.text
+    from vramtune.service.cli.commands import proxy_options
+    from vramtune.service.settings import Settings
+
+    assert proxy_options(Settings()) == {"proxy_headers": False}
+    proxied = proxy_options(Settings(trusted_proxies="10.0.0.0/8"))
+    assert proxied == {"proxy_headers": True, "forwarded_allow_ips": "10.0.0.0/8"}
+
+
 @pytest.mark.parametrize("host", ["localhost", "LOCALHOST:1234", "127.0.0.1", "[::1]:80"])
 def test_auth_off_answers_its_own_names(server: ServerProcess, host: str) -> None:
     response = httpx.get(f"{server.url}{API}/health", headers={"Host": host})

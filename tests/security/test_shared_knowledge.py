@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
+import sqlalchemy as sa
 from security_fixtures import first_token
 
 from vramtune.common.step_time import default_step_time_fit, predicted_step_s
@@ -56,6 +57,7 @@ class Server:
 
     url: str
     admin: str
+    database_url: str
 
     def http(self, token: str | None = None) -> httpx.Client:
         """A client of /api/v1 with a bearer token (the admin's unless given)."""
@@ -99,7 +101,13 @@ class Worker:
     """A worker speaking the protocol over HTTP with one token, keyed by SHAPE's width."""
 
     def __init__(
-        self, server: Server, token: str, task: str, card: int = HONEST_CARD, also: str = ""
+        self,
+        server: Server,
+        token: str,
+        task: str,
+        card: int = HONEST_CARD,
+        also: str = "",
+        **registration: Any,
     ) -> None:
         self.http = server.http(token)
         self.card = card
@@ -111,6 +119,7 @@ class Worker:
             "card": info,
             "tasks": tasks,
             "shape_params": {name: ["width"] for name in tasks},
+            **registration,
         }
         response = self.http.post("/workers", json=body)
         assert response.status_code == 201, response.text
@@ -166,7 +175,7 @@ def server(
         assert admin is not None, upgraded.stdout
         with server_factory(directory) as start:
             process = start(url, auth="on", lease_ttl_s=120, worker_stale_s=120)
-            yield Server(process.url, admin)
+            yield Server(process.url, admin, url)
 
 
 class _sqlite:
@@ -268,7 +277,7 @@ def test_a_study_limited_tokens_completes_do_not_move_the_fleets_calibration(
     assert served["offset_bytes"] == 0 and served["n_observations"] == 0
     timing = fleet.http.get("/step-time", params={"card_model": "H100", "task": task}).json()
     assert timing["n_observations"] == 0, timing
-    mine = attacker.http.get("/calibration", params=query).json()
+    mine = attacker.http.get("/calibration", params={**query, "study": study_a}).json()
     assert mine["n_observations"] == 14 and mine["scale"] > 3.9, "its own study learns from it"
 
 
@@ -389,3 +398,162 @@ def test_a_study_limited_token_sees_only_its_studies_counts_and_fits(server: Ser
     other_card = reader.get("/calibration", params={**fit, "card_model": "B200", "task": task_a})
     assert other_card.status_code == 403 and "card_model" in other_card.json()["detail"]
     assert reader.get("/calibration", params={**fit, "task": task_a}).status_code == 200
+
+
+# ---------------------------------------------------------------- issue 47
+
+
+SCOPED_COUNT = sa.text("SELECT count(*) FROM {table} WHERE scope = :bare OR scope LIKE :stamped")
+KNOWLEDGE_TABLES = ("vramtune_predictions", "vramtune_memory_observations", "vramtune_step_times")
+
+
+def _scoped_rows(server: Server, study_id: int) -> int:
+    """Rows of shared predictions, memory and step-time observations kept for the study only
+    (a scope naming its id, with or without its creation stamp)."""
+    keys = {"bare": f"study:{study_id}", "stamped": f"study:{study_id}:%"}
+    engine = sa.create_engine(server.database_url)
+    try:
+        with engine.connect() as connection:
+            counts = [
+                connection.scalar(sa.text(SCOPED_COUNT.text.format(table=table)), keys)
+                for table in KNOWLEDGE_TABLES
+            ]
+    finally:
+        engine.dispose()
+    return sum(int(count or 0) for count in counts)
+
+
+def test_a_deleted_studys_knowledge_goes_with_it(server: Server) -> None:
+    """Issue 47, 5: study X's limited token shares a 10^15-byte prediction and completes a
+    run; X is deleted. Its own rows go with it, and a new study Y (given X's id again on
+    SQLite) is not served the prediction."""
+    task = _task()
+    study_x = server.study(task, n_trials=2)
+    with server.http() as admin:
+        x_id = admin.get(f"/studies/{study_x}").json()["id"]
+    attacker = Worker(server, server.token("worker", studies=[study_x]), task)
+    poisoned = {"shape": SHAPE, "plan": PLAN, "prediction": prediction(10**15)}
+    first = attacker.lease()
+    attacker.call(first, "start", plan=PLAN, prediction=prediction(10**15), predictions=[poisoned])
+    attacker.run(attacker.lease(), predicted=100 * MIB, peak=400 * MIB, step_time=_step(3600.0))
+    assert _scoped_rows(server, x_id) >= 3
+    with server.http() as admin:
+        assert admin.delete(f"/studies/{study_x}").status_code == 204
+    assert _scoped_rows(server, x_id) == 0
+    study_y = server.study(task)
+    newcomer = Worker(server, server.token("worker", studies=[study_y]), task)
+    given = newcomer.lease()
+    assert given["study"] == study_y and _shared(given) == [], "study X's prediction"
+    query = {"card_model": "H100", "torch_version": "2.13", "task": task, "study": study_y}
+    assert newcomer.http.get("/calibration", params=query).json()["n_observations"] == 0
+
+
+def test_a_token_of_two_studies_gets_each_studys_own_calibration(server: Server) -> None:
+    """Issue 47, 4: token C (study C only) completes 14 runs at 4x and an hour a step; a
+    worker of a token of [A, C] asking for study A's trial is served the defaults, and for
+    study C's, C's own fit. Not naming a study gets the fleet's only."""
+    task = _task()
+    study_a, study_c = server.study(task), server.study(task, n_trials=14)
+    with server.http() as admin:
+        assert admin.post(f"/studies/{study_a}/pause").status_code == 200
+    attacker = Worker(server, server.token("worker", studies=[study_c]), task)
+    for _ in range(14):
+        attacker.run(attacker.lease(), predicted=100 * MIB, peak=400 * MIB, step_time=_step(3600.0))
+    both = Worker(server, server.token("worker", studies=[study_a, study_c]), task)
+    fit = {"card_model": "H100", "torch_version": "2.13", "task": task, "worker_id": both.id}
+    timing = {"card_model": "H100", "task": task, "worker_id": both.id}
+    for named in ({"study": study_a}, {}):
+        served = both.http.get("/calibration", params={**fit, **named}).json()
+        assert (served["scale"], served["offset_bytes"]) == (1.0, 0), (named, served)
+        assert served["n_observations"] == 0, named
+        steps = both.http.get("/step-time", params={**timing, **named}).json()
+        assert steps["n_observations"] == 0, (named, steps)
+    own = both.http.get("/calibration", params={**fit, "study": study_c}).json()
+    assert own["n_observations"] == 14, "study C's trials learn from study C's runs"
+    other = Worker(server, server.token("worker", studies=[study_a]), task)
+    refused = other.http.get(
+        "/calibration", params={**fit, "worker_id": other.id, "study": study_c}
+    )
+    assert refused.status_code == 403 and "study" in refused.json()["detail"], refused.text
+    wrong_task = both.http.get("/step-time", params={**timing, "task": "other", "study": study_c})
+    assert wrong_task.status_code in (403, 422), wrong_task.text
+
+
+def test_registered_slots_do_not_lease_a_study_that_does_not_pack(server: Server) -> None:
+    """Issue 47, 2: a worker registering 64 slots asks 40 times for a 30-trial study without
+    packing: one lease and one ahead, as a one-slot worker; an honest worker gets the rest."""
+    task = _task()
+    server.study(task, n_trials=30)
+    hoarder = Worker(server, server.token("worker"), task, slots=64)
+    answers = Counter(hoarder.next().status_code for _ in range(40))
+    assert answers == Counter({200: 2, 204: 38}), answers
+    honest = Worker(server, server.token("worker"), task)
+    assert honest.next().status_code == 200
+
+
+def test_packing_leases_more_only_as_far_as_measured_runs_fit(server: Server) -> None:
+    """A study that allows packing: before any measured run, one lease and one ahead; once a
+    run measured 2 GiB on the 8 GiB card, four (the card over the peak, within the 4 slots)
+    and one ahead."""
+    task = _task()
+    server.study(task, n_trials=12, memory_policy={"allow_packing": True})
+    packer = Worker(server, server.token("worker"), task, slots=4)
+    leased = [packer.lease()]
+    assert packer.next().status_code == 200 and packer.next().status_code == 204
+    packer.run(leased[0], predicted=2 * GIB, peak=2 * GIB)
+    answers = Counter(packer.next().status_code for _ in range(8))
+    assert answers == Counter({200: 4, 204: 4}), answers
+
+
+def test_a_hand_back_does_not_wait_for_a_card_that_cannot_lease_the_study(
+    server: Server,
+) -> None:
+    """Issue 47, 3: token B's 256 GiB card (within the bound, heartbeating) is limited to
+    another study: study A's trial handed back as needing 64 GiB ends infeasible at once
+    instead of waiting for a card that is never offered it."""
+    task = _task()
+    study_a, study_b = server.study(task, n_trials=1), server.study(task, n_trials=1)
+    with server.http() as admin:
+        assert admin.post(f"/studies/{study_b}/pause").status_code == 200
+    Worker(server, server.token("worker", studies=[study_b]), task, card=256 * GIB)
+    honest = Worker(server, server.token("worker", studies=[study_a]), task)
+    handed = honest.call(honest.lease(), "handback", min_footprint_bytes=64 * GIB)
+    assert handed["resolution"] == "infeasible", handed
+    assert server.outcomes(study_a) == Counter({"infeasible": 1})
+
+
+def test_advice_names_only_cards_that_may_lease_the_study(server: Server) -> None:
+    """Issue 47, 7: with no live worker, advice's "largest card" was the largest any token
+    ever registered: another team's stopped worker (256 GiB here, within routing's bound; a
+    10^18-byte one read "-909494 TiB short"). It is the largest card that may lease the
+    study, as routing believes it."""
+    task = _task()
+    study_a, study_b = server.study(task, n_trials=1), server.study(task, n_trials=1)
+    with server.http() as admin:
+        assert admin.post(f"/studies/{study_b}/pause").status_code == 200
+    for card in (256 * GIB, HOARDER_CARD):
+        other = Worker(server, server.token("worker", studies=[study_b]), task, card=card)
+        assert other.http.post(f"/workers/{other.id}/stop").status_code == 204
+    own = Worker(server, server.token("worker", studies=[study_a]), task)
+    handed = own.call(own.lease(), "handback", min_footprint_bytes=64 * GIB)
+    assert handed["resolution"] == "infeasible", handed
+    assert own.http.post(f"/workers/{own.id}/stop").status_code == 204
+    with server.http() as admin:
+        advice = admin.get(f"/dashboard/studies/{study_a}/advice").json()
+    [item] = [item for item in advice["items"] if item["kind"] == "infeasible"]
+    assert item["largest_card_bytes"] == HONEST_CARD, item
+    assert "256" not in item["text"] and "TiB" not in item["text"], item["text"]
+
+
+def test_a_start_on_several_cards_needs_a_distributed_study(server: Server) -> None:
+    """Issue 47, 8: a two-rank DDP plan on a study without `distributed` was stored as run."""
+    task = _task()
+    server.study(task, n_trials=1)
+    worker = Worker(server, server.token("worker"), task)
+    assignment = worker.lease()
+    ddp = {**PLAN, "world_size": 2, "strategy": "ddp"}
+    url = f"/trials/{assignment['trial_id']}/start"
+    refused = worker.http.post(url, json={"lease": assignment["lease"], "plan": ddp})
+    assert refused.status_code == 422, refused.text
+    assert refused.json()["detail"][0]["loc"] == ["body", "plan", "world_size"]
+    worker.run(assignment, predicted=GIB, peak=GIB)  # the lease still runs as asked

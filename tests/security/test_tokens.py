@@ -19,6 +19,7 @@ from vramtune.service.cli.tokens import ADMIN_TOKEN_ENV, print_first_admin_token
 from vramtune.service.db.engine import make_engine
 from vramtune.service.settings import Settings
 from vramtune.service.state import utcnow
+from vramtune.service.testing import IN_PROCESS_HOSTS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -152,7 +153,9 @@ def test_rest_token_lifecycle(secured: Secured) -> None:
 def test_auth_off_makes_everyone_the_local_admin(tmp_path: Path) -> None:
     """VRAMTUNE_AUTH=off: no token needed, whoami says so."""
     url = migrated_sqlite(tmp_path)
-    with TestClient(create_app(Settings(database_url=url, auth="off"))) as client:
+    with TestClient(
+        create_app(Settings(database_url=url, auth="off", allowed_hosts=IN_PROCESS_HOSTS))
+    ) as client:
         me = client.get("/api/v1/auth/whoami")
         assert me.status_code == 200
         assert me.json() == {"name": auth.LOCAL_ADMIN.name, "scopes": ["admin"], "studies": None}

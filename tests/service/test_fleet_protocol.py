@@ -33,6 +33,7 @@ from vramtune.service.db.tables import (
     MAX_ROW_ID,
     LeaseRow,
     MemoryObservationRow,
+    StudyRow,
     TrialEventRow,
     TrialRow,
     WorkerRow,
@@ -1222,11 +1223,12 @@ def test_a_prediction_one_worker_made_comes_with_the_next_assignment_of_its_shap
         shape = {"width": 64, **second["params"]}
         row = session.get_one(WorkerRow, twin.id)
         study_id = session.get_one(TrialRow, first["trial_id"]).study_id
-        assert predictions.shared_for(session, row, env.task, shape, study_id) == []
-        [again] = predictions.shared_for(session, row, env.task, config, study_id)
+        study = session.get_one(StudyRow, study_id)
+        assert predictions.shared_for(session, row, env.task, shape, study) == []
+        [again] = predictions.shared_for(session, row, env.task, config, study)
         assert again.prediction.peak_allocated_bytes == GIB and again.plan.micro_batch is None
         other = session.get_one(WorkerRow, other_card.id)
-        assert predictions.shared_for(session, other, env.task, config, study_id) == [], "card"
+        assert predictions.shared_for(session, other, env.task, config, study) == [], "card"
 
 
 def _worker_sharing_by_width(env: Env, name: str) -> SimWorker:

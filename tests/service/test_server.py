@@ -20,6 +20,7 @@ from vramtune.service.db.migrate import VERSION_TABLE, NotMigrated, head_revisio
 from vramtune.service.db.tables import Base, StudyRow
 from vramtune.service.settings import Settings
 from vramtune.service.testing import (
+    IN_PROCESS_HOSTS,
     ServerFactory,
     free_port,
     fresh_postgres_database,
@@ -81,7 +82,9 @@ def test_a_failed_row_insert_leaves_no_optuna_study(migrated_url: str) -> None:
         )
         session.add(stale)
     engine.dispose()
-    app = create_app(Settings(database_url=migrated_url, auth="off"))
+    app = create_app(
+        Settings(database_url=migrated_url, auth="off", allowed_hosts=IN_PROCESS_HOSTS)
+    )
     body = {
         "name": "doomed",
         "task": "t",
@@ -99,7 +102,8 @@ def test_a_database_that_goes_away_gives_503() -> None:
     with fresh_postgres_database() as url:
         upgrade_database(url)
         client = TestClient(
-            create_app(Settings(database_url=url, auth="off")), raise_server_exceptions=False
+            create_app(Settings(database_url=url, auth="off", allowed_hosts=IN_PROCESS_HOSTS)),
+            raise_server_exceptions=False,
         )
         client.__enter__()
     try:

@@ -27,6 +27,7 @@ from vramtune.service.db.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
 from vramtune.service.optuna.glue import SEARCH_SPACE_ATTR, TASK_ATTR
 from vramtune.service.settings import Settings
 from vramtune.service.testing import (
+    IN_PROCESS_HOSTS,
     fresh_postgres_database,
     server_factory,
     sqlite_url,
@@ -75,7 +76,7 @@ def http_server(url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 @pytest.fixture(scope="module")
 def in_process(url: str) -> Iterator[TestClient]:
     """create_app in process on the module's database; paths are relative to /api/v1/."""
-    app = create_app(Settings(database_url=url, auth="off"))
+    app = create_app(Settings(database_url=url, auth="off", allowed_hosts=IN_PROCESS_HOSTS))
     with TestClient(app, base_url="http://testserver/api/v1/") as client:
         yield client
 

@@ -65,3 +65,26 @@ def test_a_quantized_base_is_one_of_the_known_kinds_and_needs_lora() -> None:
         "needs finetune: {method: lora} in task_config",
     )
     assert study_problem("hf-causal-lm", {"quantized_base": "none"}, {}) is None
+
+
+# 17 x 16 x 16 = 4,352 combinations of parameters no rule reads, sorted after the rules' own.
+UNREAD = {"z1": list(range(17)), "z2": list(range(16)), "z3": list(range(16))}
+
+
+def test_a_bad_choice_behind_4096_combinations_is_found() -> None:
+    """Issue 47: only the first 4,096 combinations were checked; "bogus" came after them."""
+    space = {"quantized_base": ["none", "bogus"], **UNREAD}
+    assert study_problem("hf-causal-lm", {}, space) == (
+        "search_space.quantized_base",
+        "unknown quantized base 'bogus'; use one of ['none', 'int8', 'nf4']",
+    )
+
+
+def test_a_clash_of_two_later_choices_behind_4096_combinations_is_found() -> None:
+    """Width 64 with 12 heads: neither is bad beside the other's first choice (96, 4); only
+    their combination, past the first 4,096, is."""
+    space = {"hidden_size": [96, 64], "num_attention_heads": [4, 12], **UNREAD}
+    problem = study_problem("hf-causal-lm", {}, space)
+    assert problem is not None and problem[0] == "search_space.num_attention_heads", problem
+    fine = {"hidden_size": [96, 48], "num_attention_heads": [4, 12], **UNREAD}
+    assert study_problem("hf-causal-lm", {}, fine) is None

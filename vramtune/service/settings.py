@@ -34,6 +34,12 @@ class Settings(BaseSettings):
         "127.0.0.1 (DNS rebinding) cannot drive it. Other Host headers get a 400. Not "
         "checked with auth on, where every call needs a token.",
     )
+    trusted_proxies: str = Field(
+        "",
+        description="Addresses of reverse proxies whose X-Forwarded-For/-Proto headers are "
+        "believed (comma-separated IPs or networks; uvicorn's forwarded_allow_ips). Empty "
+        "(the default): no proxy headers are read, so no caller can claim another address.",
+    )
     lease_ttl_s: float = Field(
         30.0,
         gt=0,

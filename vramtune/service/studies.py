@@ -21,6 +21,7 @@ from vramtune.service.auth.audit import AuditEvent
 from vramtune.service.auth.tokens import Principal, audited
 from vramtune.service.db.tables import StudyRow, TrialRow, WorkerRow
 from vramtune.service.errors import Conflict, Invalid, NotFound
+from vramtune.service.fleet import trust
 from vramtune.service.fleet.leases import end_study_leases
 from vramtune.service.fleet.offers import check_batch_param
 from vramtune.service.optuna.glue import (
@@ -310,7 +311,8 @@ def set_paused(
 def delete_study(
     session: Session, storage: BaseStorage, name: str, now: datetime, by: Principal | None = None
 ) -> None:
-    """Delete the Optuna study, then vramtune's rows of it (memory observations are kept)."""
+    """Delete the Optuna study, then vramtune's rows of it and the knowledge only it used
+    (the fleet's memory observations and predictions are kept)."""
     row = get_row(session, name)
     # Optuna first: on SQLite its write must not wait behind our session's lock. Already gone
     # from Optuna is fine; our rows are removed still.
@@ -323,5 +325,7 @@ def delete_study(
     # Leases are ended, not deleted: the next heartbeat orders their workers to stop.
     end_study_leases(session, row.study_id, now)
     session.execute(delete(TrialRow).where(TrialRow.study_id == row.study_id))
+    # Its own knowledge goes with it (the fleet's stays): SQLite reuses the id (issue 47).
+    trust.forget_study_knowledge(session, row)
     session.delete(row)
     session.flush()

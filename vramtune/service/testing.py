@@ -19,6 +19,9 @@ from pathlib import Path
 
 import httpx
 
+# The Host Starlette's TestClient sends, beside the default names: auth-off apps under an
+# in-process TestClient list it in allowed_hosts (the DNS-rebinding check reads Host only).
+IN_PROCESS_HOSTS = "localhost,127.0.0.1,::1,testserver"
 PG_ADMIN_DSN = os.environ.get("VRAMTUNE_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 SERVER_START_LIMIT_S = 60.0
 

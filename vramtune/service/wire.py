@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from datetime import UTC, datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     AfterValidator,
@@ -202,6 +202,8 @@ class MemoryPolicy(Wire):
     allow_resize: bool = Field(True, description="May a worker run a trial resized?")
     resizes: list[Resize] = Field(
         default_factory=_default_resizes,
+        # Each rung once: 70,000 repeats were stored and sent with every study and assignment.
+        max_length=len(get_args(Resize)),
         description=(
             "Rungs allowed, in any order: micro_batch, checkpointing (every block), "
             "selective_checkpointing (the fewest blocks that fit), chunked_cross_entropy (the "
@@ -220,6 +222,14 @@ class MemoryPolicy(Wire):
         0.10, ge=0.0, le=0.9, description="Fraction of the card's free memory held back."
     )
     allow_packing: bool = Field(False, description="May a card run two trials at once?")
+
+    @field_validator("resizes")
+    @classmethod
+    def _each_rung_once(cls, resizes: list[Resize]) -> list[Resize]:
+        repeated = sorted({rung for rung in resizes if resizes.count(rung) > 1})
+        if repeated:
+            raise ValueError(f"each rung at most once; repeated: {repeated}")
+        return resizes
 
 
 Strategy = Literal["ddp", "fsdp"]

@@ -90,6 +90,9 @@ class AuthGuard:
             principal = await run_in_threadpool(authenticate, sessions, token, state.clock())
             if isinstance(principal, str):
                 return _refuse(401, principal, f'{REALM}, error="invalid_token"')
+            malformed = malformed_id(matched[1]) if principal.studies is not None else None
+            if malformed is not None and missing_scope(principal, rule) is None:
+                return JSONResponse({"detail": [malformed]}, status_code=422)
             denial = missing_scope(principal, rule) or await run_in_threadpool(
                 study_denial, sessions, principal, rule, matched[1]
             )
@@ -221,9 +224,29 @@ def resolve_study(sessions: sessionmaker[Session], path_params: Mapping[str, Any
 
 def _as_id(value: Any) -> int | None:
     text = str(value)
-    if not text.isdigit() or len(text) > 19 or int(text) > MAX_ROW_ID:
+    # ASCII digits only: "²" and other Unicode digits pass str.isdigit() but int() raises.
+    if not is_decimal(text) or len(text) > 19 or int(text) > MAX_ROW_ID:
         return None
     return int(text)
+
+
+def is_decimal(text: str) -> bool:
+    """Whether text is a plain decimal number (ASCII 0-9 only, as int() and the routes read)."""
+    return text.isascii() and text.isdigit()
+
+
+def malformed_id(path_params: Mapping[str, Any]) -> dict[str, Any] | None:
+    """FastAPI's 422 error entry for a path id that is no decimal number, else None.
+
+    The route would answer the same 422 for any token; the guard says it first because it
+    must read the id to find the study, and a study-limited token deserves the field's name
+    rather than a 403 about a study it never named.
+    """
+    for key in STUDY_ID_PARAMS + TRIAL_ID_PARAMS:
+        if key in path_params and not is_decimal(str(path_params[key])):
+            message = "Input should be a valid integer, unable to parse string as an integer"
+            return {"type": "int_parsing", "loc": ["path", key], "msg": message}
+    return None
 
 
 def is_loopback(host: str) -> bool:

@@ -112,9 +112,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log_config=log_config,
         access_log=settings.access_log,
         timeout_keep_alive=keep_alive_s(settings),
+        **proxy_options(settings),
         **processes,
     )
     return 0
+
+
+def proxy_options(settings: Any) -> dict[str, Any]:
+    """Uvicorn's proxy-header options: on only for the proxies the operator named.
+
+    Uvicorn reads X-Forwarded-For from 127.0.0.1 by default, and on a loopback server every
+    caller, a rebound web page's included, is 127.0.0.1: it could name any client address.
+    """
+    proxies = str(settings.trusted_proxies).strip()
+    if not proxies:
+        return {"proxy_headers": False}
+    return {"proxy_headers": True, "forwarded_allow_ips": proxies}
 
 
 def keep_alive_s(settings: Any) -> int:

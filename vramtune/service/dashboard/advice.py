@@ -27,7 +27,7 @@ from vramtune.common.units import human_bytes, percent
 from vramtune.service.dashboard import cache, schema, series
 from vramtune.service.dashboard.models import Advice, AdviceItem
 from vramtune.service.dashboard.studies_view import StudyFacts, study_facts, study_space
-from vramtune.service.db.tables import MemoryObservationRow, StudyRow, TrialRow, WorkerRow
+from vramtune.service.db.tables import MemoryObservationRow, StudyRow, TrialRow
 from vramtune.service.fleet.offers import live_tasks, task_warnings
 from vramtune.service.fleet.routing import live_capacity
 from vramtune.service.optuna.glue import spec_of
@@ -143,7 +143,7 @@ def _with_cards(
     if item.kind != "infeasible" or item.footprint_bytes is None:
         return item
     needed = item.footprint_bytes
-    largest = _largest_card(session, row.task, settings, now)
+    largest = _largest_card(session, row, settings, now)
     if largest <= 0:
         return item
     short = needed - largest
@@ -160,15 +160,12 @@ def _with_cards(
     )
 
 
-def _largest_card(session: Session, task: str, settings: Settings, now: datetime) -> int:
-    """The largest live card for the task; else the largest ever registered for it."""
-    live = live_capacity(session, task, now, settings.worker_stale_s, settings.max_card_bytes)
-    if live > 0:
-        return live
-    rows = session.execute(
-        select(WorkerRow.total_bytes, WorkerRow.tasks).order_by(WorkerRow.id.desc()).limit(1000)
-    )
-    return max((total for total, tasks in rows if task in tasks), default=0)
+def _largest_card(session: Session, study: StudyRow, settings: Settings, now: datetime) -> int:
+    """The largest live card that may lease the study's trials; else the largest registered
+    lately that may: routing's cards (routing.live_cards), as routing believes their size."""
+    bound = settings.max_card_bytes
+    live = live_capacity(session, study, now, settings.worker_stale_s, bound)
+    return live if live > 0 else live_capacity(session, study, now, None, bound)
 
 
 RUNG_ADVICE: dict[Resize, str] = {

@@ -18,7 +18,13 @@ from optuna.trial import FrozenTrial
 from sqlalchemy import bindparam, case, func, or_, select
 from sqlalchemy.orm import Session
 
-from vramtune.service.db.tables import LeaseRow, StudyRow, TrialRow, WorkerRow
+from vramtune.service.db.tables import (
+    LeaseRow,
+    MemoryObservationRow,
+    StudyRow,
+    TrialRow,
+    WorkerRow,
+)
 from vramtune.service.errors import Invalid
 from vramtune.service.fleet import predictions
 from vramtune.service.fleet.leases import grant
@@ -58,21 +64,22 @@ class _Call:
     worker_id: int
     now: datetime
     free_cards: int | None = None  # NextRequest.free_cards: None, all the worker's cards
-    cards: dict[str, dict[int, int]] = field(default_factory=dict)
+    cards: dict[int, dict[int, int]] = field(default_factory=dict)
 
     def placeable(self, worker: WorkerRow) -> int:
         """How many cards a trial offered now may use: the node's free ones (routing counts
         all its cards, since a trial that waits for them is placed once they are free)."""
         return worker.cards if self.free_cards is None else min(worker.cards, self.free_cards)
 
-    def live_cards(self, session: Session, task: str) -> dict[int, int]:
-        """The live workers of ``task`` and their card sizes (routing.live_cards), cached."""
-        if task not in self.cards:
+    def live_cards(self, session: Session, study: StudyRow) -> dict[int, int]:
+        """The live workers that may lease the study's trials and their card sizes
+        (routing.live_cards), cached."""
+        if study.study_id not in self.cards:
             settings = self.state.settings
-            self.cards[task] = live_cards(
-                session, task, self.now, settings.worker_stale_s, settings.max_card_bytes
+            self.cards[study.study_id] = live_cards(
+                session, study, self.now, settings.worker_stale_s, settings.max_card_bytes
             )
-        return self.cards[task]
+        return self.cards[study.study_id]
 
 
 def next_assignment(
@@ -99,6 +106,7 @@ def next_assignment(
         if holds_its_share(session, worker):
             return None
         studies = _open_studies(session, worker.tasks, allowed)
+        studies = [row for row in studies if not _holds_study_share(session, worker, row, call)]
         offered = _offered(session, worker, studies, state.settings.max_card_bytes, call)
         if offered is not None:
             study = next(row for row in studies if row.study_id == offered.study_id)
@@ -184,7 +192,7 @@ def _ask_in_flight(
                     flight.changed.notify_all()
         with fleet_transaction(call.state, "next") as session, phase("next", "offer"):
             worker = running_worker(session, call.worker_id)
-            if holds_its_share(session, worker):
+            if holds_its_share(session, worker) or _holds_study_share(session, worker, row, call):
                 return None
             offered = _offered(session, worker, [row], call.state.settings.max_card_bytes, call)
             if offered is not None:
@@ -211,7 +219,7 @@ def _draft_and_insert(
         return None
     with fleet_transaction(call.state, "next") as session, phase("next", "insert"):
         worker = running_worker(session, call.worker_id)
-        if holds_its_share(session, worker):
+        if holds_its_share(session, worker) or _holds_study_share(session, worker, row, call):
             return None  # a concurrent next of this worker leased meanwhile: drafts dropped
         bound = call.state.settings.max_card_bytes
         asked = _record_asked(session, worker, row, drafts, call, bound)
@@ -234,6 +242,29 @@ def holds_its_share(session: Session, worker: WorkerRow) -> bool:
     session.execute(_LOCK_WORKER, {"worker_id": worker.id})
     held = session.scalar(_ACTIVE_LEASES, {"worker_id": worker.id}) or 0
     return held >= worker.slots + LEASES_AHEAD
+
+
+def study_share(session: Session, worker: WorkerRow, study: StudyRow, bound: int) -> int:
+    """Leases of one study the worker may hold at once, one leased ahead included.
+
+    Slots are the worker's word: one that registered 64 leased 29 of a study's 30 trials
+    (issue 47). So a study gets one trial a card; a study that allows packing, more only as
+    far as the server's own record says the card holds them: the card as routing believes it
+    (``believed``) over the largest peak measured on the study's own trials, at most the
+    slots. Before its first measured run a study packs nothing.
+    """
+    per_card = 1
+    if worker.slots > 1 and spec_of(study).memory_policy.allow_packing:
+        peak = session.scalar(_STUDY_PEAK, {"study_id": study.study_id}) or 0
+        card = believed(session, {worker.id: worker.total_bytes}, bound)[worker.id]
+        per_card = max(1, min(worker.slots, card // peak)) if peak > 0 else 1
+    return min(worker.slots, worker.cards * per_card) + LEASES_AHEAD
+
+
+def _holds_study_share(session: Session, worker: WorkerRow, study: StudyRow, call: _Call) -> bool:
+    """Whether the worker holds as many of the study's leases as ``study_share`` allows."""
+    held = session.scalar(_STUDY_LEASES, {"worker_id": worker.id, "study_id": study.study_id})
+    return (held or 0) >= study_share(session, worker, study, call.state.settings.max_card_bytes)
 
 
 def check_free_cards(worker: WorkerRow, free_cards: int | None) -> None:
@@ -284,17 +315,17 @@ def _assignment(
         plans_tried=[
             PlanOut.model_validate(plan) for plan in plans_on(trial.plans_tried, worker.card_model)
         ],
-        predictions=predictions.shared_for(session, worker, row.task, config, row.study_id),
-        larger_card_bytes=_larger_card(session, call, worker, row.task),
+        predictions=predictions.shared_for(session, worker, row.task, config, row),
+        larger_card_bytes=_larger_card(session, call, worker, row),
         distributed=spec.distributed,
         min_world_size=trial.min_world_size,
     )
 
 
-def _larger_card(session: Session, call: _Call, worker: WorkerRow, task: str) -> int | None:
-    """The largest live card of another worker for `task`, when larger than this worker's
-    (vramtune/worker/plan/time_routing.py hands a slow resize back to it)."""
-    largest = largest_card(call.live_cards(session, task), exclude=worker.id)
+def _larger_card(session: Session, call: _Call, worker: WorkerRow, study: StudyRow) -> int | None:
+    """The largest live card of another worker that may lease the study's trials, when larger
+    than this worker's (vramtune/worker/plan/time_routing.py hands a slow resize back to it)."""
+    largest = largest_card(call.live_cards(session, study), exclude=worker.id)
     return largest if largest > worker.total_bytes else None
 
 
@@ -326,6 +357,30 @@ _OFFERED = (
 _LOCK_WORKER = select(WorkerRow.id).where(WorkerRow.id == bindparam("worker_id")).with_for_update()
 _ACTIVE_LEASES = select(func.count()).where(
     LeaseRow.worker_id == bindparam("worker_id"), LeaseRow.active.is_(True)
+)
+_STUDY_LEASES = (
+    select(func.count())
+    .select_from(LeaseRow)
+    .join(TrialRow, TrialRow.trial_id == LeaseRow.trial_id)
+    .where(
+        LeaseRow.worker_id == bindparam("worker_id"),
+        LeaseRow.active.is_(True),
+        TrialRow.study_id == bindparam("study_id"),
+    )
+)
+# Through the study's own trial rows: SQLite reuses a deleted study's id, and the fleet's
+# observations outlive their study.
+_STUDY_PEAK = select(
+    func.max(
+        func.coalesce(
+            MemoryObservationRow.measured_reserved, MemoryObservationRow.measured_allocated
+        )
+    ),
+).where(
+    MemoryObservationRow.trial_id.in_(
+        select(TrialRow.trial_id).where(TrialRow.study_id == bindparam("study_id"))
+    ),
+    MemoryObservationRow.outcome == "complete",
 )
 _COUNTS = select(
     optuna_rows.count_trials_query(bindparam("study_id")),
@@ -390,7 +445,7 @@ def _ask_count(session: Session, call: _Call, row: StudyRow, left: int) -> int:
     """How many trials to ask in one go (see ASK_AHEAD_SAMPLERS), within the budget left."""
     if spec_of(row).sampler.name not in HISTORY_FREE_SAMPLERS:
         return 1  # TPE: one, and one per waiter (_draft_and_insert)
-    workers = len(call.live_cards(session, row.task))
+    workers = len(call.live_cards(session, row))
     return max(1, min(left, ASK_AHEAD_MAX, workers // 2))
 
 

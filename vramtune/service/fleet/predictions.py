@@ -29,7 +29,7 @@ from sqlalchemy.orm import Session
 
 from vramtune.common.memory import held_peak, peak_of, raw_peaks
 from vramtune.common.plans import plan_key, shape_of
-from vramtune.service.db.tables import PredictionRow, WorkerRow
+from vramtune.service.db.tables import PredictionRow, StudyRow, WorkerRow
 from vramtune.service.db.writes import table_of
 from vramtune.service.fleet.trust import visible_to_trial
 from vramtune.service.wire import MAX_SHARED_PREDICTIONS, Plan, Prediction, SharedPrediction
@@ -49,6 +49,7 @@ class MadeFor:
     task: str
     config: Mapping[str, Any]  # the study's task_config overlaid with the trial's parameters
     scope: str  # where the worker's knowledge counts (vramtune.service.fleet.trust.scope_of)
+    visible: tuple[str, ...]  # the scopes the trial learns from (trust.visible_to_trial)
 
 
 def shape_hash(shape: Mapping[str, Any]) -> str:
@@ -109,10 +110,10 @@ _SHARED = (
 
 
 def shared_for(
-    session: Session, worker: WorkerRow, task: str, config: Mapping[str, Any], study_id: int
+    session: Session, worker: WorkerRow, task: str, config: Mapping[str, Any], study: StudyRow
 ) -> list[SharedPrediction]:
-    """The predictions a trial of `task` with `config` in study `study_id` may use on this
-    worker's card: the fleet's and its own study's."""
+    """The predictions a trial of `task` with `config` in `study` may use on this worker's
+    card: the fleet's and its own study's."""
     if worker.shape_params is None:  # registered before migration 0004, or an older worker
         return []
     shape = shape_of(config, shape_keys(worker, task))
@@ -121,7 +122,7 @@ def shared_for(
         "card_model": worker.card_model,
         "torch_version": torch_version_of(worker),
         "shape_hash": shape_hash(shape),
-        "scopes": visible_to_trial(study_id),
+        "scopes": visible_to_trial(study),
     }
     rows = session.scalars(_SHARED, params)
     return [
@@ -184,7 +185,7 @@ def withdraw_contradicted(
             row.torch_version == torch_version_of(worker),
             row.shape_hash == shape_hash(shape),
             row.plan_key == plan_column(plan),
-            row.scope.in_(visible_to_trial(made_for.study_id)),
+            row.scope.in_(made_for.visible),
         )
     )
     contradicted = [

@@ -170,7 +170,7 @@ def _route_waiting(run: _Pass, trial_id: int) -> None:
         settings = run.state.settings
         capacity = live_capacity(
             session,
-            study_row.task,
+            study_row,
             run.now,
             settings.worker_stale_s,
             settings.max_card_bytes,

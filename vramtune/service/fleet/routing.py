@@ -44,7 +44,13 @@ from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
-from vramtune.service.db.tables import MemoryObservationRow, StudyRow, TrialRow, WorkerRow
+from vramtune.service.db.tables import (
+    MemoryObservationRow,
+    StudyRow,
+    TokenRow,
+    TrialRow,
+    WorkerRow,
+)
 from vramtune.service.optuna import rows as optuna_rows
 from vramtune.service.optuna.glue import load_optuna_study, spec_of, tell
 from vramtune.service.wire import StudyCreate
@@ -66,26 +72,68 @@ class OptunaTell:
     now: datetime
 
 
-_LIVE_CARDS = select(WorkerRow.id, WorkerRow.total_bytes, WorkerRow.tasks, WorkerRow.cards).where(
+_CARDS = select(
+    WorkerRow.id,
+    WorkerRow.total_bytes,
+    WorkerRow.tasks,
+    WorkerRow.cards,
+    WorkerRow.token_id,
+    TokenRow.scopes,
+    TokenRow.studies,
+    TokenRow.revoked_at,
+    TokenRow.expires_at,
+).outerjoin(TokenRow, TokenRow.id == WorkerRow.token_id)
+_LIVE_CARDS = _CARDS.where(
     WorkerRow.stopped.is_(False), WorkerRow.last_heartbeat >= bindparam("cutoff")
 )  # built once (a worker's next reads it): see vramtune.service.fleet.leases._FENCE
+# Advice with no live card names the largest registered lately (the newest 1,000 workers).
+_REGISTERED_CARDS = _CARDS.order_by(WorkerRow.id.desc()).limit(1000)
 
 
 def live_cards(
     session: Session,
-    task: str,
+    study: StudyRow,
     now: datetime,
-    stale_s: float,
+    stale_s: float | None,
     believe_up_to: int,
     min_cards: int = 1,
 ) -> dict[int, int]:
-    """The live workers that run ``task`` with at least ``min_cards`` cards (a node's, for a
-    distributed trial): worker id -> card size as believed (``believed``)."""
-    cutoff = now - timedelta(seconds=stale_s)
-    rows = session.execute(_LIVE_CARDS, {"cutoff": cutoff})
+    """The live workers that may lease a trial of ``study`` (they run its task, and their
+    token is live, a worker's and valid for the study) with at least ``min_cards`` cards (a
+    node's, for a distributed trial): worker id -> card size as believed (``believed``).
+    ``stale_s`` None: every worker registered lately, live or not (advice's fallback).
+
+    Counting every token's cards, a trial handed back waited for another team's card that
+    would never be offered it, and advice quoted another team's card (issue 47).
+    """
+    if stale_s is None:
+        rows = session.execute(_REGISTERED_CARDS)
+    else:
+        rows = session.execute(_LIVE_CARDS, {"cutoff": now - timedelta(seconds=stale_s)})
     # tasks is a JSON list: filtered here, portably, rather than with a dialect's JSON operator
-    cards = {wid: total for wid, total, tasks, n in rows if task in tasks and n >= min_cards}
+    cards = {
+        row.id: row.total_bytes
+        for row in rows
+        if study.task in row.tasks and row.cards >= min_cards and _may_lease(row, study, now)
+    }
     return believed(session, cards, believe_up_to)
+
+
+def _may_lease(row: Any, study: StudyRow, now: datetime) -> bool:
+    """Whether the worker's token (None: auth off, registered without one) may lease a trial
+    of the study now, as the guard and ``next`` would decide."""
+    if row.token_id is None:
+        return True
+    if row.scopes is None or row.revoked_at is not None:  # deleted or revoked
+        return False
+    if row.expires_at is not None and row.expires_at <= now:
+        return False
+    # Imported here: auth.tokens imports the fleet (revocation stops a token's workers).
+    from vramtune.service.auth.tokens import Principal
+
+    studies = None if row.studies is None else frozenset(row.studies)
+    principal = Principal(name="", scopes=frozenset(row.scopes), studies=studies)
+    return principal.has_scope("worker") and principal.allows_study(study.name)
 
 
 def believed(session: Session, cards: dict[int, int], bound: int) -> dict[int, int]:
@@ -125,16 +173,16 @@ def largest_card(cards: dict[int, int], exclude: int | None = None) -> int:
 
 def live_capacity(
     session: Session,
-    task: str,
+    study: StudyRow,
     now: datetime,
-    stale_s: float,
+    stale_s: float | None,
     believe_up_to: int,
     exclude: int | None = None,
     min_cards: int = 1,
 ) -> int:
-    """The largest card (as believed) of a live worker that runs ``task`` with at least
-    ``min_cards`` cards; 0 when none."""
-    cards = live_cards(session, task, now, stale_s, believe_up_to, min_cards)
+    """The largest card (as believed) of a live worker that may lease a trial of ``study``
+    with at least ``min_cards`` cards (``live_cards``); 0 when none."""
+    cards = live_cards(session, study, now, stale_s, believe_up_to, min_cards)
     return largest_card(cards, exclude)
 
 

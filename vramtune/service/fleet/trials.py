@@ -105,7 +105,8 @@ class TrialCall:
             study_id=trial.study_id,
             task=study.task,
             config={**spec_of(study).task_config, **(trial.params or {})},
-            scope=trust.scope_of(self.session, fenced.worker, trial.study_id),
+            scope=trust.scope_of(self.session, fenced.worker, study),
+            visible=tuple(trust.visible_to_trial(study)),
         )
 
     def telling(self, fenced: Fenced) -> OptunaTell:
@@ -166,6 +167,7 @@ def start(call: TrialCall, trial_id: int, body: StartRequest) -> TrialAck:
     """The worker chose its plan and runs it: store the plan and the prediction."""
     fenced = call.fence(trial_id, body.lease, "start")  # never a replay
     _check_cards(body.cards, fenced.worker.cards)
+    check_plan(body.plan, spec_of(fenced.study), fenced.worker.cards)
     predicted = _predicted(body.prediction)
     plan = body.plan.model_dump(mode="json")
     attrs = {
@@ -194,6 +196,24 @@ def _check_cards(cards: list[int] | None, registered: int) -> None:
     beyond = [card for card in cards or [] if card >= registered]
     if beyond:
         raise Invalid("cards", f"{beyond} beyond the {registered} cards this worker registered")
+
+
+def check_plan(plan: Plan, spec: StudyCreate, registered: int) -> None:
+    """422 for ranks the study does not allow or the worker does not have.
+
+    The worker's word was taken: a study without `distributed` got a two-rank DDP plan stored
+    and its outcome counted as run as asked (issue 47).
+    """
+    if plan.world_size == 1:
+        return
+    policy = spec.distributed
+    if policy is None:
+        raise Invalid("plan.world_size", "the study allows one card per trial (no distributed)")
+    if plan.world_size > min(policy.max_world_size, registered):
+        limit = min(policy.max_world_size, registered)
+        raise Invalid("plan.world_size", f"at most {limit} (the study's and worker's cards)")
+    if plan.strategy not in policy.strategies:
+        raise Invalid("plan.strategy", f"the study allows {policy.strategies} only")
 
 
 def _plan_chosen(call: TrialCall, fenced: Fenced, body: PlanChoice, attrs: dict[str, Any]) -> None:
@@ -263,6 +283,7 @@ def _complete(call: TrialCall, fenced: Fenced, body: CompleteRequest) -> TrialAc
     trial_id = fenced.trial.trial_id
     spec = spec_of(fenced.study)
     values = objective_values(spec, body)  # 422 before anything is written
+    check_plan(body.plan, spec, fenced.worker.cards)
     worker, peak = fenced.worker, peak_of(body.measured)
     outcome = _outcome_of(body.plan, routed=fenced.trial.min_bytes > 0)
     attrs = {
@@ -377,7 +398,7 @@ def observe_step_time(
         measured_step_s=step_time.measured_step_s,
         created_at=call.now,
         worker_id=fenced.worker.id,
-        scope=trust.scope_of(call.session, fenced.worker, fenced.trial.study_id),
+        scope=trust.scope_of(call.session, fenced.worker, fenced.study),
     )
 
 
@@ -521,7 +542,7 @@ def _capacity(call: TrialCall, fenced: Fenced, cards: int) -> int:
     settings = call.settings
     return live_capacity(
         call.session,
-        fenced.study.task,
+        fenced.study,
         call.now,
         settings.worker_stale_s,
         settings.max_card_bytes,

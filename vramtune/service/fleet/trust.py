@@ -3,7 +3,7 @@
 A worker registered with a token valid for every study (or with auth off) is trusted by the
 operator with the whole fleet: what it traces and measures is shared fleet-wide (scope
 ``fleet``). A worker of a study-limited token is trusted with its own studies only: what it
-traces and measures counts for the study of the trial it ran (scope ``study:<id>``), and a
+traces and measures counts for the study of the trial it ran (scope ``study:<id>:<created>``), and a
 trial sees the fleet's knowledge plus its own study's. So a token handed to one team cannot
 poison the predictions, calibration or step times other studies run with
 (docs/concepts/security.md, "Security model").
@@ -12,19 +12,49 @@ poison the predictions, calibration or step times other studies run with
 from __future__ import annotations
 
 from collections.abc import Iterable
+from datetime import datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from vramtune.service.db.tables import MemoryObservationRow, StudyRow, TokenRow, WorkerRow
+from vramtune.service.db.tables import (
+    MemoryObservationRow,
+    PredictionRow,
+    StepTimeObservationRow,
+    StudyRow,
+    TokenRow,
+    WorkerRow,
+)
 
 FLEET = "fleet"
 """The scope of knowledge every study uses."""
 
 
-def study_scope(study_id: int) -> str:
-    """The scope of knowledge only one study uses."""
-    return f"study:{study_id}"
+EPOCH = datetime(1970, 1, 1)
+
+
+def study_scope(study: StudyRow) -> str:
+    """The scope of knowledge only one study uses: its id and creation time (µs, in hex).
+
+    The id alone was reused: SQLite hands a deleted study's id to the next one, which then
+    learned from the deleted one's predictions (issue 47). Creation time makes the key one no
+    later study has; "study:2147483647:" and 14 hex digits fit the 32-character column.
+    """
+    micros = (study.created_at.replace(tzinfo=None) - EPOCH) // timedelta(microseconds=1)
+    return f"study:{study.study_id}:{micros:x}"
+
+
+def scopes_of_study(study: StudyRow) -> list[str]:
+    """Every scope a study's own knowledge was kept in (the id-only key of before issue 47)."""
+    return [study_scope(study), f"study:{study.study_id}"]
+
+
+def forget_study_knowledge(session: Session, study: StudyRow) -> None:
+    """Delete the predictions, memory and step-time observations only this study used, in the
+    caller's transaction (the study's deletion): no later study may learn from them."""
+    scopes = scopes_of_study(study)
+    for table in (PredictionRow, MemoryObservationRow, StepTimeObservationRow):
+        session.execute(delete(table).where(table.scope.in_(scopes)))
 
 
 def teaches_fleet(session: Session, worker: WorkerRow) -> bool:
@@ -35,23 +65,14 @@ def teaches_fleet(session: Session, worker: WorkerRow) -> bool:
     return token is not None and token.studies is None
 
 
-def scope_of(session: Session, worker: WorkerRow, study_id: int) -> str:
-    """Where what the worker learned on a trial of ``study_id`` counts."""
-    return FLEET if teaches_fleet(session, worker) else study_scope(study_id)
+def scope_of(session: Session, worker: WorkerRow, study: StudyRow) -> str:
+    """Where what the worker learned on a trial of ``study`` counts."""
+    return FLEET if teaches_fleet(session, worker) else study_scope(study)
 
 
-def visible_to_trial(study_id: int) -> list[str]:
-    """The scopes a trial of ``study_id`` learns from: the fleet's and its own study's."""
-    return [FLEET, study_scope(study_id)]
-
-
-def visible_to(session: Session, studies: Iterable[str] | None) -> list[str]:
-    """The scopes a caller limited to ``studies`` reads; a caller valid for every study (None)
-    reads the fleet's only, since a study's own knowledge is not the fleet's to use."""
-    if studies is None:
-        return [FLEET]
-    ids = session.scalars(select(StudyRow.study_id).where(StudyRow.name.in_(sorted(studies))))
-    return [FLEET, *(study_scope(study_id) for study_id in ids)]
+def visible_to_trial(study: StudyRow) -> list[str]:
+    """The scopes a trial of ``study`` learns from: the fleet's and its own study's."""
+    return [FLEET, study_scope(study)]
 
 
 def fit_denial(

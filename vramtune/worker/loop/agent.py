@@ -369,8 +369,8 @@ class Agent:
     ) -> Chosen:
         """choose_plan through the fleet's shared predictions, then routing by predicted time."""
         predictions = shared(runner, config, assignment.predictions)
-        fit = self._step_fit(assignment.task)
-        calibration = self._calibration(assignment.task)
+        fit = self._step_fit(assignment.task, assignment.study)
+        calibration = self._calibration(assignment.task, assignment.study)
 
         def on_one_card(policy: MemoryPolicy) -> Decision:
             return choose_plan(
@@ -588,19 +588,21 @@ class Agent:
             return self.ranks
         return min(self.options.max_trials_per_card, MAX_SLOTS)
 
-    def _step_fit(self, task: str) -> StepTimeFit | None:
-        """The fleet's step-time model for this card model and task, when the server has one."""
+    def _step_fit(self, task: str, study: str) -> StepTimeFit | None:
+        """The step-time model for this card model and task, from the fleet's runs and the
+        study's own, when the server has one."""
         try:
-            return self.client.step_time(self.card.info.model, task, self.worker_id)
+            return self.client.step_time(self.card.info.model, task, self.worker_id, study=study)
         except (ServerUnavailable, Rejected, LeaseLost):
             return None
 
-    def _calibration(self, task: str) -> Calibration | None:
-        """The service's correction for this card and task, when it has one."""
+    def _calibration(self, task: str, study: str) -> Calibration | None:
+        """The service's correction for this card and task (the fleet's runs and the study's
+        own), when it has one."""
         torch_version = self.card.info.torch_version or "none"
         try:
             return self.client.calibration(
-                self.card.info.model, torch_version, task, self.worker_id
+                self.card.info.model, torch_version, task, self.worker_id, study=study
             )
         except (ServerUnavailable, Rejected, LeaseLost):
             return None

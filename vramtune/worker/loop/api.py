@@ -133,9 +133,11 @@ class ServerClient:
         task: str,
         worker_id: int | None = None,
         retry_for_s: float | None = 10.0,
+        study: str | None = None,
     ) -> Calibration:
         """The service's correction of predictions for this card model, torch and task (with
-        ``worker_id``, this worker's own runs count before the fleet's quorum)."""
+        ``worker_id``, this worker's own runs count before the fleet's quorum; with ``study``,
+        the study's own runs count beside the fleet's)."""
         query = {
             "card_model": card_model,
             "torch_version": torch_version,
@@ -143,6 +145,8 @@ class ServerClient:
         }
         if worker_id is not None:
             query["worker_id"] = str(worker_id)
+        if study is not None:
+            query["study"] = study
         response = self._send("GET", "/calibration", None, params=query, retry_for_s=retry_for_s)
         return Calibration.model_validate_json(response.content)
 
@@ -152,12 +156,16 @@ class ServerClient:
         task: str,
         worker_id: int | None = None,
         retry_for_s: float | None = 10.0,
+        study: str | None = None,
     ) -> StepTimeFit:
         """The fleet's step-time model for this card model and task (vramtune.service.step_time;
-        with ``worker_id``, this worker's own runs count before the fleet's quorum)."""
+        with ``worker_id``, this worker's own runs count before the fleet's quorum; with
+        ``study``, the study's own runs count beside the fleet's)."""
         query = {"card_model": card_model, "task": task}
         if worker_id is not None:
             query["worker_id"] = str(worker_id)
+        if study is not None:
+            query["study"] = study
         response = self._send("GET", "/step-time", None, params=query, retry_for_s=retry_for_s)
         return StepTimeFit.model_validate_json(response.content)
 

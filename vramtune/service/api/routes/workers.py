@@ -5,11 +5,13 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from vramtune.service.api.deps import StateDep, path_id, query_id
 from vramtune.service.auth.tokens import Principal, PrincipalDep
-from vramtune.service.errors import Forbidden
+from vramtune.service.db.tables import StudyRow
+from vramtune.service.errors import Forbidden, Invalid, NotFound
 from vramtune.service.fleet import dispatch, trust, workers as fleet
 from vramtune.service.fleet.calibration import calibration_for, step_time_for
 from vramtune.service.wire import (
@@ -35,6 +37,16 @@ Text = Annotated[str, Query(min_length=1, max_length=256)]
 AskingWorker = Annotated[
     int | None,
     query_id("The asking worker's id: its own runs count for it before the fleet's quorum."),
+]
+ForStudy = Annotated[
+    str | None,
+    Query(
+        min_length=1,
+        max_length=128,
+        description="The study whose trial the fit is for: its own runs count beside the "
+        "fleet's (a study-limited token's knowledge counts for its study only). None: the "
+        "fleet's only.",
+    ),
 ]
 
 
@@ -111,14 +123,15 @@ def calibration(
     state: StateDep,
     principal: PrincipalDep,
     worker_id: AskingWorker = None,
+    study: ForStudy = None,
 ) -> Calibration:
     """The correction of predictions for a card model, torch version and task.
 
-    Fitted from the fleet's observations, and a study-limited token's own studies' ones; with
+    Fitted from the fleet's observations, and with `study` that study's own ones; with
     `worker_id` (a worker the calling token registered), that worker's own runs always count.
     """
     with state.sessions() as session:
-        scopes = _fit_scopes(session, principal, card_model, task, worker_id)
+        scopes = _fit_scopes(session, principal, card_model, task, worker_id, study)
         return calibration_for(session, card_model, torch_version, task, scopes, worker_id)
 
 
@@ -129,28 +142,47 @@ def step_time(
     state: StateDep,
     principal: PrincipalDep,
     worker_id: AskingWorker = None,
+    study: ForStudy = None,
 ) -> StepTimeFit:
     """The step-time model for a card model and task, fitted from the fleet's measured runs
-    (and a study-limited token's own studies' ones).
+    (and with `study`, that study's own ones).
 
     The fleet's runs count once two workers reported them, each worker's weighing alike,
     runs more than 2x off the fit dropped; with `worker_id` (a worker the calling token
     registered), that worker's own runs always count.
     """
     with state.sessions() as session:
-        scopes = _fit_scopes(session, principal, card_model, task, worker_id)
+        scopes = _fit_scopes(session, principal, card_model, task, worker_id, study)
         return step_time_for(session, card_model, task, scopes, worker_id)
 
 
 def _fit_scopes(
-    session: Session, principal: Principal, card_model: str, task: str, worker_id: int | None
+    session: Session,
+    principal: Principal,
+    card_model: str,
+    task: str,
+    worker_id: int | None,
+    study: str | None,
 ) -> list[str]:
-    """The scopes of knowledge the caller reads (vramtune.service.fleet.trust); 403 for a
-    study-limited token asking about a task or card outside its studies, or for a worker it did not
-    register (404 for one that does not exist)."""
+    """The scopes of knowledge the caller reads (vramtune.service.fleet.trust): the fleet's,
+    and the named study's own. 403 for a study-limited token asking about a task or card
+    outside its studies, a study not its own, or a worker it did not register (404 for one
+    that does not exist).
+
+    One study's, never the union of the caller's: a token of studies A and C was served C's
+    runs for A's trials (issue 47)."""
     denial = trust.fit_denial(session, principal.studies, principal.token_id, card_model, task)
     if denial is not None:
         raise Forbidden(denial)
     if worker_id is not None:
         fleet.get_worker(session, worker_id, principal.token_id)
-    return trust.visible_to(session, principal.studies)
+    if study is None:
+        return [trust.FLEET]
+    if not principal.allows_study(study):
+        raise Forbidden(f"study: this token is limited to other studies than {study!r}")
+    row = session.scalar(select(StudyRow).where(StudyRow.name == study))
+    if row is None:
+        raise NotFound(f"study {study!r} not found")
+    if row.task != task:
+        raise Invalid("task", f"study {study!r} runs the task {row.task!r}, not {task!r}")
+    return trust.visible_to_trial(row)
