@@ -568,6 +568,15 @@ class WorkerRegister(Wire):
         description="A node worker's cards, one per rank (None: the one `card`). A trial of "
         "a study with `distributed` may run on several of them at once.",
     )
+    rungs: dict[Name, list[Resize]] | None = Field(
+        None,
+        max_length=256,
+        description="Per task, the rungs of the plan ladder its plans can use on this worker's "
+        "card (a PlainTask without checkpointable blocks has no checkpointing; a Trainer or "
+        "Lightning task no optimizer swap or offload; a CPU card no offload): the dashboard's "
+        "advice suggests no rung that no live worker can use. None (older workers): unknown, "
+        "so every rung may be advised.",
+    )
 
     @field_validator("shape_params")
     @classmethod
