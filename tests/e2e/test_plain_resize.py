@@ -41,7 +41,7 @@ def test_a_plain_task_without_blocks_is_resized_routed_or_infeasible_never_faile
         task_config={"step_seconds": 0.01},
         budget={"max_steps": 100_000, "eval_every": 1000},
     )
-    studies.wait_until(blocker, running_on(large))
+    studies.wait_until(blocker, running_on(large), timeout=300)  # it warms up first
     widths = [AS_ASKED, MICRO_BATCHES, ROUTED, INFEASIBLE]
     name = studies.create(
         {"width": {"type": "categorical", "choices": widths}},
