@@ -793,7 +793,7 @@ def test_infeasible_trials_get_advice_in_human_units(env: Env) -> None:
     assert small.complete(narrow, 1.0, peak=GIB).status_code == 200
     back = small.call(wide, "handback", min_footprint_bytes=6 * GIB, reason="too wide")
     assert back.json()["detail"] == (
-        "needs 6.00 GiB; the largest live card has 4.00 GiB, 3.60 GiB usable after the 10 % "
+        "needs 6.00 GiB; the largest live card has 4.00 GiB, 3.60 GiB usable after the 10% "
         "safety margin"
     )
     advice = env.http.get(f"/dashboard/studies/{env.study}/advice").json()["items"]
@@ -801,7 +801,7 @@ def test_infeasible_trials_get_advice_in_human_units(env: Env) -> None:
     assert infeasible["trials"] == [wide["number"]]
     assert "needs 6.00 GiB" in infeasible["text"]
     assert (
-        "The largest live card has 4.00 GiB, 3.60 GiB usable after the 10 % safety margin: "
+        "The largest live card has 4.00 GiB, 3.60 GiB usable after the 10% safety margin: "
         "2.40 GiB short (+67 %)" in infeasible["text"]
     )
     actions = " | ".join(infeasible["actions"])
@@ -828,7 +828,7 @@ def test_the_advice_names_no_rung_the_tasks_or_live_cards_cannot_use(env: Env) -
     back = small.call(wide, "handback", min_footprint_bytes=231 * 2**20, reason="too wide")
     detail = back.json()["detail"]
     assert detail == (
-        "needs 231 MiB; the largest live card has 256 MiB, 230 MiB usable after the 10 % "
+        "needs 231 MiB; the largest live card has 256 MiB, 230 MiB usable after the 10% "
         "safety margin"
     )
     advice = env.http.get(f"/dashboard/studies/{env.study}/advice").json()["items"]
