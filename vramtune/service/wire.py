@@ -568,7 +568,8 @@ class WorkerRegister(Wire):
         description="A node worker's cards, one per rank (None: the one `card`). A trial of "
         "a study with `distributed` may run on several of them at once.",
     )
-    rungs: dict[Name, list[Resize]] | None = Field(
+    # Each rung once at most: a list longer than the ladder is refused, not stored.
+    rungs: dict[Name, Annotated[list[Resize], Field(max_length=16)]] | None = Field(
         None,
         max_length=256,
         description="Per task, the rungs of the plan ladder its plans can use on this worker's "
