@@ -76,13 +76,16 @@ class SimWorker:
         total_bytes: int = 8 * GIB,
         model: str = "Sim 8G",
         cards: int = 1,
+        rungs: list[str] | None = None,
     ) -> None:
         self.http = http
         self.total_bytes = total_bytes
         card = {"model": model, "total_bytes": total_bytes, "free_bytes": total_bytes}
-        body = {"name": name, "device": "cpu", "card": card, "tasks": [task]}
+        body: dict[str, Any] = {"name": name, "device": "cpu", "card": card, "tasks": [task]}
         if cards > 1:  # a node worker: one card per rank
             body["cards"] = [card] * cards
+        if rungs is not None:  # the rungs its task can take on its card (None: an older worker)
+            body["rungs"] = {task: rungs}
         response = http.post("/workers", json=body)
         assert response.status_code == 201, response.text
         self.id: int = response.json()["worker_id"]
@@ -156,10 +159,16 @@ class Env:
     task: str
 
     def worker(
-        self, name: str, total_bytes: int = 8 * GIB, model: str = "Sim 8G", cards: int = 1
+        self,
+        name: str,
+        total_bytes: int = 8 * GIB,
+        model: str = "Sim 8G",
+        cards: int = 1,
+        rungs: list[str] | None = None,
     ) -> SimWorker:
-        """A worker that runs this test's task only (a node of `cards` cards when above 1)."""
-        return SimWorker(self.http, name, self.task, total_bytes, model, cards)
+        """A worker that runs this test's task only (a node of `cards` cards when above 1;
+        `rungs`: those it registers for the task)."""
+        return SimWorker(self.http, name, self.task, total_bytes, model, cards, rungs)
 
     def create_study(self, **extra: Any) -> None:
         """This test's study: a quadratic on one float, random sampler, no pruner."""
@@ -784,12 +793,18 @@ def test_infeasible_trials_get_advice_in_human_units(env: Env) -> None:
     narrow, wide = sorted((first, second), key=lambda a: a["params"]["width"])
     assert small.complete(narrow, 1.0, peak=GIB).status_code == 200
     back = small.call(wide, "handback", min_footprint_bytes=6 * GIB, reason="too wide")
-    assert back.json()["detail"] == "needs 6.00 GiB; the largest live card has 4.00 GiB"
+    assert back.json()["detail"] == (
+        "needs 6.00 GiB; the largest live card has 4.00 GiB, 3.60 GiB usable after the 10% "
+        "safety margin"
+    )
     advice = env.http.get(f"/dashboard/studies/{env.study}/advice").json()["items"]
     infeasible = next(a for a in advice if a["kind"] == "infeasible")
     assert infeasible["trials"] == [wide["number"]]
     assert "needs 6.00 GiB" in infeasible["text"]
-    assert "The largest live card has 4.00 GiB: 2.00 GiB short (+50 %)" in infeasible["text"]
+    assert (
+        "The largest live card has 4.00 GiB, 3.60 GiB usable after the 10% safety margin: "
+        "2.40 GiB short (+67 %)" in infeasible["text"]
+    )
     actions = " | ".join(infeasible["actions"])
     assert "add 'bf16' to memory_policy.resizes" in actions
     for rung in ("chunked_cross_entropy", "adamw_8bit", "adafactor", "activation_offload"):
@@ -797,6 +812,36 @@ def test_infeasible_trials_get_advice_in_human_units(env: Env) -> None:
     assert "add 'checkpointing'" not in actions  # the default policy lists it
     assert "drop 4096 from search_space.width.choices" in actions
     assert "add a card of at least 6.67 GiB" in actions  # the footprint and the 10 % margin
+
+
+def test_the_advice_names_no_rung_the_tasks_or_live_cards_cannot_use(env: Env) -> None:
+    """A PlainTask without blocks on CPU cards, as its worker registers it: no checkpointing,
+    no chunked loss, no offloads (CUDA only); the numerics-changing rungs it can take are
+    advised. A footprint under the card but over its margin's budget is short of the budget."""
+    space = {"width": {"type": "categorical", "choices": [64, 4096]}}
+    env.create_study(n_trials=2, search_space=space, sampler={"name": "grid"})
+    can = ["micro_batch", "bf16", "adamw_8bit", "adafactor"]
+    small = env.worker("small", 256 * 2**20, "Sim 256M", rungs=can)
+    first, second = small.next(), small.next()
+    assert first is not None and second is not None
+    narrow, wide = sorted((first, second), key=lambda a: a["params"]["width"])
+    assert small.complete(narrow, 1.0, peak=2**20).status_code == 200
+    back = small.call(wide, "handback", min_footprint_bytes=231 * 2**20, reason="too wide")
+    detail = back.json()["detail"]
+    assert detail == (
+        "needs 231 MiB; the largest live card has 256 MiB, 230 MiB usable after the 10% "
+        "safety margin"
+    )
+    advice = env.http.get(f"/dashboard/studies/{env.study}/advice").json()["items"]
+    infeasible = next(a for a in advice if a["kind"] == "infeasible")
+    lines = [infeasible["text"], *infeasible["actions"]]
+    unusable = ["checkpointing", "chunked", "offload", "host memory", "selective"]
+    for line in lines:
+        assert not any(word in line for word in unusable), line
+    actions = " | ".join(infeasible["actions"])
+    for rung in ("bf16", "adamw_8bit", "adafactor"):
+        assert f"add '{rung}' to memory_policy.resizes" in actions
+    assert "short (+" in infeasible["text"], infeasible["text"]  # of the budget, not the card
 
 
 def test_an_oom_the_prediction_missed_is_advice_and_story(env: Env) -> None:

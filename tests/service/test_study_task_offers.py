@@ -142,3 +142,21 @@ def test_warning_follows_the_live_fleet(api: httpx.Client) -> None:
     assert api.post(f"workers/{worker_id}/stop").status_code == 204
     (warning,) = api.get(f"studies/{name}").json()["warnings"]
     assert task in warning
+
+
+def test_a_misspelt_task_gets_did_you_mean_when_a_live_worker_offers_a_close_name(
+    api: httpx.Client,
+) -> None:
+    """Issue 43 item 10: accepted (a worker with the very name may come later), with a warning
+    that names the live worker's close task; no guess when nothing is close."""
+    task = unique_task()
+    worker_id = register(api, task, None)
+    misspelt = task[:-1] + ("x" if task[-1] != "x" else "y")
+    created = api.post("studies", json=study(misspelt, WIDTH))
+    assert created.status_code == 201, created.text
+    (warning,) = created.json()["warnings"]
+    assert f"no live worker offers task {misspelt!r}" in warning
+    assert warning.endswith(f"did you mean {task!r}?"), warning
+    far = api.post("studies", json=study("zzzzzzzz-" + uuid.uuid4().hex[:6], WIDTH))
+    assert "did you mean" not in far.json()["warnings"][0]
+    assert api.post(f"workers/{worker_id}/stop").status_code == 204

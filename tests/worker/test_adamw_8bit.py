@@ -28,7 +28,7 @@ from vramtune.worker.plan.policy import HandBack, RunAsPlanned, choose_plan
 from vramtune.worker.predictor import clear_cache, predict
 from vramtune.worker.run.training import TorchTaskRunner
 from vramtune.worker.tasks.charlm import CharTransformerTask
-from vramtune.worker.trial import optimizers
+from vramtune.worker.trial import optimizers, rungs
 from vramtune.worker.trial.steps import build_for_plan, build_optimizer_for_plan
 from vramtune.worker.trial.task import TaskConfigError
 
@@ -124,6 +124,7 @@ def test_without_torchao_the_rung_is_refused_by_name(monkeypatch: pytest.MonkeyP
     task = CharTransformerTask()
     free = peak_of(predict(task, TINY, ADAMW_8BIT))  # 8-bit AdamW would fit
     monkeypatch.setattr(policy, "adamw_8bit_available", lambda: False)
+    monkeypatch.setattr(rungs, "adamw_8bit_available", lambda: False)  # the supported rungs
     monkeypatch.setattr(optimizers, "adamw_8bit_available", lambda: False)
     listed = MemoryPolicy(resizes=["adamw_8bit"], margin=0.0)
     decision = choose_plan(TorchTaskRunner(task), TINY, listed, CPU_CARD, free)

@@ -33,6 +33,26 @@ def _digits(value: float) -> str:
     return f"{value:.2f}"
 
 
+def human_pair(first: int, second: int) -> tuple[str, str]:
+    """Two byte counts in human units that never read the same unless they are: where three
+    digits round them alike ("0.042 GiB" and "0.042 GiB" 157 B apart), both in exact bytes."""
+    said = human_bytes(first), human_bytes(second)
+    if said[0] != said[1] or first == second:
+        return said
+    return f"{first:,} B", f"{second:,} B"
+
+
+def infeasible_reason(footprint: int, largest: int, margin: float) -> str:
+    """Why a trial fits no card, with what the largest card leaves after the study's safety
+    margin: "needs 231 MiB; the largest card has 256 MiB" alone reads as if it fitted."""
+    needs, card = human_pair(footprint, largest)
+    usable = human_bytes(int(largest * (1.0 - margin)))
+    return (
+        f"needs {needs}; the largest live card has {card}, {usable} usable after the "
+        f"{margin:.0%} safety margin"
+    )
+
+
 def percent(fraction: float) -> str:
     """A signed relative difference as a whole percentage ("+260 %")."""
     return f"{fraction * 100:+.0f} %"

@@ -612,6 +612,16 @@ class WorkerRegister(Wire):
         description="A node worker's cards, one per rank (None: the one `card`). A trial of "
         "a study with `distributed` may run on several of them at once.",
     )
+    # Each rung once at most: a list longer than the ladder is refused, not stored.
+    rungs: dict[Name, Annotated[list[Resize], Field(max_length=16)]] | None = Field(
+        None,
+        max_length=256,
+        description="Per task, the rungs of the plan ladder its plans can use on this worker's "
+        "card (a PlainTask without checkpointable blocks has no checkpointing; a Trainer or "
+        "Lightning task no optimizer swap or offload; a CPU card no offload): the dashboard's "
+        "advice suggests no rung that no live worker can use. None (older workers): unknown, "
+        "so every rung may be advised.",
+    )
 
     @field_validator("shape_params")
     @classmethod

@@ -2,10 +2,11 @@
 
 Starts a service (auth off, loopback), two CPU workers with simulated cards of different sizes,
 submits an example study (the character Transformer by default), and prints progress until the
-study's trials (its budget, or ``--trials``) are done, then exits 0; ``--keep-serving`` keeps the
-dashboard up after that until Ctrl-C. Every piece is a real process talking REST, as in
-production. Stopping sends SIGTERM to the workers (they hand their trials back) and the server;
-the study stays in the database file, so running the demo again continues it.
+study's trials (its budget, or ``--trials``) are done, then exits 0 (1 when any trial failed);
+``--keep-serving`` keeps the dashboard up after that until Ctrl-C. Every piece is a real process
+talking REST, as in production. Stopping sends SIGTERM to the workers (they hand their trials
+back) and the server; the study stays in the database file, so running the demo again continues
+it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -160,11 +161,14 @@ def progress_line(summary: StudySummary, trials: Sequence[TrialOut]) -> str:
     )
 
 
-def _watch(client: Client, name: str, stop: threading.Event, keep_serving: bool) -> bool:
+def _watch(
+    client: Client, name: str, stop: threading.Event, keep_serving: bool
+) -> tuple[bool, StudySummary | None]:
     """Print progress until the study is done (then until Ctrl-C if keep_serving); whether it
-    was done."""
+    was done, and its last summary."""
     last = ""
     announced_done = False
+    summary: StudySummary | None = None
     while not stop.is_set():
         summary = client.get_study(name)
         line = progress_line(summary, _all_trials(client, name))
@@ -174,10 +178,24 @@ def _watch(client: Client, name: str, stop: threading.Event, keep_serving: bool)
         if summary.state == "done" and not announced_done:
             announced_done = True
             if not keep_serving:
-                return True
+                return True, summary
             print("study done; the dashboard stays up until Ctrl-C (--keep-serving)", flush=True)
         stop.wait(2.0)
-    return announced_done
+    return announced_done, summary
+
+
+def demo_exit(done: bool, counts: Mapping[str, int] | None, keep_serving: bool) -> tuple[int, str]:
+    """The demo's exit code and its last words: 0 when the trials are done and none failed;
+    1 when some failed (a demo that lost trials did not show what it should, and a script or
+    CI running it must see that) or when it was stopped before the trials were done (Ctrl-C is
+    a stop the user asked for, but not a finished demo)."""
+    failed = (counts or {}).get("FAIL", 0)
+    if failed:
+        total = sum((counts or {}).values())
+        return 1, f"{failed} of {total} trials failed: see their errors on the dashboard"
+    if done or keep_serving:
+        return 0, ""
+    return 1, "stopped before the trials were done"
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -196,13 +214,15 @@ def run_demo(args: argparse.Namespace) -> int:
             summary = _submit(client, spec, args.trials)
             print(f"vramtune demo: study {summary.name!r} on {database_url}")
             print(f"dashboard: {url}/studies/{summary.name}   fleet: {url}/fleet   logs: {log_dir}")
-            done = _watch(client, summary.name, stop, args.keep_serving)
+            done, last = _watch(client, summary.name, stop, args.keep_serving)
     finally:
         print("stopping workers and server ...", flush=True)
         fleet.stop()
     print(f"the study is kept in {args.database}; run the demo again to continue it")
-    # Ctrl-C before the trials are done is a stop the user asked for, but not a finished demo.
-    return 0 if done or args.keep_serving else 1
+    code, words = demo_exit(done, None if last is None else last.counts, args.keep_serving)
+    if words:
+        print(f"vramtune demo: {words}", file=sys.stderr)
+    return code
 
 
 def add_demo_command(subparsers: Any) -> None:

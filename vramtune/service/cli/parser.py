@@ -17,6 +17,7 @@ from importlib.metadata import entry_points
 import yaml
 
 from vramtune.service.cli.console import print_api_error
+from vramtune.service.cli.quiet import quiet_third_party
 from vramtune.service.client import ApiError
 
 COMMAND_GROUP = "vramtune.commands"
@@ -63,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``vramtune`` console script."""
     import httpx
+
+    quiet_third_party()  # before any command imports torch or a task file
 
     args = build_parser().parse_args(argv)
     handler: Handler = args.func

@@ -23,12 +23,13 @@ from optuna.distributions import (
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from vramtune.common.plans import RUNG_WORDS
 from vramtune.common.units import human_bytes, percent
 from vramtune.service.dashboard import cache, schema, series
 from vramtune.service.dashboard.models import Advice, AdviceItem
 from vramtune.service.dashboard.studies_view import StudyFacts, study_facts, study_space
 from vramtune.service.db.tables import MemoryObservationRow, StudyRow, TrialRow
-from vramtune.service.fleet.offers import live_tasks, task_warnings
+from vramtune.service.fleet.offers import live_tasks, task_warnings, usable_rungs
 from vramtune.service.fleet.routing import live_capacity
 from vramtune.service.optuna.glue import spec_of
 from vramtune.service.settings import Settings
@@ -124,8 +125,9 @@ def _infeasible(session: Session, facts: StudyFacts, row: StudyRow) -> AdviceIte
         )
     )
     number, footprint, _ = closest[0]
-    policy = spec_of(row).memory_policy
-    actions = [*_rungs(policy), _bound(session, facts, row, [p or {} for _, _, p in closest])]
+    # The rungs to allow are added live (`_with_cards`): which ones a worker can use changes
+    # with the fleet, not with the study's revision.
+    actions = [_bound(session, facts, row, [p or {} for _, _, p in closest])]
     return AdviceItem(
         kind="infeasible",
         title=f"{count} configuration{'s' if count != 1 else ''} fit no card of the fleet",
@@ -139,21 +141,29 @@ def _infeasible(session: Session, facts: StudyFacts, row: StudyRow) -> AdviceIte
 def _with_cards(
     item: AdviceItem, session: Session, row: StudyRow, settings: Settings, now: datetime
 ) -> AdviceItem:
-    """An infeasible advice with the fleet's largest card and how far off it is (read live)."""
+    """An infeasible advice with the rungs the fleet could use, the fleet's largest card and
+    how far off it is (read live)."""
     if item.kind != "infeasible" or item.footprint_bytes is None:
         return item
+    policy = spec_of(row).memory_policy
+    rungs = usable_rungs(session, row.task, now, settings.worker_stale_s)
+    item = item.model_copy(update={"actions": [*_rungs(policy, rungs), *item.actions]})
     needed = item.footprint_bytes
+    assert needed is not None  # checked above; model_copy keeps it
     largest = _largest_card(session, row, settings, now)
     if largest <= 0:
         return item
-    short = needed - largest
-    policy = spec_of(row).memory_policy
+    # Short of what the card leaves after the safety margin: a footprint below the card's
+    # size but above that reads "-24.5 MiB short" against the card alone (issue 43).
+    margin = f"{policy.margin:.0%}"
+    usable = max(int(largest * (1.0 - policy.margin)), 1)
+    short = needed - usable
     card = int(needed / (1 - policy.margin)) if policy.margin < 1 else needed
     text = (
-        f"{item.text} The largest live card has {human_bytes(largest)}: "
-        f"{human_bytes(short)} short ({percent(short / largest)})."
+        f"{item.text} The largest live card has {human_bytes(largest)}, "
+        f"{human_bytes(usable)} usable after the {margin} safety margin: "
+        f"{human_bytes(short)} short ({percent(short / usable)})."
     )
-    margin = f"{policy.margin:.0%}"
     larger = f"add a card of at least {human_bytes(card)} (its footprint and the {margin} margin)"
     return item.model_copy(
         update={"text": text, "largest_card_bytes": largest, "actions": [*item.actions, larger]}
@@ -181,17 +191,29 @@ RUNG_ADVICE: dict[Resize, str] = {
 """Each rung an infeasible trial's advice may suggest, in the ladder's order, in words."""
 
 
-def _rungs(policy: MemoryPolicy) -> list[str]:
+def _rungs(policy: MemoryPolicy, usable: set[str] | None = None) -> list[str]:
     """The rungs the study's memory policy leaves out, each one that may make them fit
-    (checkpointing counts as listed when selective checkpointing is)."""
+    (checkpointing counts as listed when selective checkpointing is), and only those some
+    worker can use for the study's task on its card (`usable`, as the workers registered
+    them; None: unknown, every rung): a rung no worker can take would change nothing."""
+    offered = [
+        resize
+        for resize in RUNG_ADVICE
+        if usable is None
+        or resize in usable
+        or (resize == "checkpointing" and "selective_checkpointing" in usable)
+    ]
     if not policy.allow_resize:
-        return ["allow resizing: memory_policy.allow_resize: true (micro-batches, checkpointing)"]
+        if not offered:
+            return []
+        named = ", ".join(RUNG_WORDS[r] for r in offered[:2])
+        return [f"allow resizing: memory_policy.allow_resize: true ({named})"]
     listed = set(policy.resizes)
     if "selective_checkpointing" in listed:
         listed.add("checkpointing")
     return [
-        f"{text}: add '{resize}' to memory_policy.resizes"
-        for resize, text in RUNG_ADVICE.items()
+        f"{RUNG_ADVICE[resize]}: add '{resize}' to memory_policy.resizes"
+        for resize in offered
         if resize not in listed
     ]
 

@@ -10,7 +10,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from vramtune.common.plans import plan_in_words, stored_plan
-from vramtune.common.units import human_bytes
+from vramtune.common.units import human_bytes, infeasible_reason
 from vramtune.service.dashboard import schema
 from vramtune.service.dashboard.models import TrialEvent
 from vramtune.service.db.tables import TrialEventRow
@@ -98,9 +98,18 @@ def _pruned(detail: Mapping[str, Any]) -> str:
 
 
 def _infeasible(detail: Mapping[str, Any]) -> str:
-    needs = human_bytes(detail.get("footprint_bytes"))
-    largest = human_bytes(detail.get("largest_card_bytes"))
-    return f"infeasible: needs {needs}; the largest live card has {largest}"
+    footprint, largest, margin = (
+        detail.get("footprint_bytes"),
+        detail.get("largest_card_bytes"),
+        detail.get("margin"),
+    )
+    if isinstance(footprint, int) and isinstance(largest, int) and isinstance(margin, int | float):
+        return f"infeasible: {infeasible_reason(footprint, largest, margin)}"
+    # An event stored before the margin was (issue 43).
+    return (
+        f"infeasible: needs {human_bytes(footprint)}; the largest live card has "
+        f"{human_bytes(largest)}"
+    )
 
 
 _WORDS: dict[str, Callable[[Mapping[str, Any]], str]] = {

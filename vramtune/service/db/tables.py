@@ -75,6 +75,9 @@ class WorkerRow(Base):
     slots: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     # A node worker's cards (one per rank of a distributed trial), each of ``total_bytes``.
     cards: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    # Per task, the rungs its plans can use on this card (NULL: unknown, before migration 0012
+    # or from an older worker); the advice suggests no other.
+    rungs: Mapped[dict[str, list[str]] | None] = mapped_column(JSON, nullable=True)
 
     __table_args__ = (Index("ix_vramtune_workers_token", "token_id", "stopped"),)
 

@@ -8,6 +8,7 @@ task no live worker offers is accepted (a worker may come later) with a visible 
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Any
@@ -59,10 +60,38 @@ def live_tasks(session: Session, now: datetime, stale_s: float) -> set[str]:
 
 
 def task_warnings(task: str, offered: set[str]) -> list[str]:
-    """What may keep a study of `task` from running, given the tasks live workers offer."""
+    """What may keep a study of `task` from running, given the tasks live workers offer; with
+    "did you mean" when a live worker offers a close name (a misspelt task would otherwise
+    wait forever). A warning, not a refusal: a worker with the very task may come later, and
+    a 422 would refuse a right name that merely resembles another's."""
     if task in offered:
         return []
+    close = difflib.get_close_matches(task, sorted(offered), n=3, cutoff=0.75)
+    guess = f"; did you mean {' or '.join(repr(name) for name in close)}?" if close else ""
     return [
         f"no live worker offers task {task!r}: its trials wait until a worker advertising it "
-        f"registers (vramtune worker --tasks ...)"
+        f"registers (vramtune worker --tasks ...){guess}"
     ]
+
+
+def usable_rungs(session: Session, task: str, now: datetime, stale_s: float) -> set[str] | None:
+    """The rungs some worker can use for `task`, as the workers registered them (their tasks'
+    and cards': worker/trial/rungs.py): the live ones', else the newest registrations' (a
+    study's advice outlives its workers). None when no such worker said (older workers):
+    unknown, not none."""
+    query = (
+        select(WorkerRow.rungs, WorkerRow.stopped, WorkerRow.last_heartbeat)
+        .where(WorkerRow.rungs.is_not(None))
+        .order_by(WorkerRow.id.desc())
+        .limit(RECENT_REGISTRATIONS)
+    )
+    live: set[str] | None = None
+    recent: set[str] | None = None
+    for rungs, stopped, heard in session.execute(query):
+        offered = rungs.get(task) if isinstance(rungs, dict) else None
+        if not isinstance(offered, list):
+            continue
+        if not stopped and heard >= now - timedelta(seconds=stale_s):
+            live = (live or set()) | set(offered)
+        recent = (recent or set()) | set(offered)
+    return live if live is not None else recent

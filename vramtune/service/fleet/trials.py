@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 
 from vramtune.common.memory import held_peak, peak_of, raw_peaks
 from vramtune.common.plans import ran_as
-from vramtune.common.units import human_bytes
+from vramtune.common.units import human_bytes, infeasible_reason
 from vramtune.service.db.tables import MemoryObservationRow, StepTimeObservationRow
 from vramtune.service.db.writes import insert_row, set_columns
 from vramtune.service.errors import Invalid
@@ -524,7 +524,8 @@ def hand_back(call: TrialCall, trial_id: int, body: HandBackRequest) -> TrialAck
             return _wait_for(call, fenced, need.per_rank_bytes, need.world_size, plan)
     trial.min_bytes = footprint
     largest = max(capacity, worker.total_bytes)
-    reason = f"needs {human_bytes(footprint)}; the largest live card has {human_bytes(largest)}"
+    margin = spec_of(fenced.study).memory_policy.margin
+    reason = infeasible_reason(footprint, largest, margin)
     if body.rank_needs:
         fewest = min(body.rank_needs, key=lambda need: need.per_rank_bytes)
         reason += (
@@ -533,7 +534,14 @@ def hand_back(call: TrialCall, trial_id: int, body: HandBackRequest) -> TrialAck
             "size's need"
         )
     tell_infeasible(call.telling(fenced), trial, footprint, largest, reason)
-    _story(call, fenced, "infeasible", footprint_bytes=footprint, largest_card_bytes=largest)
+    _story(
+        call,
+        fenced,
+        "infeasible",
+        footprint_bytes=footprint,
+        largest_card_bytes=largest,
+        margin=margin,
+    )
     return _finish(call, fenced, _ack(fenced, "infeasible", reason), "handback")
 
 

@@ -102,6 +102,7 @@ def register(
         token_id=token_id,
         slots=body.slots,
         cards=max(1, len(body.cards or [])),
+        rungs=None if body.rungs is None else {t: list(r) for t, r in body.rungs.items()},
     )
     session.add(worker)
     session.flush()

@@ -118,6 +118,10 @@ class PlainTask:
         """None by default: plans then resize without activation checkpointing."""
         return []
 
+    # The marker `worker.trial.rungs.task_can_checkpoint` reads: a subclass that does not
+    # override this default has no checkpointing rung (never planned, advised or claimed).
+    checkpoint_modules.marks_no_modules = True  # type: ignore[attr-defined]
+
 
 def _batches_of(
     examples: tuple[torch.Tensor, ...], micro_batch: int, device: torch.device, seed: int

@@ -64,6 +64,7 @@ from vramtune.worker.plan.policy import (
 from vramtune.worker.plan.shared_predictions import batch_param, shape_keys, shared
 from vramtune.worker.plan.time_routing import prefer_larger_card
 from vramtune.worker.run.ranks import RankGroupRunner
+from vramtune.worker.trial.rungs import supported_rungs
 from vramtune.worker.trial.runner import (
     CardSpec,
     OutOfMemory,
@@ -579,6 +580,11 @@ class Agent:
                 task: param
                 for task, runner in self.runners.items()
                 if (param := batch_param(runner)) is not None
+            },
+            # What the dashboard's advice may suggest: the rungs plans can use here.
+            rungs={
+                task: supported_rungs(runner, self.card.device)
+                for task, runner in self.runners.items()
             },
         )
 

@@ -133,6 +133,9 @@ def started(
 
 
 def error_message(error: BaseException) -> str:
-    """An error's message, or its type's name when it has none."""
+    """An error's message, or its type's name when it has none. A KeyError's message is only
+    the key ("'batch_size'"): it says which key is missing, as a trial's error must."""
+    if isinstance(error, KeyError) and len(error.args) == 1:
+        return f"KeyError: the configuration (task_config and params) has no key {error.args[0]!r}"
     text = str(error)
     return text if text else type(error).__name__

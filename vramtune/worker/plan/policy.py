@@ -36,6 +36,7 @@ from typing import Any, Protocol, runtime_checkable
 from vramtune.common.memory import apply_calibration, peak_of
 from vramtune.common.plans import PlanKey, plan_in_words, plan_key, rungs_of
 from vramtune.common.step_time import default_step_time_fit, predicted_step_s, step_time_slowdown
+from vramtune.common.units import human_bytes, human_pair
 from vramtune.service.wire import (
     Calibration,
     MemoryPolicy,
@@ -46,6 +47,7 @@ from vramtune.service.wire import (
     StepTimeFit,
     StepTimeObservation,
 )
+from vramtune.worker.trial.rungs import supported_rungs
 from vramtune.worker.trial.runner import (
     OPTIM8BIT_EXTRA,
     CardSpec,
@@ -399,9 +401,13 @@ class _Chooser:
         if cannot_run.method == "none":  # e.g. BatchNorm refuses a micro-batch of 1
             plan = Plan(**smallest.flags())
         need = peak_of(self.predict(plan))
+        # Near the limit the two numbers round alike: say both apart and by how much it is
+        # over, and that the budget is what is free less the safety margin (issue 43).
+        needs, usable = human_pair(need, budget)
         reason = (
-            f"does not fit: the smallest allowed plan ({plan_in_words(plan)}) needs {_gib(need)}, "
-            f"the budget is {_gib(budget)} ({_gib(free_bytes)} free, margin {policy.margin:.0%})"
+            f"does not fit: the smallest allowed plan ({plan_in_words(plan)}) needs {needs}, "
+            f"{human_bytes(need - budget)} over the budget of {usable} ({human_bytes(free_bytes)}"
+            f" free less the {policy.margin:.0%} safety margin)"
         )
         if cannot_run.method == "none":
             reason += f"; smaller micro-batches cannot run: {cannot_run.reason}"
@@ -421,10 +427,15 @@ def _ladder(
     listed (8-bit AdamW, Adafactor), then with bf16 and each (`_numerics_changes`; `_choose`
     searches them only when no plan that keeps the numerics fits, each pair only when the one
     before fits nothing)."""
-    allowed: set[str] = set(policy.resizes) if policy.allow_resize else set()
+    # Only rungs the runner can take for this configuration on this card (worker/trial/
+    # rungs.py): a listed rung it cannot take would fail the trial, not resize it (issue 43).
+    can = supported_rungs(runner, card.device, config)
+    listed: set[str] = set(policy.resizes) if policy.allow_resize else set()
+    allowed = listed.intersection(can)
     base = _Stage(micro_batch="micro_batch" in allowed, checkpointing=False, bf16=False)
-    found = (_checkpointing_rung(runner, config, allowed), _chunked_rung(runner, config, allowed))
-    rungs = [rung for rung in found if rung is not None] + _offload_rungs(runner, card, allowed)
+    found = (_checkpointing_rung(allowed), _chunked_rung(allowed))
+    offloads = [rung for rung in ("activation_offload", "optimizer_offload") if rung in allowed]
+    rungs = [rung for rung in found if rung is not None] + offloads
     singles = [_Stage(micro_batch=False, checkpointing=False, bf16=False)]
     singles += [base] if base.micro_batch else []
     singles += [_with(base, rung) for rung in rungs]
@@ -432,26 +443,23 @@ def _ladder(
     every = [functools.reduce(_with, rungs, base)] if len(rungs) > 2 else []
     combined = pairs + every
     precise = [singles, combined]
-    changes = _numerics_changes(runner, allowed)
+    changes = _numerics_changes(allowed)
     changed = [[dataclasses.replace(s, **c) for s in tier] for c in changes for tier in precise]
     return [tier for tier in precise + changed if tier]
 
 
-def _numerics_changes(runner: TrialRunner, allowed: set[str]) -> list[dict[str, Any]]:
-    """The numerics-changing rungs the study lists and the runner can take, in the order the
+def _numerics_changes(allowed: set[str]) -> list[dict[str, Any]]:
+    """The numerics-changing rungs the study lists and the runner can take (`allowed`, already
+    filtered by `supported_rungs`), in the order the
     ladder tries them: bf16, 8-bit AdamW, Adafactor, then bf16 with each (the smallest
     footprint, last). 8-bit AdamW comes before Adafactor: it keeps AdamW's update and rounds
     only its state (≈ 2 bytes a parameter), where Adafactor changes the update to keep less.
     A runner swaps the optimizer only when it says so (`can_swap_optimizer`: the worker's own
     loop does; the Trainer and Lightning build theirs); adamw_8bit also needs torchao here
     (`_missing_packages` says so in a hand-back)."""
-    bf16 = [{"bf16": True}] if "bf16" in allowed and runner.can_bf16 else []
+    bf16 = [{"bf16": True}] if "bf16" in allowed else []
     swaps: list[dict[str, Any]] = [
-        {"optimizer": name}
-        for name in _SWAPS_IN_ORDER
-        if name in allowed
-        and getattr(runner, "can_swap_optimizer", False)
-        and (name != "adamw_8bit" or adamw_8bit_available())
+        {"optimizer": name} for name in _SWAPS_IN_ORDER if name in allowed
     ]
     both = [{**bf16[0], **swap} for swap in swaps] if bf16 else []
     return bf16 + swaps + both
@@ -469,28 +477,17 @@ def _missing_packages(runner: TrialRunner, policy: MemoryPolicy) -> str:
     return ""
 
 
-def _offload_rungs(runner: TrialRunner, card: CardSpec, allowed: set[str]) -> list[str]:
-    """The offload rungs allowed, on a CUDA card whose runner builds the loop and optimizer
-    (`can_offload`: the worker's own loop). On the CPU host and card are one memory: moving
-    tensors to the host would free nothing."""
-    if not card.device.startswith("cuda") or not getattr(runner, "can_offload", False):
-        return []
-    return [rung for rung in ("activation_offload", "optimizer_offload") if rung in allowed]
-
-
-def _checkpointing_rung(runner: TrialRunner, config: Config, allowed: set[str]) -> str | None:
+def _checkpointing_rung(allowed: set[str]) -> str | None:
     """Which checkpointing the ladder may use: the fewest blocks that fit (which may be every
     block) where allowed and possible, else every block where allowed."""
-    if "selective_checkpointing" in allowed and _selective_allowed(runner, config):
+    if "selective_checkpointing" in allowed:
         return "selective"
-    return "every" if "checkpointing" in allowed and runner.can_checkpoint else None
+    return "every" if "checkpointing" in allowed else None
 
 
-def _chunked_rung(runner: TrialRunner, config: Config, allowed: set[str]) -> str | None:
+def _chunked_rung(allowed: set[str]) -> str | None:
     """The chunked loss where allowed and the task computes its loss in chunks."""
-    return (
-        "chunked" if "chunked_cross_entropy" in allowed and _chunks_loss(runner, config) else None
-    )
+    return "chunked" if "chunked_cross_entropy" in allowed else None
 
 
 def _with(stage: _Stage, rung: str) -> _Stage:
@@ -509,16 +506,6 @@ def _block_count(runner: TrialRunner, config: Config) -> int | None:
     if not runner.can_checkpoint or not isinstance(runner, PlanRungs):
         return None
     return runner.checkpoint_block_count(config)
-
-
-def _selective_allowed(runner: TrialRunner, config: Config) -> bool:
-    """Selective checkpointing needs blocks to choose from (more than one)."""
-    blocks = _block_count(runner, config)
-    return blocks is not None and blocks > 1
-
-
-def _chunks_loss(runner: TrialRunner, config: Config) -> bool:
-    return isinstance(runner, PlanRungs) and runner.can_chunk_loss(config)
 
 
 def _fits(prediction: Prediction, budget: int) -> bool:

@@ -26,6 +26,7 @@ from torch import nn
 from vramtune.common.memory import held_peak
 from vramtune.service.wire import Measured, Plan, Prediction, TrainBudget
 from vramtune.worker.device.memory import EVALUATION_PHASE, MemoryTracker
+from vramtune.worker.trial.rungs import task_can_checkpoint
 from vramtune.worker.trial.runner import (
     CardSpec,
     Config,
@@ -44,7 +45,7 @@ from vramtune.worker.trial.steps import (
     micro_batch_sizes,
     train_step,
 )
-from vramtune.worker.trial.task import Batch, Task
+from vramtune.worker.trial.task import Batch, Task, TaskConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -363,8 +364,9 @@ class TorchTaskRunner:
     def __init__(self, task: Task) -> None:
         self.task = task
         self.task_name = task.name
-        # A task may say it has nothing to checkpoint or must stay in fp32.
-        self.can_checkpoint = bool(getattr(task, "can_checkpoint", True))
+        # A task may say it has nothing to checkpoint or must stay in fp32; a PlainTask that
+        # marks no modules has nothing to checkpoint either (worker/trial/rungs.py).
+        self.can_checkpoint = task_can_checkpoint(task)
         self.can_bf16 = bool(getattr(task, "can_bf16", True))
         # This loop builds the optimizer (build_optimizer_for_plan): the adafactor rung.
         self.can_swap_optimizer = True
@@ -372,8 +374,16 @@ class TorchTaskRunner:
         self.can_offload = True
 
     def batch_size(self, config: Config) -> int:
-        """The configuration's effective batch size."""
-        return int(config[self.task.batch_size_param])
+        """The configuration's effective batch size; a configuration without it is refused
+        before anything runs, naming the parameter (a study created before any worker said
+        which key the task reads is not checked at creation: service/fleet/offers.py)."""
+        param = self.task.batch_size_param
+        if param not in config:
+            raise TaskConfigError(
+                f"task {self.task.name!r} reads its batch size from {param!r}, which neither the "
+                f"study's search_space nor its task_config gives: add {param!r} to one of them"
+            )
+        return int(config[param])
 
     def checkpoint_block_count(self, config: Config) -> int | None:
         """The task's checkpointable blocks when it can checkpoint some of them, else None."""

@@ -17,6 +17,8 @@ from pydantic import ValidationError
 
 from vramtune.service.wire import StudyCreate
 from vramtune.worker.tasks.registry import discover
+from vramtune.worker.trial.rungs import rungs_in_words, supported_rungs
+from vramtune.worker.trial.runner import TrialRunner
 
 NO_CONFIG_HINT = (
     "members present; add --study STUDY or --config JSON to build, train, evaluate and trace it"
@@ -44,12 +46,21 @@ def check_file(path: str, *, study: str | None, config: str | None, device: str)
             findings = run_checks(task, chosen, device)
             lines.append(format_findings(name, findings))
             broken |= not all(f.passed for f in findings)
+        lines.append(rungs_line(name, runner))
     if task_name is not None and task_name not in found.runners:
         lines.append(
             f"--study: the study asks for task {task_name!r}, which {path} does not define"
         )
         broken = True
     return "\n".join(lines), int(broken)
+
+
+def rungs_line(name: str, runner: TrialRunner) -> str:
+    """Which rungs plans may use for the task: the answer the worker's plan chooser and its
+    registration (the dashboard's advice) use too (worker/trial/rungs.py). The offloads are
+    named for CUDA cards whatever --device is: a fleet's cards may differ from this machine."""
+    rungs = supported_rungs(runner, None)
+    return f"{name}: supports the rungs {rungs_in_words(rungs)}"
 
 
 def _configuration(

@@ -26,13 +26,19 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from vramtune.service.wire import CategoricalParam, Name, Plan, StudyCreate
 from vramtune.worker.predictor.conversion import build_for_trace
+from vramtune.worker.trial.rungs import task_can_checkpoint
 from vramtune.worker.trial.runner import trial_config
 from vramtune.worker.trial.steps import build_for_plan, build_optimizer_for_plan, train_step
 from vramtune.worker.trial.task import Batch, Task, TaskConfigError
 
 Config = Mapping[str, Any]
 MICRO_SIZES = (1, 3)
-Check = Callable[[Task, Config, torch.device], None]
+Check = Callable[[Task, Config, torch.device], str | None]
+"""A check: raises `ContractBroken` on a broken rule, else returns None or a note to print."""
+NO_CHECKPOINTING = (
+    "none: the task marks no modules (override checkpoint_modules to let plans recompute "
+    "activations); plans resize without the checkpointing rungs"
+)
 
 
 class ContractBroken(AssertionError):
@@ -90,6 +96,8 @@ class Finding:
 
     check: str
     problem: str | None = None
+    note: str | None = None
+    """What a kept check found worth saying (e.g. that the task has nothing to checkpoint)."""
 
     @property
     def passed(self) -> bool:
@@ -110,19 +118,19 @@ def run_checks(task: Task, config: Config, device: str = "cpu") -> list[Finding]
 
 
 def _finding(
-    check: Callable[[Task, Config, torch.device], None],
+    check: Check,
     task: Task,
     config: Config,
     on: torch.device,
 ) -> Finding:
     name = check.__name__.removeprefix("check_").replace("_", " ")
     try:
-        check(task, config, on)
+        note = check(task, config, on)
     except ContractBroken as broken:
         return Finding(name, str(broken))
     except Exception as error:  # the user's code raised: say where, not only what
         return Finding(name, f"raised {type(error).__name__}: {error}")
-    return Finding(name)
+    return Finding(name, note=note if isinstance(note, str) else None)
 
 
 def checks(accumulation: bool) -> list[Check]:
@@ -236,20 +244,29 @@ def evaluate_as_worker(task: Task, model: nn.Module, config: Config, on: torch.d
     return value
 
 
-def check_checkpointing(task: Task, config: Config, on: torch.device) -> None:
-    """Checkpointable modules are the model's own, and recomputing them changes no loss."""
+def check_checkpointing(task: Task, config: Config, on: torch.device) -> str | None:
+    """Checkpointable modules are the model's own, and recomputing them changes no loss; a task
+    that has none says so (its plans resize without the rung: worker/trial/rungs.py)."""
+    if not task_can_checkpoint(task):
+        return NO_CHECKPOINTING
     model = task.build_model(config)
     modules = list(task.checkpoint_modules(model))
     owned = {id(m) for m in model.modules()}
     require(all(id(m) in owned for m in modules), "checkpoint_modules", "return sub-modules")
     if not modules and getattr(task, "enable_checkpointing", None) is None:
-        return
+        # A plan with checkpointing would fail the trial ("marks no modules"): the task must
+        # say it has none rather than claim the rung.
+        raise ContractBroken(
+            "checkpoint_modules: returns no modules for this configuration: return the blocks "
+            "to recompute, or set can_checkpoint = False so plans never ask for checkpointing"
+        )
     losses = [first_step_loss(task, config, Plan(checkpointing=flag), on) for flag in (False, True)]
     require(
         torch.allclose(losses[0], losses[1]),
         "checkpoint_modules",
         f"recomputing them changed the loss: {[float(x) for x in losses]}",
     )
+    return None
 
 
 def first_step_loss(task: Task, config: Config, plan: Plan, on: torch.device) -> torch.Tensor:
@@ -353,7 +370,6 @@ def format_findings(task_name: str, findings: list[Finding]) -> str:
     lines = [f"{task_name}:"]
     for finding in findings:
         mark = "ok  " if finding.passed else "FAIL"
-        lines.append(
-            f"  {mark}  {finding.check}" + (f": {finding.problem}" if finding.problem else "")
-        )
+        said = finding.problem or finding.note
+        lines.append(f"  {mark}  {finding.check}" + (f": {said}" if said else ""))
     return "\n".join(lines)
