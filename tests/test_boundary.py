@@ -42,7 +42,7 @@ WORKER_TIERS: list[set[str]] = [
 # metrics, the fleet's use cases, auth, studies, the HTTP edge, the dashboard, the app, the CLI.
 SERVICE_TIERS: list[set[str]] = [
     {"wire"},
-    {"settings", "errors", "calibration", "step_time", "client", "limits"},
+    {"settings", "errors", "calibration", "step_time", "client", "limits", "principal"},
     {"db"},
     {"state"},
     {"metrics", "optuna"},

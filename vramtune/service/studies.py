@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from vramtune.common.plans import told_outcome
 from vramtune.common.task_rules import study_problem
 from vramtune.service.auth.audit import AuditEvent
-from vramtune.service.auth.tokens import Principal, audited
+from vramtune.service.auth.tokens import audited
 from vramtune.service.db.tables import StudyRow, TrialRow, WorkerRow
 from vramtune.service.errors import Conflict, Invalid, NotFound
 from vramtune.service.fleet import trust
@@ -35,6 +35,7 @@ from vramtune.service.optuna.glue import (
     search_space_json,
     spec_of,
 )
+from vramtune.service.principal import Principal
 from vramtune.service.settings import Settings
 from vramtune.service.wire import (
     CategoricalParam,

@@ -26,7 +26,6 @@ from vramtune.common.logs import log_outage
 from vramtune.service.auth.hosts import TrustedHosts, allowed_names
 from vramtune.service.auth.tokens import (
     LOCAL_ADMIN,
-    Principal,
     Rule,
     dead_because,
     find_token,
@@ -37,6 +36,7 @@ from vramtune.service.auth.tokens import (
     touch,
 )
 from vramtune.service.db.tables import MAX_ROW_ID, StudyRow, TrialRow
+from vramtune.service.principal import Principal
 from vramtune.service.settings import Settings
 from vramtune.service.state import AppState
 

@@ -24,17 +24,8 @@ from sqlalchemy.orm import Session
 from vramtune.service.auth import audit
 from vramtune.service.db.tables import TokenRow
 from vramtune.service.fleet.workers import stop_token_workers
+from vramtune.service.principal import SCOPES, Principal, Scope
 from vramtune.service.wire import API_PREFIX, TokenOut
-
-Scope = Literal["admin", "submit", "worker", "read"]
-SCOPES: tuple[Scope, ...] = ("admin", "submit", "worker", "read")
-# What each scope grants: admin implies everything; a submitter may watch what it submits.
-GRANTS: dict[str, frozenset[str]] = {
-    "admin": frozenset(SCOPES),
-    "submit": frozenset({"submit", "read"}),
-    "worker": frozenset({"worker"}),
-    "read": frozenset({"read"}),
-}
 
 TOKEN_PREFIX = "vt_"  # lets secret scanners and people recognise a leaked vramtune token
 MIN_TOKEN_CHARS = 32
@@ -43,29 +34,6 @@ MAX_TOKEN_CHARS = 256
 # authenticated reads from turning into writes.
 LAST_USED_RESOLUTION = timedelta(minutes=1)
 _VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
-
-
-@dataclass(frozen=True)
-class Principal:
-    """Who is calling: set by the guard as ``request.state.principal`` on every request.
-
-    ``studies`` is None for a token valid for every study, else the study names it is limited
-    to; routes that choose among studies themselves (a worker's ``next``) must offer only
-    studies for which ``allows_study`` is true.
-    """
-
-    name: str
-    scopes: frozenset[str]
-    studies: frozenset[str] | None = None
-    token_id: int | None = None
-
-    def has_scope(self, scope: str) -> bool:
-        """Whether one of the principal's scopes grants ``scope``."""
-        return any(scope in GRANTS.get(own, frozenset()) for own in self.scopes)
-
-    def allows_study(self, study: str) -> bool:
-        """Whether the principal may touch the study of this name."""
-        return self.studies is None or study in self.studies
 
 
 # With VRAMTUNE_AUTH=off every caller is this one.

@@ -53,6 +53,7 @@ from vramtune.service.db.tables import (
 )
 from vramtune.service.optuna import rows as optuna_rows
 from vramtune.service.optuna.glue import load_optuna_study, spec_of, tell
+from vramtune.service.principal import Principal
 from vramtune.service.wire import StudyCreate
 
 MEMORY_CONSTRAINT = "memory"
@@ -128,9 +129,6 @@ def _may_lease(row: Any, study: StudyRow, now: datetime) -> bool:
         return False
     if row.expires_at is not None and row.expires_at <= now:
         return False
-    # Imported here: auth.tokens imports the fleet (revocation stops a token's workers).
-    from vramtune.service.auth.tokens import Principal
-
     studies = None if row.studies is None else frozenset(row.studies)
     principal = Principal(name="", scopes=frozenset(row.scopes), studies=studies)
     return principal.has_scope("worker") and principal.allows_study(study.name)

@@ -10,11 +10,12 @@ from pydantic import BaseModel
 from sqlalchemy.exc import SQLAlchemyError
 
 from vramtune.service.api.deps import StateDep, path_id
-from vramtune.service.auth.tokens import Principal, PrincipalDep
+from vramtune.service.auth.tokens import PrincipalDep
 from vramtune.service.errors import DomainError
 from vramtune.service.fleet import dispatch, trials as fleet_trials
 from vramtune.service.fleet.trials import TrialCall
 from vramtune.service.fleet.workers import fleet_transaction
+from vramtune.service.principal import Principal
 from vramtune.service.state import AppState
 from vramtune.service.wire import (
     CompleteReply,

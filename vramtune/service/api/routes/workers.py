@@ -9,11 +9,12 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from vramtune.service.api.deps import StateDep, path_id, query_id
-from vramtune.service.auth.tokens import Principal, PrincipalDep
+from vramtune.service.auth.tokens import PrincipalDep
 from vramtune.service.db.tables import StudyRow
 from vramtune.service.errors import Forbidden, Invalid, NotFound
 from vramtune.service.fleet import dispatch, trust, workers as fleet
 from vramtune.service.fleet.calibration import calibration_for, step_time_for
+from vramtune.service.principal import Principal
 from vramtune.service.wire import (
     Assignment,
     Calibration,
