@@ -37,7 +37,8 @@ def test_the_readme_task_keeps_every_rule() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "wine-mlp:"
-    assert [line.split()[0] for line in lines[1:]] == ["ok"] * 7
+    assert [line.split()[0] for line in lines[1:-1]] == ["ok"] * 7
+    assert lines[-1].startswith("wine-mlp: supports the rungs micro_batch, checkpointing")
 
 
 def test_a_class_missing_a_member_is_named_with_the_rule_it_keeps(tmp_path: Path) -> None:
@@ -58,13 +59,16 @@ def test_a_summed_loss_breaks_accumulation_and_says_to_return_the_mean(tmp_path:
         path, study=None, config='{"width": 8, "batch_size": 6}', device="cpu"
     )
     assert code == 1
-    assert report.splitlines()[-1].startswith("  FAIL  accumulation: loss: micro-batches changed")
-    assert report.endswith("return the batch's mean loss")
+    findings, rungs = report.rsplit("\n", 1)
+    assert findings.splitlines()[-1].startswith("  FAIL  accumulation: loss: micro-batches changed")
+    assert findings.endswith("return the batch's mean loss")
+    assert rungs.startswith("wine-mlp: supports the rungs ")
 
 
 def test_a_configuration_without_the_batch_parameter_stops_at_the_declarations() -> None:
     report, code = check_file(str(EXAMPLE_TASK), study=None, config='{"width": 8}', device="cpu")
-    assert (report, code) == (
+    findings, _rungs = report.rsplit("\n", 1)
+    assert (findings, code) == (
         "wine-mlp:\n  FAIL  declarations: batch_size_param: the configuration has no 'batch_size'",
         1,
     )

@@ -43,9 +43,22 @@ def run_online() -> None:
     if engine is None:
         engine = create_engine(config.get_main_option("sqlalchemy.url") or "")
     with engine.connect() as connection:
+        sqlite = connection.dialect.name == "sqlite"
+        if sqlite:
+            # Batch mode copies a table and drops the old one; with foreign keys on, SQLite
+            # refuses to drop a table that rows still reference (vramtune_leases ->
+            # vramtune_workers). SQLite's own recipe for table rebuilds: keys off around the
+            # change (the pragma is ignored inside a transaction, so before it), checked after.
+            connection.exec_driver_sql("PRAGMA foreign_keys=OFF")
+            connection.commit()  # end SQLAlchemy's autobegun transaction: Alembic owns its own
         _configure(connection=connection)
         with context.begin_transaction():
             context.run_migrations()
+        if sqlite:
+            connection.exec_driver_sql("PRAGMA foreign_keys=ON")
+            broken = connection.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+            if broken:
+                raise RuntimeError(f"migration left rows whose keys point nowhere: {broken}")
 
 
 if context.is_offline_mode():
