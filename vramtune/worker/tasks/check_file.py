@@ -1,9 +1,10 @@
 """`vramtune tasks check FILE`: a user's task file checked the way a worker would load and run it.
 
 Loading errors come first (a class that lacks members is named with each missing member's
-rule); then, given a configuration (a study file's smallest one, or JSON), each task runs the
-contract checks of `worker.tasks.contract`. Exit codes: 0 all kept, 1 a rule broken or nothing
-loadable, 2 a bad --study or --config.
+rule); then, given a configuration (a study file's smallest one, or JSON), each Task runs the
+contract checks of `vramtune.worker.tasks.contract`, and each task that runs trials itself
+(TrainerTask, LightningTask) its real path (`vramtune.worker.tasks.runner_check`). Exit codes:
+0 all kept, 1 a rule broken or nothing loadable, 2 a bad --study or --config.
 """
 
 from __future__ import annotations
@@ -16,13 +17,12 @@ import yaml
 from pydantic import ValidationError
 
 from vramtune.service.wire import StudyCreate
+from vramtune.worker.tasks.contract import Finding, format_findings
 from vramtune.worker.tasks.registry import discover
 from vramtune.worker.trial.rungs import rungs_in_words, supported_rungs
 from vramtune.worker.trial.runner import TrialRunner
 
-NO_CONFIG_HINT = (
-    "members present; add --study STUDY or --config JSON to build, train, evaluate and trace it"
-)
+NO_CONFIG_HINT = "loads; add --study STUDY or --config JSON to build, train, evaluate and trace it"
 
 
 def check_file(path: str, *, study: str | None, config: str | None, device: str) -> tuple[str, int]:
@@ -35,15 +35,10 @@ def check_file(path: str, *, study: str | None, config: str | None, device: str)
     lines = [f"{source}: {error}" for source, error in sorted(found.errors.items())]
     broken = bool(found.errors) or not found.runners
     for name, runner in sorted(found.runners.items()):
-        task = getattr(runner, "task", None)
-        if task is None:
-            lines.append(f"{name}: a TrialRunner (it runs trials itself); no Task contract")
-        elif chosen is None:
+        if chosen is None:
             lines.append(f"{name}: {NO_CONFIG_HINT}")
         elif task_name in (None, name):
-            from vramtune.worker.tasks.contract import format_findings, run_checks
-
-            findings = run_checks(task, chosen, device)
+            findings = _findings(runner, chosen, device)
             lines.append(format_findings(name, findings))
             broken |= not all(f.passed for f in findings)
         lines.append(rungs_line(name, runner))
@@ -53,6 +48,19 @@ def check_file(path: str, *, study: str | None, config: str | None, device: str)
         )
         broken = True
     return "\n".join(lines), int(broken)
+
+
+def _findings(runner: TrialRunner, config: dict[str, Any], device: str) -> list[Finding]:
+    """A Task's contract, member by member; a runner's real path (TrainerTask, LightningTask:
+    they run trials themselves), stage by stage."""
+    task = getattr(runner, "task", None)
+    if task is None:
+        from vramtune.worker.tasks.runner_check import run_runner_checks
+
+        return run_runner_checks(runner, config, device)
+    from vramtune.worker.tasks.contract import run_checks
+
+    return run_checks(task, config, device)
 
 
 def rungs_line(name: str, runner: TrialRunner) -> str:
