@@ -271,6 +271,24 @@ def test_a_plan_resizes_through_the_trainers_own_knobs(task: TrainerTask) -> Non
     assert resized.per_device_train_batch_size == 12
 
 
+def test_the_users_evaluation_batch_is_kept_unless_the_plan_splits_below_it(
+    task: TrainerTask, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="vramtune.worker.integrations.hf_trainer")
+    setup = task.setup()
+    config = {"per_device_train_batch_size": 12, "per_device_eval_batch_size": 6}
+    assert task.arguments(setup, config, Plan(), CARD).per_device_eval_batch_size == 6
+    split_above = task.arguments(setup, config, Plan(micro_batch=6, accumulation=2), CARD)
+    assert split_above.per_device_eval_batch_size == 6
+    assert not caplog.records
+    split_below = task.arguments(setup, config, Plan(micro_batch=4, accumulation=3), CARD)
+    assert split_below.per_device_eval_batch_size == 4
+    assert "evaluating in batches of 4, the plan's micro-batch" in caplog.text
+    default = setup.args.per_device_eval_batch_size
+    as_asked = task.arguments(setup, {"per_device_train_batch_size": 2}, Plan(), CARD)
+    assert as_asked.per_device_eval_batch_size == default
+
+
 def test_the_largest_micro_batch_is_a_divisor_that_fits(task: TrainerTask) -> None:
     config = {"per_device_train_batch_size": 8}
     whole = task.predict(config, Plan(), CARD).peak_allocated_bytes

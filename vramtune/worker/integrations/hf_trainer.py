@@ -27,6 +27,7 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import logging
 import math
 import sys
 import tempfile
@@ -60,6 +61,8 @@ if _MISSING:
     # Raised at import: a worker without the extra lists the task as failed to load, with this
     # message, and does not advertise it.
     raise ImportError(f"TrainerTask needs {', '.join(_MISSING)}: pip install 'vramtune[hf]'")
+
+log = logging.getLogger(__name__)
 
 REQUIRED = ("model_init", "args", "train_dataset", "eval_dataset")
 """The Trainer keyword arguments a factory must give (evaluation gives the metric)."""
@@ -194,9 +197,7 @@ class TrainerTask:
         updates.update(
             per_device_train_batch_size=micro,
             gradient_accumulation_steps=self.batch_size(config) // micro,
-            # Evaluating in micro-batches keeps evaluation within the plan's footprint (and the
-            # trace evaluates with the batch the run does).
-            per_device_eval_batch_size=micro,
+            per_device_eval_batch_size=self.eval_batch(setup, updates, plan, micro),
             use_cpu=torch.device(card.device).type == "cpu",
             report_to=[],
             save_strategy="no",
@@ -210,6 +211,27 @@ class TrainerTask:
             return dataclasses.replace(setup.args, **updates)
         except (ValueError, TypeError) as error:
             raise TaskConfigError(f"{self.name}: TrainingArguments: {error}") from error
+
+    def eval_batch(
+        self, setup: TrainerSetup, updates: Mapping[str, Any], plan: Plan, micro: int
+    ) -> int:
+        """The evaluation's batch: the user's (`per_device_eval_batch_size`, from the trial or
+        the arguments) as asked; a plan that splits the training batch evaluates in batches no
+        larger than its micro-batch too, so that evaluation stays within the plan's footprint
+        (the trace evaluates with the batch the run does, so the prediction holds either way)."""
+        asked = int(
+            updates.get("per_device_eval_batch_size", setup.args.per_device_eval_batch_size)
+        )
+        if plan.micro_batch is None or asked <= micro:
+            return asked
+        log.info(
+            "%s: evaluating in batches of %d, the plan's micro-batch (per_device_eval_batch_size "
+            "is %d)",
+            self.name,
+            micro,
+            asked,
+        )
+        return micro
 
     def model_parameters(self, setup: TrainerSetup, config: Config) -> dict[str, Any]:
         """What model_init gets: the trial's parameters that are not TrainingArguments fields.
