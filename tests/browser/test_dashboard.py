@@ -342,6 +342,9 @@ def test_values_that_are_not_finite_show_as_symbols(live: Live, open_page: OpenP
     assert points(page, "curve") == 1  # 0.5: NaN and the infinities have no place on an axis
     shown = page.page.evaluate("() => ['Infinity', '-Infinity', 'NaN', 2].map(VT.value)")
     assert shown == [INF, MINUS_INF, "NaN", "2"]
+    # Trial numbers are whole: a history of few trials ticks no fractions between them.
+    ticks = (page.page.get_attribute("#plot-history", "data-x-ticks") or "").split()
+    assert ticks and all(tick.isdigit() for tick in ticks), ticks
     page = open_page(f"{live.url}/")
     row = page.page.locator(f"tr[data-study='{name}']")
     row.wait_for(timeout=WAIT_MS)
@@ -465,8 +468,10 @@ def sign_in(page: Page, token: str) -> None:
 def test_login_and_read_only_viewers_see_no_write_buttons(live: Live, open_page: OpenPage) -> None:
     page = open_page(study_url(live, STUDY), token=None)
     page.page.locator("#login").wait_for(timeout=WAIT_MS)  # 401: the page asks for a token
+    wait_text(page, "#live", " === 'sign in to see updates'")  # not "update failed"
     sign_in(page, live.tokens["read"])
     wait_rendered(page)
+    wait_text(page, "#live", ".startsWith('updated ')")
     assert points(page, "history") > 0
     assert page.page.locator("[data-action]").count() == 0
     assert "read" in page.page.locator("#auth").inner_text()

@@ -911,6 +911,19 @@ def test_a_task_no_live_worker_offers_is_advice_and_a_note_on_waiting_trials(env
     assert [(r["waiting"], r["note"]) for r in table["rows"]] == [(True, note)]
 
 
+def test_a_done_study_has_no_worker_advice_and_no_waiting_note(env: Env) -> None:
+    env.create_study(n_trials=1)
+    worker = env.worker("only")
+    assignment = worker.next()
+    assert assignment is not None
+    assert worker.complete(assignment, 1.0, peak=GIB).status_code == 200
+    assert env.http.post(f"/workers/{worker.id}/stop").status_code == 204
+    advice = env.http.get(f"/dashboard/studies/{env.study}/advice").json()["items"]
+    assert "no_worker" not in [a["kind"] for a in advice]
+    table = env.http.get(f"/dashboard/studies/{env.study}/trials").json()
+    assert table["note"] is None and [r["note"] for r in table["rows"]] == [None]
+
+
 def test_trial_no_card_can_hold_is_infeasible_with_its_constraint(env: Env) -> None:
     env.create_study(n_trials=2)
     small = env.worker("small", 4 * GIB, "Sim 4G")

@@ -33,6 +33,7 @@ from vramtune.service.fleet.offers import live_tasks, task_warnings, usable_rung
 from vramtune.service.fleet.routing import live_capacity
 from vramtune.service.optuna.glue import spec_of
 from vramtune.service.settings import Settings
+from vramtune.service.studies import study_state
 from vramtune.service.wire import MemoryPolicy, Resize
 
 CLOSEST_INFEASIBLE = 50  # infeasible trials read, smallest footprint first
@@ -47,14 +48,16 @@ FEASIBLE_OUTCOMES = ("as_asked", "resized", "routed", "pruned")  # they ran: the
 
 def advice(session: Session, name: str, settings: Settings, now: datetime) -> Advice:
     """What to do next for the named study: the settled advice, then the fleet's."""
-    facts = study_facts(session, name)
+    facts = study_facts(session, name, counted=True)
     if facts.row is None:  # a plain Optuna study: vramtune knows nothing of its memory
         return Advice(items=[])
     row = facts.row
     settled = cache.by_revision(
         session, facts.study_id, "advice", lambda: _settled(session, facts, row)
     )
-    fleet = _no_worker(session, row, settings, now)
+    # A done study needs no worker: its trials were all told.
+    done = study_state(row, facts.counts) == "done"
+    fleet = [] if done else _no_worker(session, row, settings, now)
     infeasible = [_with_cards(item, session, row, settings, now) for item in settled]
     return Advice(items=[*fleet, *infeasible])
 

@@ -80,7 +80,8 @@ def trial_table(
     table = cache.by_revision(
         session, facts.study_id, query.key(), lambda: _table(session, facts, query)
     )
-    note = waiting_note(facts.row) if waiting_note else None
+    waits = any(r.waiting for r in table.rows)  # a note on this page's waiting trials only
+    note = waiting_note(facts.row) if waiting_note and waits else None
     if note is None:
         return table
     rows = [r.model_copy(update={"note": note}) if r.waiting else r for r in table.rows]

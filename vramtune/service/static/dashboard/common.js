@@ -277,7 +277,8 @@ const VT = (() => {
         liveStatus("live");
         notice(null);
       } catch (error) {
-        liveStatus("error", error.message);
+        // No token yet (or a refused one): the sign-in box is open; nothing failed.
+        liveStatus(error.status === 401 ? "signin" : "error", error.message);
         if (error.status === 403) notice(`This token may not see this page: ${error.message}`);
         else if (error.status !== 401) console.warn("vramtune: refresh failed:", error.message);
       } finally {
@@ -313,7 +314,8 @@ const VT = (() => {
     if (!node) return;
     node.className = `live live-${kind}`;
     node.title = message || "";
-    node.textContent = kind === "live" ? `updated ${new Date().toLocaleTimeString()}` : "update failed";
+    const said = { live: `updated ${new Date().toLocaleTimeString()}`, signin: "sign in to see updates" };
+    node.textContent = said[kind] || "update failed";
   }
 
   // ------------------------------------------------------------------ page frame

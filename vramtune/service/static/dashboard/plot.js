@@ -69,7 +69,8 @@ const Plot = (() => {
       }
       return out.length > count * 1.5 ? out.filter(([v]) => Math.abs(Math.log10(v) % 1) < 1e-9) : out;
     }
-    const step = niceStep(high - low, count);
+    // An integer axis (trial numbers) never ticks between whole numbers.
+    const step = axis.integer ? Math.max(1, niceStep(high - low, count)) : niceStep(high - low, count);
     const out = [];
     for (let v = Math.ceil(low / step) * step; v <= high + step * 1e-9; v += step) {
       out.push([Math.abs(v) < step * 1e-9 ? 0 : v, label(Math.abs(v) < step * 1e-9 ? 0 : v, step)]);
@@ -232,6 +233,7 @@ const Plot = (() => {
     ctx.restore();
     for (const t of spec.traces) if (t.labels) barLabels(ctx, t, sy, left);
     node.dataset.points = String(drawn);
+    node.dataset.xTicks = ticks(spec.x, d.x, box.r - box.l, 60).map(([, text]) => text).join(" ");
   }
 
   function axes(ctx, spec, d, box, sx, sy) {

@@ -156,7 +156,7 @@
       VT.plot(
         document.getElementById("plot-history"),
         {
-          x: { title: "trial" },
+          x: { title: "trial", integer: true },
           y: { title: objectiveName(d.objective) },
           keepView: sameObjective("history", d.objective),
           onClick: pick,
@@ -448,7 +448,7 @@
       VT.plot(
         node,
         {
-          x: { title: "step" },
+          x: { title: "step", integer: true },
           y: { title: "reported value" },
           legend: false,
           traces: [{ mode: "lines+markers", x: t.intermediate_steps, y: t.intermediate_values, color: VT.COLORS[0], size: 5, opacity: 1, hover: (i) => `step ${t.intermediate_steps[i]}: ${VT.value(t.intermediate_values[i])}` }],
