@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
@@ -67,10 +68,16 @@ def test_the_progress_line_counts_outcomes_and_the_plan_choice_median() -> None:
             [("resized", 0.5), ("routed", 1.5), ("infeasible", 2.5), (None, None)]
         )
     ]
-    line = progress_line(summary, trials)
+    now = datetime(2026, 12, 7, 12, 0, 0, tzinfo=UTC)
+    line = progress_line(summary, trials, now)
     assert "trials 2/6 complete, 1 running" in line
     assert "resized 1, routed 1, infeasible 1, oom 0" in line
-    assert "plan choice median 1.50 s" in line
+    assert line.endswith("plan choice median 1.50 s | best -")  # nothing is being planned
+    planned = trials[-1].model_copy(update={"state": "RUNNING"})
+    for leased_s, words in [(3, "planning trial 3"), (12, "planning trial 3: 10 s")]:
+        planned.planning_since = now - timedelta(seconds=leased_s)
+        line = progress_line(summary, [*trials[:-1], planned], now)
+        assert line.endswith(f"best - | {words}")
 
 
 def _places(tmp_path: Path) -> list[str]:

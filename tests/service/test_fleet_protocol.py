@@ -911,6 +911,25 @@ def test_a_task_no_live_worker_offers_is_advice_and_a_note_on_waiting_trials(env
     assert [(r["waiting"], r["note"]) for r in table["rows"]] == [(True, note)]
 
 
+def test_a_trial_its_worker_is_planning_says_since_when_until_it_starts(env: Env) -> None:
+    env.create_study(n_trials=1)
+    worker = env.worker("planner")
+    assignment = worker.next()
+    assert assignment is not None
+
+    def planning() -> tuple[object, object]:
+        (rest,) = env.page().values()
+        (row,) = env.http.get(f"/dashboard/studies/{env.study}/trials").json()["rows"]
+        return rest["planning_since"], row["planning_since"]
+
+    rest, dashboard = planning()
+    assert rest is not None and rest == dashboard  # leased, not started: being planned
+    assert worker.call(assignment, "start", plan=PLAN).status_code == 200
+    assert planning() == (None, None)  # running as planned
+    assert worker.complete(assignment, 1.0).status_code == 200
+    assert planning() == (None, None)
+
+
 def test_a_done_study_has_no_worker_advice_and_no_waiting_note(env: Env) -> None:
     env.create_study(n_trials=1)
     worker = env.worker("only")

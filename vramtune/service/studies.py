@@ -22,7 +22,7 @@ from vramtune.service.auth.tokens import audited
 from vramtune.service.db.tables import StudyRow, TrialRow, WorkerRow
 from vramtune.service.errors import Conflict, Invalid, NotFound
 from vramtune.service.fleet import trust
-from vramtune.service.fleet.leases import end_study_leases
+from vramtune.service.fleet.leases import end_study_leases, planning_since
 from vramtune.service.fleet.offers import check_batch_param
 from vramtune.service.optuna.glue import (
     SEARCH_SPACE_ATTR,
@@ -207,8 +207,14 @@ def _duration(trial: FrozenTrial) -> float | None:
     return (trial.datetime_complete - trial.datetime_start).total_seconds()
 
 
-def trial_out(trial: FrozenTrial, row: TrialRow | None, worker: WorkerRow | None) -> TrialOut:
-    """One trial as Optuna and vramtune know it."""
+def trial_out(
+    trial: FrozenTrial,
+    row: TrialRow | None,
+    worker: WorkerRow | None,
+    planning_since: datetime | None = None,
+) -> TrialOut:
+    """One trial as Optuna and vramtune know it (`planning_since`: its worker leased it then
+    and is choosing its plan)."""
     # Every terminal path writes the ``vramtune.*`` user attributes with Optuna's state: they
     # stand in for a row that is missing or ahead of Optuna's snapshot (trials_out).
     attrs = trial.user_attrs
@@ -241,6 +247,7 @@ def trial_out(trial: FrozenTrial, row: TrialRow | None, worker: WorkerRow | None
             known("outcome"), plan, handed_back=row is not None and row.min_bytes > 0
         ),
         planning_s=attrs.get("vramtune.planning_s"),
+        planning_since=planning_since,
         prediction_source=attrs.get("vramtune.prediction_source"),
         user_attrs=attrs,
     )
@@ -256,6 +263,7 @@ def trials_out(session: Session, trials: Sequence[FrozenTrial]) -> list[TrialOut
     workers = {
         w.id: w for w in session.scalars(select(WorkerRow).where(WorkerRow.id.in_(worker_ids)))
     }
+    planning = planning_since(session, [t._trial_id for t in trials if not t.state.is_finished()])
     out = []
     for trial in trials:
         row = rows.get(trial._trial_id)
@@ -265,7 +273,7 @@ def trials_out(session: Session, trials: Sequence[FrozenTrial]) -> list[TrialOut
             # tell writes them with the state), not with an end its state does not show yet.
             row = None
         worker = workers.get(row.worker_id) if row and row.worker_id is not None else None
-        out.append(trial_out(trial, row, worker))
+        out.append(trial_out(trial, row, worker, planning.get(trial._trial_id)))
     return out
 
 

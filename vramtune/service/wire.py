@@ -521,6 +521,11 @@ class TrialOut(Wire):
         "('routed, pruned', 'resized, oom').",
     )
     planning_s: float | None = Field(None, description="Seconds the worker took to choose a plan.")
+    planning_since: UtcDatetime | None = Field(
+        None,
+        description="While a worker holds the trial and chooses its plan (leased, not started "
+        "yet): when it leased it.",
+    )
     prediction_source: PredictionSource | None = None
     user_attrs: dict[str, Any] = Field(default_factory=dict)
 

@@ -23,6 +23,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,8 @@ import yaml
 
 from vramtune.service.client import ApiError, Client
 from vramtune.service.wire import StudySummary, TrialOut
+
+PLANNING_STEP_S = 10
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"  # the checkout's examples/
 DEFAULT_STUDY = EXAMPLES / "char-transformer.yaml"
@@ -144,21 +147,34 @@ def _all_trials(client: Client, name: str) -> list[TrialOut]:
             return trials
 
 
-def progress_line(summary: StudySummary, trials: Sequence[TrialOut]) -> str:
+def progress_line(summary: StudySummary, trials: Sequence[TrialOut], now: datetime) -> str:
     """One line of progress: trials by state and memory outcome, the workers' plan-choice time
-    (median over the trials that recorded one), and the best value so far."""
+    (median over the trials that recorded one), the best value so far, and the trials a worker
+    is planning now (a long plan would otherwise look like a hung demo)."""
     outcomes = Counter(t.outcome for t in trials if t.outcome)
     done = summary.counts.get("COMPLETE", 0)
     best = "-" if summary.best_value is None else f"{summary.best_value:.4g}"
     planning = [t.planning_s for t in trials if t.planning_s is not None]
     planned = f"{statistics.median(planning):.2f} s" if planning else "-"
-    return (
+    line = (
         f"trials {done}/{summary.n_trials} complete, {summary.counts.get('RUNNING', 0)} running,"
         f" {summary.counts.get('FAIL', 0)} failed, {summary.counts.get('PRUNED', 0)} pruned |"
         f" resized {outcomes['resized']}, routed {outcomes['routed']},"
         f" infeasible {outcomes['infeasible']}, oom {outcomes['oom']} |"
         f" plan choice median {planned} | best {best}"
     )
+    return line + "".join(
+        f" | {planning_words(t.number, now - t.planning_since)}"
+        for t in trials
+        if t.planning_since is not None
+    )
+
+
+def planning_words(number: int, planning: timedelta) -> str:
+    """'planning trial 3', then its time in steps of PLANNING_STEP_S (the line is printed when
+    it changes: a new line every few seconds of a long plan, not every poll)."""
+    seconds = int(planning.total_seconds()) // PLANNING_STEP_S * PLANNING_STEP_S
+    return f"planning trial {number}" + (f": {seconds} s" if seconds > 0 else "")
 
 
 def _watch(
@@ -171,7 +187,7 @@ def _watch(
     summary: StudySummary | None = None
     while not stop.is_set():
         summary = client.get_study(name)
-        line = progress_line(summary, _all_trials(client, name))
+        line = progress_line(summary, _all_trials(client, name), datetime.now(UTC))
         if line != last:
             print(line, flush=True)
             last = line

@@ -229,6 +229,9 @@ class TrialRowOut(BaseModel):
         "('routed, pruned'); vramtune.common.plans.told_outcome.",
     )
     waiting: bool = Field(False, description="Waits for a worker (pending or handed back).")
+    planning_since: datetime | None = Field(
+        None, description="While its worker chooses the plan (leased, not started): when leased."
+    )
     note: str | None = Field(
         None, description="Why a trial that waits is not running (no live worker offers the task)."
     )

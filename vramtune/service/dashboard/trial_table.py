@@ -27,6 +27,7 @@ from vramtune.service.dashboard.studies_view import (
 )
 from vramtune.service.db.tables import MemoryObservationRow, StudyRow, TrialRow, WorkerRow
 from vramtune.service.errors import NotFound
+from vramtune.service.fleet.leases import planning_since
 from vramtune.service.studies import rank_peaks
 from vramtune.service.wire import PlanOut
 
@@ -80,12 +81,27 @@ def trial_table(
     table = cache.by_revision(
         session, facts.study_id, query.key(), lambda: _table(session, facts, query)
     )
+    table = _with_planning(session, table)
     waits = any(r.waiting for r in table.rows)  # a note on this page's waiting trials only
     note = waiting_note(facts.row) if waiting_note and waits else None
     if note is None:
         return table
     rows = [r.model_copy(update={"note": note}) if r.waiting else r for r in table.rows]
     return table.model_copy(update={"rows": rows, "note": note})
+
+
+def _with_planning(session: Session, table: TrialTable) -> TrialTable:
+    """The page's running trials that a worker is planning, read per visit: a lease and its
+    start change no revision the cached table is keyed by."""
+    running = [r.id for r in table.rows if r.state == TrialState.RUNNING.name]
+    since = planning_since(session, running)
+    if not since:
+        return table
+    rows = [
+        r.model_copy(update={"planning_since": schema.aware(since[r.id])}) if r.id in since else r
+        for r in table.rows
+    ]
+    return table.model_copy(update={"rows": rows})
 
 
 def _table(session: Session, facts: StudyFacts, query: TableQuery) -> TrialTable:

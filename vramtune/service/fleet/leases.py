@@ -143,6 +143,17 @@ def fence(
     return fenced
 
 
+def planning_since(session: Session, trial_ids: list[int]) -> dict[int, datetime]:
+    """When each of `trial_ids` that a worker is planning was leased: an active lease whose
+    worker has not called ``start`` yet is choosing the trial's plan (predicting it)."""
+    if not trial_ids:
+        return {}
+    query = select(LeaseRow.trial_id, LeaseRow.created_at).where(
+        LeaseRow.trial_id.in_(trial_ids), LeaseRow.active.is_(True), LeaseRow.started_at.is_(None)
+    )
+    return {trial_id: leased for trial_id, leased in session.execute(query)}
+
+
 def check_started(lease: LeaseRow, trial_id: int, call: str) -> None:
     """Refuse (409) a result of running a trial under a lease whose worker never said it
     started it: the ``start`` call is where the worker names the plan it runs, so a result

@@ -580,9 +580,14 @@
   /** vramtune's outcome names as words ("as_asked": "as asked"), as the region map names them. */
   const outcomeText = (outcome) => outcome.replace(/_/g, " ");
 
-  /** The most informative outcome ("routed, pruned"); a waiting trial says why it waits. */
+  /** The most informative outcome ("routed, pruned"); a waiting trial says why it waits, a
+   *  trial its worker is planning for how long (a long plan looks like a hung trial). */
   function outcomeCell(r) {
     if (r.note) return el("span", { class: "waiting-note", text: r.note });
+    if (r.planning_since) {
+      const seconds = Math.max(0, Math.round((Date.now() - Date.parse(r.planning_since)) / 1000));
+      return el("span", { class: "planning-note", text: `planning ${seconds} s` });
+    }
     const told = r.told_outcome || r.outcome;
     return told ? outcomeText(told) : "–";
   }
