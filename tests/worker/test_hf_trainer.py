@@ -367,3 +367,135 @@ def test_a_worker_without_accelerate_does_not_advertise_the_example() -> None:
     ).stdout
     assert out.splitlines()[0] == "[]"
     assert "TrainerTask needs accelerate: pip install 'vramtune[hf]'" in out
+
+
+# ----------------------------------------------------------------- planning cost (issue 43)
+
+
+def _gathering(eval_rows: int = 22) -> Callable[[], dict[str, Any]]:
+    """Evaluation with `compute_metrics` (the loop gathers every batch's logits on the device)
+    over a held-out set whose last batch is partial."""
+    return _factory(compute_metrics=_accuracy, eval_dataset=_windows(eval_rows, 5))
+
+
+def _same(fast: Any, full: Any) -> None:
+    assert fast.model_dump(exclude={"seconds"}) == full.model_dump(exclude={"seconds"})
+
+
+@pytest.mark.parametrize(
+    ("batch", "plans", "evaluations"),
+    [
+        # The same evaluation batch (8): the second counts the first's evaluation.
+        (16, [Plan(), Plan(micro_batch=8, accumulation=2)], 1),
+        # Windows of 6, 4 and 12 micro-batches; evaluation batches of 2, 3 (22 rows: the last
+        # batch partial) and 1, each traced once.
+        (
+            12,
+            [
+                Plan(micro_batch=2, accumulation=6),
+                Plan(micro_batch=3, accumulation=4, checkpointing=True),
+                Plan(micro_batch=1, accumulation=12),
+                Plan(micro_batch=2, accumulation=6, checkpointing=True),
+            ],
+            4,
+        ),
+    ],
+    ids=["reused-evaluation", "replayed-steps"],
+)
+def test_replayed_steps_and_a_reused_evaluation_predict_what_the_full_trace_does(
+    batch: int, plans: list[Plan], evaluations: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vramtune.worker.predictor import repeats
+
+    config = {"per_device_train_batch_size": batch}
+    task = TrainerTask("fast", _gathering())
+    fast = [task.predict(config, plan, CARD) for plan in plans]
+    assert (task.counts.traces, task.counts.evaluations) == (len(plans), evaluations)
+    long_enough = batch == 12  # windows to replay; 11 and 22 held-out batches to jump over
+    assert (task.counts.steps_replayed > 0, task.counts.batches_skipped > 0) == (long_enough,) * 2
+    # The full trace: every step run, every evaluation traced (a fresh task each).
+    monkeypatch.setattr(repeats, "REPLAY_AFTER", 10**9)
+    for plan, prediction in zip(plans, fast, strict=True):
+        full = TrainerTask("full", _gathering())
+        _same(prediction, full.predict(config, plan, CARD))
+        assert (full.counts.steps_replayed, full.counts.batches_skipped) == (0, 0)
+
+
+def test_a_replayed_prediction_matches_the_real_runs_peak() -> None:
+    # Both loops replayed (windows of 6 micro-batches; 11 evaluation batches of 2, gathering
+    # logits): the real run measures the predicted peaks to the byte.
+    task = TrainerTask("replayed", _gathering())
+    config = {"per_device_train_batch_size": 12}
+    plan = Plan(micro_batch=2, accumulation=6)
+    predicted = task.predict(config, plan, CARD)
+    assert task.counts.steps_replayed >= 12
+    result = task.run(config, plan, TrainBudget(max_steps=2, eval_every=2), CARD, _Reporter())
+    measured = result.measured
+    assert predicted.training_peak_bytes == measured.training_peak_bytes
+    assert predicted.evaluation_peak_bytes == measured.evaluation_peak_bytes
+    assert predicted.peak_allocated_bytes == measured.peak_allocated_bytes
+
+
+def test_a_plan_choice_traces_each_evaluation_once_and_few_steps() -> None:
+    # Counted, not timed: what a plan choice costs is how many evaluations and model steps
+    # its traces run.
+    from vramtune.service.wire import MemoryPolicy
+    from vramtune.worker.plan.policy import RunAsPlanned, choose_plan
+    from vramtune.worker.plan.shared_predictions import shared
+
+    config = {"per_device_train_batch_size": 32}
+    whole = TrainerTask("probe", _gathering(40)).predict(config, Plan(), CARD)
+    card = CardSpec(info=simulated_card(whole.peak_allocated_bytes // 2))
+    task = TrainerTask("planned", _gathering(40))
+    predicted: list[Plan] = []
+    predict = task.predict
+
+    def recording(config: Any, plan: Plan, card: CardSpec) -> Any:
+        predicted.append(plan)
+        return predict(config, plan, card)
+
+    task.predict = recording  # type: ignore[method-assign]
+    policy = MemoryPolicy(resizes=["micro_batch", "checkpointing"])
+    decision = choose_plan(shared(task, config, []), config, policy, card, card.info.free_bytes)
+    assert isinstance(decision, RunAsPlanned)
+    assert decision.plan.micro_batch is not None and decision.plan.micro_batch < 32
+    # One evaluation traced per evaluation batch and checkpointing the choice predicted.
+    default = task.defaults.per_device_eval_batch_size
+    evaluations = {(min(p.micro_batch or 32, default), p.checkpointing) for p in predicted}
+    assert task.counts.evaluations == len(evaluations) < task.counts.traces
+    # No micro-batch of 1 (a window of all 32 micro-batches): the search, not a prediction of
+    # the smallest plan, says whether the ladder fits.
+    assert min(p.micro_batch or 32 for p in predicted) > 1
+    # At most 4 steps a window run in step 1, 2 in step 2, 4 evaluation batches: the rest
+    # replayed, however many micro-batches and held-out rows.
+    assert task.counts.steps_run <= 6 * task.counts.traces + 4 * task.counts.evaluations
+
+
+def _padded_to_longest(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Dynamic padding (as `DataCollatorWithPadding`): each batch as long as its longest row."""
+    import torch
+
+    longest = max(len(row["input_ids"]) for row in rows)
+    ids = [row["input_ids"] + [0] * (longest - len(row["input_ids"])) for row in rows]
+    return {"input_ids": torch.tensor(ids), "labels": torch.tensor(ids)}
+
+
+def test_a_jump_over_a_batch_of_another_shape_is_undone(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Held-out batches of 2 rows of 16 tokens, but the 9th batch has 12: the evaluation's jump
+    # would skip it, so the trace runs again without one, and predicts what the full trace does.
+    from vramtune.worker.predictor import repeats
+
+    caplog.set_level("INFO", logger="vramtune.worker.integrations.hf_trainer_trace")
+    held_out = _windows(28, 5)
+    for row in held_out[16:18]:
+        row["input_ids"] = row["labels"] = row["input_ids"][:12]
+    factory = _factory(data_collator=_padded_to_longest, eval_dataset=held_out)
+    config = {"per_device_train_batch_size": 8, "per_device_eval_batch_size": 2}
+    task = TrainerTask("undone", factory)
+    fast = task.predict(config, Plan(), CARD)
+    assert "a skipped batch had another shape" in caplog.text
+    assert (task.counts.traces, task.counts.evaluations) == (2, 2)
+    monkeypatch.setattr(repeats, "REPLAY_AFTER", 10**9)
+    _same(fast, TrainerTask("full", factory).predict(config, Plan(), CARD))

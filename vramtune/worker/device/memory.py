@@ -40,7 +40,7 @@ import functools
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -121,6 +121,69 @@ class _Storage:
     ref: weakref.ref[torch.UntypedStorage] | None = None
 
 
+@dataclass(frozen=True)
+class Excess:
+    """How far a block of allocations went above the bytes live at its start: at its highest
+    (`total`), while each phase allocated (`phases`, as `MemoryTracker.phase_peaks`), and the
+    breakdown categories of what it held at its highest (`categories`)."""
+
+    total: int
+    phases: tuple[tuple[str, int], ...]
+    categories: tuple[tuple[str, int], ...]
+
+
+@dataclass
+class BlockCount:
+    """What a tracker counted inside one `MemoryTracker.counting_block` block (a call of a
+    traced loop, to replay it: vramtune/worker/predictor/repeats.py).
+
+    `made`: the storages made inside it still live (id: category, bytes); `freed_older`:
+    whether a storage made before it died or was resized in it (then what it left is more
+    than `made` tells)."""
+
+    entry_tick: int
+    live_at_entry: int
+    highest: int
+    made: dict[int, tuple[str, int]] = field(default_factory=dict)
+    held: dict[str, int] = field(default_factory=dict)
+    """The bytes of `made` by category."""
+    freed_older: bool = False
+    phases: dict[str, int] = field(default_factory=dict)
+    held_at_highest: dict[str, int] = field(default_factory=dict)
+
+    def excess(self) -> Excess:
+        """What it allocated above the bytes live at its entry (`Excess`)."""
+        entry = self.live_at_entry
+        return Excess(
+            self.highest - entry,
+            tuple(sorted((phase, live - entry) for phase, live in self.phases.items())),
+            tuple(sorted((c, n) for c, n in self.held_at_highest.items() if n)),
+        )
+
+    def add(self, rid: int, category: str, nbytes: int) -> None:
+        """A storage made inside the block."""
+        self.made[rid] = (category, nbytes)
+        self.held[category] = self.held.get(category, 0) + nbytes
+
+    def drop(self, record: _Storage) -> None:
+        """A storage died (or was resized): one made before the block, or one of `made`."""
+        if record.born <= self.entry_tick:
+            self.freed_older = True
+        elif record.rid in self.made:
+            category, nbytes = self.made.pop(record.rid)
+            self.held[category] -= nbytes
+
+    def reached(self, phase: str, live: int, replayed: Excess | None = None) -> None:
+        """Live bytes rose to `live` while `phase` allocated; `replayed`: a replayed call's
+        excess is live then, beside what the block holds."""
+        self.phases[phase] = max(self.phases.get(phase, 0), live)
+        if live > self.highest:
+            self.highest = live
+            self.held_at_highest = dict(self.held)
+            for category, nbytes in replayed.categories if replayed is not None else ():
+                self.held_at_highest[category] = self.held_at_highest.get(category, 0) + nbytes
+
+
 class MemoryTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Counts live storages; `peak_bytes` is the highest `live_bytes` since the last reset.
 
@@ -166,6 +229,10 @@ class MemoryTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._correct = correct
         self._paused = False
         self.phase_peaks: dict[str, int] = {}
+        self._blocks: list[BlockCount] = []
+        # What a replayed call held at the peak it set (`count_transient`), by category: no
+        # storage of the history stands for it.
+        self._peak_transient: dict[str, int] | None = None
 
     # ------------------------------------------------------------------ dispatch
 
@@ -271,6 +338,8 @@ class MemoryTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._live[key] = record
         self._history.append(record)
         self.live_bytes += record.nbytes
+        for block in self._blocks:
+            block.add(record.rid, self._category(record), record.nbytes)
         if self.events is not None and nbytes:
             self.events.append((record.rid, nbytes))
 
@@ -296,6 +365,8 @@ class MemoryTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.live_bytes -= record.nbytes
         if self._live.get(record.key) is record:
             del self._live[record.key]
+        for block in self._blocks:
+            block.drop(record)
         if self.events is not None and record.nbytes:
             self.events.append((record.rid, -record.nbytes))
 
@@ -306,6 +377,9 @@ class MemoryTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
             self._peak_tick = self._tick
+            self._peak_transient = None
+        for block in self._blocks:
+            block.reached(phase, self.live_bytes)
         if len(self._history) > 2 * self._pruned_at:
             self._prune_history()
 
@@ -327,6 +401,46 @@ class MemoryTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.phase_peaks = {}
         self.peak_bytes = self.live_bytes
         self._peak_tick = self._tick
+        self._peak_transient = None
+
+    @contextmanager
+    def counting_block(self) -> Iterator[BlockCount]:
+        """Count what the block allocates apart (see `BlockCount`), besides counting it."""
+        block = BlockCount(self._tick, self.live_bytes, self.live_bytes)
+        self._blocks.append(block)
+        try:
+            yield block
+        finally:
+            self._blocks.remove(block)
+
+    def count_transient(self, excess: Excess) -> None:
+        """Count a call replayed instead of run (`BlockCount.excess` of one run before it): its
+        allocations above what is live now, made and freed with no storage. The peaks, phase
+        peaks and breakdown are those the call's own storages would give."""
+        if self._paused or not excess.phases:
+            return  # it allocated nothing
+        base = self.live_bytes
+        if self.limit_bytes is not None and base + excess.total > self.limit_bytes:
+            raise MemoryLimitExceeded(excess.total, base, self.limit_bytes)
+        self._tick += 1
+        for phase, above in excess.phases:
+            self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), base + above)
+        highest = base + excess.total
+        if highest > self.peak_bytes:
+            self.peak_bytes = highest
+            self._peak_tick = self._tick
+            self._peak_transient = dict(excess.categories)
+        for block in self._blocks:
+            # The highest first: a phase's level can be the call's highest too.
+            for phase, above in sorted(excess.phases, key=lambda p: -p[1]):
+                block.reached(phase, base + above, excess if above == excess.total else None)
+
+    def storage_id(self, tensor: torch.Tensor) -> int | None:
+        """The id of the counted storage `tensor` lives in (a `BlockCount.made` key); None
+        when it is not counted."""
+        storage = self._storage_of(tensor)
+        record = None if storage is None else self._live.get(id(storage))
+        return None if record is None else record.rid
 
     def current_phase(self) -> str:
         """The phase new storages are attributed to."""
@@ -405,6 +519,8 @@ class MemoryTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         for record in self._history:
             if self._alive_at_peak(record):
                 totals[self._category(record)] += record.nbytes
+        for category, nbytes in (self._peak_transient or {}).items():
+            totals[category] += nbytes
         return totals
 
     def _category(self, record: _Storage) -> str:

@@ -39,10 +39,12 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from vramtune.common.plans import plan_flags
 from vramtune.service.wire import Plan, Prediction, TrainBudget
-from vramtune.worker.integrations.hf_trainer_trace import trace_trainer
+from vramtune.worker.device.memory import Excess
+from vramtune.worker.integrations.hf_trainer_trace import TrainerTrace, trace_trainer
 from vramtune.worker.predictor import CannotTrace, from_trace, target_for
-from vramtune.worker.predictor.core import card_constants, largest_fitting_divisor
+from vramtune.worker.predictor.core import card_constants, divisors, largest_divisor_on_lines
 from vramtune.worker.run.training import TrainingDiverged, meter_for, release_device_memory
 from vramtune.worker.trial.runner import (
     CardSpec,
@@ -51,6 +53,7 @@ from vramtune.worker.trial.runner import (
     Reporter,
     RunResult,
     Stopped,
+    plan_for_micro_batch,
 )
 from vramtune.worker.trial.task import Metric, TaskConfigError
 
@@ -71,6 +74,23 @@ PREDICTIONS_KEPT = 512
 
 RESERVED = frozenset({"model", "args", "callbacks", "model_init"})
 """Trainer keyword arguments vramtune sets itself for each trial."""
+
+TRAINING_ONLY = frozenset({"per_device_train_batch_size", "gradient_accumulation_steps"})
+"""The arguments a plan's micro-batch sets that the evaluation does not read."""
+
+
+@dataclass
+class TraceCounts:
+    """What a TrainerTask's predictions traced: Trainer traces, the evaluations among them
+    (the others counted a known evaluation's excess instead), the training and evaluation
+    steps run and replayed (vramtune/worker/predictor/repeats.py) and the held-out batches
+    the evaluation loops jumped over (integrations/hf_trainer_evaluation.py)."""
+
+    traces: int = 0
+    evaluations: int = 0
+    steps_run: int = 0
+    steps_replayed: int = 0
+    batches_skipped: int = 0
 
 
 def _transformers() -> Any:
@@ -142,6 +162,9 @@ class TrainerTask:
     can_checkpoint = True
     can_bf16 = True
     batch_size_param = "per_device_train_batch_size"
+    # Its micro-batch of 1 traces a window of the whole batch: the plan chooser asks the
+    # search rather than predicting it (vramtune/worker/plan/policy.py).
+    costly_micro_batch_of_one = True
 
     def __init__(
         self,
@@ -162,6 +185,8 @@ class TrainerTask:
             raise ValueError(f"{name}: trainer_class must be transformers.Trainer or a subclass")
         self.defaults = self.setup().args
         self._predictions: dict[tuple[Any, ...], Prediction] = {}
+        self._evaluations: dict[tuple[Any, ...], Excess] = {}
+        self.counts = TraceCounts()
 
     def setup(self) -> TrainerSetup:
         """The factory's arguments, checked."""
@@ -277,18 +302,16 @@ class TrainerTask:
     # ----------------------------------------------------------------- prediction
 
     def predict(self, config: Config, plan: Plan, card: CardSpec) -> Prediction:
-        """The traced peak of the Trainer's training step under `plan`; method "none" with the
-        reason when fake tensors cannot run it (no probe: that would run the user's loop)."""
+        """The traced peak of the Trainer's training steps under `plan`, then of its
+        evaluation; method "none" with the reason when fake tensors cannot run it (no probe:
+        that would run the user's loop).
+
+        On a CPU card the evaluation is traced once for each evaluation batch and set of
+        arguments: the predictions of other micro-batches add its excess to what their
+        training steps leave live, which is exact to the byte."""
         started = time.perf_counter()
         target = target_for(card)
-        key = (
-            tuple(sorted((k, repr(v)) for k, v in config.items())),
-            self.micro_batch(config, plan),
-            plan.checkpointing,
-            plan.bf16,
-            target,
-            card.device,
-        )
+        key = self._key(config, plan, card)
         cached = self._predictions.get(key)
         if cached is not None:
             return cached
@@ -298,31 +321,81 @@ class TrainerTask:
             )
         setup = self.setup()
         args = self.arguments(setup, config, plan, card)
+        evaluation_key = _evaluation_key(config, args, target, card.device)
+        known = None if target.cuda else self._evaluations.get(evaluation_key)
         try:
-            trace = trace_trainer(
+            traced = trace_trainer(
                 lambda a, callbacks, wrap: self.build_trainer(setup, config, a, callbacks, wrap),
                 args,
                 target,
+                evaluation=known,
             )
         except CannotTrace as error:
             return _unpredictable(error.reason, started)
+        self._note(traced, evaluation_key, evaluated=known is None)
         constants = card_constants(card) if target.cuda else card_constants(None)
-        prediction = from_trace(trace, target, constants, time.perf_counter() - started)
+        prediction = from_trace(traced.trace, target, constants, time.perf_counter() - started)
         if len(self._predictions) >= PREDICTIONS_KEPT:
             self._predictions.clear()  # a bound, not a policy: a study revisits few shapes
         self._predictions[key] = prediction
         return prediction
 
+    def _key(self, config: Config, plan: Plan, card: CardSpec) -> tuple[Any, ...]:
+        """What a prediction depends on: the configuration, the micro-batch the Trainer runs,
+        the plan's flags it takes, the card."""
+        return (
+            tuple(sorted((k, repr(v)) for k, v in config.items())),
+            self.micro_batch(config, plan),
+            plan.checkpointing,
+            plan.bf16,
+            target_for(card),
+            card.device,
+        )
+
+    def predictions_solved(
+        self, config: Config, plan: Plan, card: CardSpec
+    ) -> dict[int, Prediction]:
+        """The predictions made so far for `plan`'s flags, by micro-batch (each divisor of
+        the batch): the fleet keeps what a solve traced, and nothing is traced for it alone
+        (vramtune/worker/plan/shared_predictions.py)."""
+        batch = self.batch_size(config)
+        flags = plan_flags(plan)
+        made = {}
+        for micro in divisors(batch):
+            known = self._predictions.get(
+                self._key(config, plan_for_micro_batch(batch, micro, **flags), card)
+            )
+            if known is not None:
+                made[micro] = known
+        return made
+
+    def _note(self, traced: TrainerTrace, evaluation_key: tuple[Any, ...], evaluated: bool) -> None:
+        """Keep a traced evaluation's excess for the next predictions; count the trace, whether
+        it ran the evaluation, and its steps."""
+        if traced.evaluation is not None:
+            if len(self._evaluations) >= PREDICTIONS_KEPT:
+                self._evaluations.clear()  # a bound, as for the predictions
+            self._evaluations[evaluation_key] = traced.evaluation
+        again = bool(traced.jump_undone)  # traced twice: with the jump, then without
+        self.counts.traces += 1 + again
+        self.counts.evaluations += evaluated + again
+        for run, replayed in traced.calls.values():
+            self.counts.steps_run += run
+            self.counts.steps_replayed += replayed
+        self.counts.batches_skipped += traced.skipped_batches
+
     def largest_micro_batch(
         self, config: Config, plan: Plan, budget_bytes: int, card: CardSpec
     ) -> tuple[int, Prediction] | None:
         """The largest divisor of the effective batch whose traced peak fits `budget_bytes`
-        (a bisection: the peak rises with the micro-batch)."""
-        return largest_fitting_divisor(
+        (each prediction runs the Trainer's loop: searched on the line of the training steps'
+        peaks, which takes fewer predictions than a bisection)."""
+        return largest_divisor_on_lines(
             self.batch_size(config),
             plan,
             budget_bytes,
             lambda planned: self.predict(config, planned, card),
+            lambda planned: self._predictions.get(self._key(config, planned, card)),
         )
 
     # ----------------------------------------------------------------- running
@@ -377,6 +450,18 @@ class TrainerTask:
             )
         release_device_memory(device)
         raise OutOfMemory(message, meter.measured())
+
+
+def _evaluation_key(config: Config, args: Any, target: object, device: str) -> tuple[Any, ...]:
+    """What the evaluation's allocations depend on: the configuration (the model's
+    parameters), every training argument but those only the training steps read (the
+    evaluation batch, bf16 and checkpointing among them), and the card."""
+    fields = sorted(
+        (f.name, repr(getattr(args, f.name)))
+        for f in dataclasses.fields(args)
+        if f.init and f.name not in TRAINING_ONLY
+    )
+    return (tuple(sorted((k, repr(v)) for k, v in config.items())), tuple(fields), target, device)
 
 
 def _metered(evaluate: Callable[..., Any], meter: Any) -> Callable[..., Any]:

@@ -72,6 +72,12 @@ class MicroBatchSearch(Protocol):
             None when not even a micro-batch of 1 fits. It may answer the largest of an even
             split instead (ceil(batch / k) for k micro-batches: the plan the policy evens any
             answer to), which the predictor's solver does to spare a trace.
+        predictions_solved(config, plan, card), optional: the predictions a solve made for
+            `plan`'s flags, by micro-batch, which the fleet then keeps (else it keeps the
+            whole batch's and micro-batch 1's, predicting them if need be).
+        costly_micro_batch_of_one, optional (False): a micro-batch of 1 is the runner's
+            slowest prediction; whether the ladder's smallest plan fits is then asked of the
+            search, which predicts it only when nothing larger fits.
     """
 
     def largest_micro_batch(
@@ -312,6 +318,11 @@ class _Chooser:
         if len(stages) < 2:
             return True
         smallest = stages[-1]
+        if smallest.micro_batch and getattr(self.runner, "costly_micro_batch_of_one", False):
+            # A micro-batch of 1 is such a runner's slowest prediction (a Trainer's traces a
+            # window of the whole batch): its search answers the question (None only when 1
+            # does not fit), and the stage's own search later finds what it predicted.
+            return self.largest_micro_batch(smallest, budget) is not None
         micro = 1 if smallest.micro_batch else self.batch
         plan = plan_for_micro_batch(self.batch, micro, **smallest.flags())
         return peak_of(self.predict(plan)) <= budget

@@ -64,6 +64,7 @@ class SharedPredictions:
         self.can_bf16 = runner.can_bf16
         self.can_swap_optimizer = bool(getattr(runner, "can_swap_optimizer", False))
         self.can_offload = bool(getattr(runner, "can_offload", False))
+        self.costly_micro_batch_of_one = bool(getattr(runner, "costly_micro_batch_of_one", False))
         self.shape = shape_of(config, shape_keys(runner))
         # A prediction for another shape is not this trial's (a server keyed differently).
         self._fleet = {plan_key(s.plan): s for s in fleet if s.shape == self.shape}
@@ -151,8 +152,10 @@ class SharedPredictionsWithSolver(SharedPredictions):
         Without the fleet's predictions for these flags, the runner's solver answers, and the
         predictions at micro-batch 1 and the whole batch are kept beside its answer (hits in
         the predictor's cache: the solve has just made them), so the next worker's search
-        starts settled. With them, the search narrows the bracket they give, predicting only
-        what is not known, over the even splits the policy runs.
+        starts settled; a solver that says which it made (`predictions_solved`, a Trainer's,
+        whose micro-batch of 1 traces a window of the whole batch) has those kept instead.
+        With the fleet's, the search narrows the bracket they give, predicting only what is
+        not known, over the even splits the policy runs.
         """
         batch = self.batch_size(config)
         flags = plan_flags(plan)
@@ -163,9 +166,14 @@ class SharedPredictionsWithSolver(SharedPredictions):
         known = self._known_peaks(batch, flags)
         if not any(key in self._given for key in known.values()):
             found = self.solver.largest_micro_batch(config, plan, budget_bytes, card)
-            at(batch)
-            if found is None or found[0] < batch:
-                at(1)  # the fleet learns that not even 1 fits, or the lines' lower anchor
+            solved = getattr(self.solver, "predictions_solved", None)
+            if solved is not None:  # a solver that says what it traced: the fleet keeps that
+                for micro, prediction in solved(config, plan, card).items():
+                    self._keep(plan_for_micro_batch(batch, micro, **flags), prediction)
+            else:
+                at(batch)
+                if found is None or found[0] < batch:
+                    at(1)  # the fleet learns that not even 1 fits, or the lines' lower anchor
             if found is not None:
                 self._keep(plan_for_micro_batch(batch, found[0], **flags), found[1])
             return found

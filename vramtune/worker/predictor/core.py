@@ -118,6 +118,108 @@ def largest_fitting_divisor(
     return found
 
 
+def largest_divisor_on_lines(
+    batch: int,
+    plan: Plan,
+    budget_bytes: int,
+    predict: Callable[[Plan], Prediction],
+    known: Callable[[Plan], Prediction | None] = lambda plan: None,
+) -> tuple[int, Prediction] | None:
+    """The largest micro-batch dividing `batch` whose prediction under `plan`'s flags fits
+    `budget_bytes`, for a loop that accumulates whole micro-batches and traces slowly (a
+    Hugging Face Trainer's: every prediction runs its loop, and a micro-batch of 1 runs a
+    window of the whole batch); None when not even 1 fits. `known` gives the predictions made
+    already (none is made twice).
+
+    The whole batch is tried first; each round then predicts the largest divisor inside the
+    bracket that the training steps' line says fits, and narrows the bracket. Until a
+    micro-batch is known to fit, the line runs from what the whole batch's peak holds that
+    does not grow with the micro-batch (parameters, their gradients, optimizer state). Past
+    the two largest micro-batches predicted that fit (both accumulating) the line never
+    over-states the training steps' peak, a maximum of terms affine in the micro-batch: a next
+    divisor it puts over the budget, by more than per-storage rounding can hide
+    (`_line_slack`), is over, and the search stops short of a closed bracket. Every answer
+    was predicted to fit.
+    """
+    flags = plan_flags(plan)
+    choices = divisors(batch)
+    plans = {m: plan_for_micro_batch(batch, m, **flags) for m in choices}
+    traced = {m: p for m in choices if (p := known(plans[m])) is not None}
+
+    def at(micro: int) -> Prediction:
+        if micro not in traced:
+            traced[micro] = predict(plans[micro])
+        return traced[micro]
+
+    if prediction_fits(at(batch), budget_bytes):
+        return batch, traced[batch]
+    fits = max((m for m, p in traced.items() if prediction_fits(p, budget_bytes)), default=0)
+    fails = min(m for m, p in traced.items() if m > fits and not prediction_fits(p, budget_bytes))
+    for _ in choices:
+        inside = [m for m in choices if fits < m < fails]
+        guess = _guess_on_lines(inside, traced, (fits, fails), budget_bytes)
+        if guess is None:
+            break
+        if prediction_fits(at(guess), budget_bytes):
+            fits = guess
+        else:
+            fails = guess
+    return (fits, traced[fits]) if fits else None
+
+
+def _guess_on_lines(
+    inside: list[int], traced: dict[int, Prediction], bracket: tuple[int, int], budget: int
+) -> int | None:
+    """The next micro-batch to predict within the bracket (`inside`, ascending; its lower end
+    0 while none is known to fit); None when there is none, or the line through the two
+    largest fitting ones puts the next over."""
+    if not inside:
+        return None
+    fits, fails = bracket
+    fitting = sorted(m for m, p in traced.items() if m < fails and prediction_fits(p, budget))
+    if len(fitting) >= 2:
+        low, high = fitting[-2:]
+        line = _TrainingLine(low, _training(traced[low]), high, _training(traced[high]))
+        if line.at(inside[0]) > budget + _line_slack(budget):
+            return None
+    else:
+        start = _training(traced[fits]) if fits else _fixed(traced[fails])
+        line = _TrainingLine(fits, start, fails, _training(traced[fails]))
+    evaluation = (traced[fits].evaluation_peak_bytes or 0) if fits else 0
+    within = [m for m in inside if max(line.at(m), evaluation) <= budget]
+    return within[-1] if within else inside[0]
+
+
+@dataclass(frozen=True)
+class _TrainingLine:
+    """The training steps' peak as a line through two micro-batches' (m0, v0), (m1, v1)."""
+
+    m0: int
+    v0: float
+    m1: int
+    v1: float
+
+    def at(self, micro: int) -> float:
+        return _line(self.m0, self.v0, self.m1, self.v1, micro)
+
+
+def _training(prediction: Prediction) -> int:
+    return prediction.training_peak_bytes or footprint(prediction)
+
+
+def _fixed(prediction: Prediction) -> int:
+    """What a peak holds that does not grow with the micro-batch: the parameters, as many
+    bytes of gradients (held across an accumulation window) and the optimizer state."""
+    breakdown = prediction.breakdown
+    return 2 * breakdown.get("parameters", 0) + breakdown.get("optimizer_state", 0)
+
+
+def _line_slack(budget: int) -> int:
+    """What rounding each live storage up to 512 bytes can add to a peak beyond its line: a
+    line this close to the budget is confirmed by a prediction, not trusted."""
+    return max(budget // 100, 1 << 20)
+
+
 def card_constants(card: CardSpec | None) -> CardConstants:
     """The constants measured on `card` (a dict or a CardConstants); zeros when unknown."""
     if card is None:
