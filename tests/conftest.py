@@ -110,8 +110,21 @@ def no_worker_outlives_its_module(request: pytest.FixtureRequest) -> Iterator[No
         warnings.warn(f"{len(left)} worker process(es) outlived {module}; killed", stacklevel=1)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark the heavy fault/load suite so the default run can leave it out (README, Tests)."""
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the heavy fault/load suite so that -m can pick it; run the fleet's end-to-end tests
+    on PostgreSQL only where the database matters (marked ``both_databases``)."""
     for item in items:
         if "reliability" in item.path.parts:
             item.add_marker(pytest.mark.reliability)
+    sqlite_only = [item for item in items if _postgres_fleet_not_needed(item)]
+    if sqlite_only:
+        config.hook.pytest_deselected(items=sqlite_only)
+        items[:] = [item for item in items if not _postgres_fleet_not_needed(item)]
+
+
+def _postgres_fleet_not_needed(item: pytest.Item) -> bool:
+    """An end-to-end test on the PostgreSQL fleet whose subject is not the database (a task
+    kind, a rung, packing...): its SQLite run tests the same code at half the suite's cost."""
+    callspec = getattr(item, "callspec", None)
+    on_postgres = callspec is not None and callspec.params.get("fleet_server") == "postgresql"
+    return on_postgres and item.get_closest_marker("both_databases") is None

@@ -18,6 +18,9 @@ from vramtune.worker.loop.cycle import AgentOptions
 from vramtune.worker.tasks.quadratic import QuadraticTask
 from vramtune.worker.trial.runner import CardSpec
 
+# The database is part of what this tests: it runs on SQLite and PostgreSQL (tests/conftest.py).
+pytestmark = pytest.mark.both_databases
+
 X = {"x": {"type": "float", "low": -2.0, "high": 2.0}}
 
 

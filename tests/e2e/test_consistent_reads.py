@@ -17,12 +17,16 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import httpx
+import pytest
 
 from tests.e2e.conftest import PATIENCE_S, SMALL, Studies, WorkerFactory
 from vramtune.service.client import Client
 from vramtune.service.dashboard.models import TrialRowOut, TrialTable
 from vramtune.service.testing import ServerProcess
 from vramtune.service.wire import TrialOut
+
+# The database is part of what this tests: it runs on SQLite and PostgreSQL (tests/conftest.py).
+pytestmark = pytest.mark.both_databases
 
 # How long the reader reads at least; then until every kind of ending and MIN_TOLD trials in
 # all were told (a loaded machine tells fewer in READ_S), within PATIENCE_S.

@@ -18,6 +18,9 @@ from vramtune.service.wire import (
 )
 from vramtune.worker.loop.api import LeaseLost, ServerClient
 
+# The database is part of what this tests: it runs on SQLite and PostgreSQL (tests/conftest.py).
+pytestmark = pytest.mark.both_databases
+
 X = {"x": {"type": "float", "low": -2.0, "high": 2.0}}
 # About two seconds a trial: long enough to kill or stop a worker in the middle of one.
 SLOW = {"step_seconds": 0.02}

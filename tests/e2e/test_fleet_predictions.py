@@ -14,8 +14,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
+
 from tests.e2e.conftest import Studies, WorkerFactory, WorkerProcess, dashboard_trial, finished
 from vramtune.service.testing import ServerProcess
+
+# The database is part of what this tests: it runs on SQLite and PostgreSQL (tests/conftest.py).
+pytestmark = pytest.mark.both_databases
 
 # 19.4 MiB as asked on the CPU card: it runs as asked on a 64 MiB card.
 SHAPE = {"width": 16, "depth": 2, "resolution": 32, "batch_size": 64, "seed": 0}

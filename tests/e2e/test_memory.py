@@ -21,6 +21,9 @@ from vramtune.service.wire import CardInfo, Heartbeat, WorkerRegister
 from vramtune.worker.device.gpu import parse_size
 from vramtune.worker.loop.api import ServerClient
 
+# The database is part of what this tests: it runs on SQLite and PostgreSQL (tests/conftest.py).
+pytestmark = pytest.mark.both_databases
+
 
 def fixed(**params: Any) -> dict[str, Any]:
     """A search space that can only sample these values."""

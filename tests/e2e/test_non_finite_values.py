@@ -12,12 +12,16 @@ import math
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.e2e.conftest import Studies, tell_non_finite
 from vramtune.service.app import create_app
 from vramtune.service.settings import Settings
 from vramtune.service.testing import ServerProcess
 from vramtune.service.wire import NON_FINITE
+
+# The database is part of what this tests: it runs on SQLite and PostgreSQL (tests/conftest.py).
+pytestmark = pytest.mark.both_databases
 
 SPACE = {"x": {"type": "float", "low": 0.0, "high": 1.0}}
 # Trial by trial: told +inf, -inf, NaN (Optuna fails it), 1.5.

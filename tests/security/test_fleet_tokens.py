@@ -31,6 +31,7 @@ from vramtune.service.testing import (
 )
 
 WORKER_LIMIT = 40  # max_workers_per_token of the module's server
+FLOOD = 2_000  # registrations from one token in the flood test (a multiple of its 8 threads)
 _names = itertools.count()
 PLAN = {"micro_batch": None, "accumulation": 1, "checkpointing": False, "bf16": False}
 MEASURED = {"peak_allocated_bytes": 2**20, "peak_reserved_bytes": 2**20}
@@ -338,9 +339,11 @@ def test_an_expired_token_is_refused_and_says_so(server: Server) -> None:
     assert listed[issued["id"]]["last_used_at"] is not None
 
 
-def test_ten_thousand_registrations_from_one_token_hit_the_limit(server: Server) -> None:
-    """10,000 registrations from one token: WORKER_LIMIT succeed, the rest are 429s naming the
-    limit, none a 5xx; meanwhile another token registers and its worker is served as usual."""
+def test_a_registration_flood_from_one_token_hits_the_limit(server: Server) -> None:
+    """FLOOD registrations from one token (50 times its limit): WORKER_LIMIT succeed, the rest
+    are 429s naming the limit, none a 5xx; meanwhile another token registers and its worker is
+    served as usual. (The issue's probe sent 10,000; past the limit every one is the same
+    refusal, so 2,000 test the same path at a fifth of the suite's time.)"""
     _study, task = server.study()
     flood = server.token("worker")["token"]
     card = {"model": "Sim", "total_bytes": 2**30, "free_bytes": 2**30}
@@ -352,14 +355,14 @@ def test_ten_thousand_registrations_from_one_token_hit_the_limit(server: Server)
 
     bystander = Worker(server, server.token("worker")["token"], task)
     with ThreadPoolExecutor(max_workers=8) as pool:
-        floods = [pool.submit(register_many, 1250) for _ in range(8)]
+        floods = [pool.submit(register_many, FLOOD // 8) for _ in range(8)]
         served = []
         while not all(f.done() for f in floods):
             beat = bystander.http.post(f"/workers/{bystander.id}/heartbeat", json={})
             served.append(beat.status_code)
             served.append(Worker(server, server.token("worker")["token"], task).id > 0)
         statuses = sum((f.result() for f in floods), Counter())
-    assert statuses == Counter({201: WORKER_LIMIT, 429: 10_000 - WORKER_LIMIT}), statuses
+    assert statuses == Counter({201: WORKER_LIMIT, 429: FLOOD - WORKER_LIMIT}), statuses
     assert set(served) <= {200, True}, served
     with server.http(flood) as http:
         refused = http.post("/workers", json=body)

@@ -134,6 +134,28 @@ def test_a_hand_back_predicts_as_asked_and_the_smallest_plan_only() -> None:
     assert runner.solved == 0 and runner.predicted == 2  # no stage searched
 
 
+class CannotCheckpoint(QuadraticTask):
+    """A runner that says it can checkpoint, whose checkpointing plans cannot be traced (a
+    Trainer's model without gradient checkpointing)."""
+
+    def predict(self, config: Config, plan: Plan, card: CardSpec) -> Prediction:
+        if plan.checkpointing:
+            return Prediction(
+                peak_allocated_bytes=0, peak_reserved_bytes=0, method="none", reason="no gc"
+            )
+        return super().predict(config, plan, card)
+
+
+def test_a_hand_back_passes_over_plans_that_cannot_be_traced() -> None:
+    # Before issue 43 the hand-back reported checkpointing's untraceable 0 B as the smallest
+    # footprint, and the server waited for a card that would hold it (any card).
+    decision = choose(STATIC, EVERYTHING, runner=CannotCheckpoint())
+    assert isinstance(decision, HandBack)
+    smallest = Plan(micro_batch=1, accumulation=256, bf16=True)
+    assert decision.min_footprint_bytes == need(smallest) > STATIC
+    assert decision.plan is not None and not decision.plan.checkpointing
+
+
 def test_no_resizing_allowed_hands_back_the_configuration_as_asked() -> None:
     decision = choose(need(Plan()) - 1, MemoryPolicy(margin=0.0, allow_resize=False))
     assert isinstance(decision, HandBack)

@@ -260,7 +260,9 @@ def _choose(
             reason = _reason(chooser, plan, prediction, first, budget, free_bytes, policy)
             features = chooser.step_time(plan, prediction, peak_of(first))
             return RunAsPlanned(plan.model_copy(update={"reason": reason}), prediction, features)
-    return chooser.hand_back(ladder[-1][-1], budget, free_bytes, policy)
+    return chooser.hand_back(
+        [stage for tier in ladder for stage in tier], budget, free_bytes, policy
+    )
 
 
 class _Chooser:
@@ -403,15 +405,20 @@ class _Chooser:
         )
 
     def hand_back(
-        self, smallest: _Stage, budget: int, free_bytes: int, policy: MemoryPolicy
+        self, stages: Sequence[_Stage], budget: int, free_bytes: int, policy: MemoryPolicy
     ) -> HandBack:
-        """Give the trial back with the footprint of the smallest plan allowed."""
-        micro = 1 if smallest.micro_batch else self.batch
-        plan = plan_for_micro_batch(self.batch, micro, **smallest.flags())
-        cannot_run = self.predict(plan)
-        if cannot_run.method == "none":  # e.g. BatchNorm refuses a micro-batch of 1
-            plan = Plan(**smallest.flags())
-        need = peak_of(self.predict(plan))
+        """Give the trial back with the footprint of the smallest allowed plan that can run.
+
+        `stages`: the ladder's, smallest footprint last. A stage whose plans cannot be traced
+        (checkpointing a Trainer's model that has no gradient checkpointing) is passed over:
+        its prediction's 0 B would send the trial to any card (issue 43)."""
+        for smallest in reversed(stages):
+            plan, prediction, cannot_run = self._smallest_plan(smallest)
+            if prediction.method != "none":
+                break
+        else:  # nothing resized can be traced: the plan as asked can (choose_plan checked)
+            plan, prediction, cannot_run = Plan(), self.predict(Plan()), None
+        need = peak_of(prediction)
         # Near the limit the two numbers round alike: say both apart and by how much it is
         # over, and that the budget is what is free less the safety margin (issue 43).
         needs, usable = human_pair(need, budget)
@@ -420,10 +427,22 @@ class _Chooser:
             f"{human_bytes(need - budget)} over the budget of {usable} ({human_bytes(free_bytes)}"
             f" free less the {policy.margin:.0%} safety margin)"
         )
-        if cannot_run.method == "none":
+        if cannot_run is not None:
             reason += f"; smaller micro-batches cannot run: {cannot_run.reason}"
         reason += _missing_packages(self.runner, policy)
         return HandBack(need, plan.model_copy(update={"reason": reason}), reason)
+
+    def _smallest_plan(self, stage: _Stage) -> tuple[Plan, Prediction, Prediction | None]:
+        """(the stage's smallest plan, its prediction, the micro-batch of 1's when that could
+        not run): micro-batches of 1 where the stage splits, else (or when a micro-batch of 1
+        cannot run, e.g. BatchNorm) the whole batch."""
+        micro = 1 if stage.micro_batch else self.batch
+        plan = plan_for_micro_batch(self.batch, micro, **stage.flags())
+        prediction = self.predict(plan)
+        if prediction.method != "none" or micro == self.batch:
+            return plan, prediction, None
+        whole = Plan(**stage.flags())
+        return whole, self.predict(whole), prediction
 
 
 def _ladder(
