@@ -320,14 +320,19 @@ class _Chooser:
         if len(stages) < 2:
             return True
         smallest = stages[-1]
-        if smallest.micro_batch and getattr(self.runner, "costly_micro_batch_of_one", False):
+        costly = smallest.micro_batch and getattr(self.runner, "costly_micro_batch_of_one", False)
+        if costly and self.largest_micro_batch(smallest, budget) is not None:
             # A micro-batch of 1 is such a runner's slowest prediction (a Trainer's traces a
-            # window of the whole batch): its search answers the question (None only when 1
-            # does not fit), and the stage's own search later finds what it predicted.
-            return self.largest_micro_batch(smallest, budget) is not None
+            # window of the whole batch): its search answers the question, and the stage's own
+            # search later finds what it predicted. None: nothing fits, or the stage cannot be
+            # traced at all, which only the prediction below tells apart.
+            return True
         micro = 1 if smallest.micro_batch else self.batch
         plan = plan_for_micro_batch(self.batch, micro, **smallest.flags())
-        return peak_of(self.predict(plan)) <= budget
+        prediction = self.predict(plan)
+        # A stage that cannot be traced (checkpointing a model without it) settles nothing:
+        # the search passes over its plans and finds those of the stages that can.
+        return prediction.method == "none" or peak_of(prediction) <= budget
 
     def cheapest(
         self, stages: Sequence[_Stage], budget: int, tried: set[PlanKey], cap: int
