@@ -28,7 +28,7 @@ from vramtune.service.dashboard.studies_view import (
 from vramtune.service.db.tables import MemoryObservationRow, StudyRow, TrialRow, WorkerRow
 from vramtune.service.errors import NotFound
 from vramtune.service.fleet.leases import planning_since
-from vramtune.service.studies import rank_peaks
+from vramtune.service.studies import rank_peaks, study_state
 from vramtune.service.wire import PlanOut
 
 T, V, P = schema.trials, schema.values, schema.params
@@ -82,12 +82,18 @@ def trial_table(
         session, facts.study_id, query.key(), lambda: _table(session, facts, query)
     )
     table = _with_planning(session, table)
-    waits = any(r.waiting for r in table.rows)  # a note on this page's waiting trials only
-    note = waiting_note(facts.row) if waiting_note and waits else None
+    # A done study's trials were all told: nothing of it waits (issue 43). A running one's
+    # trials wait, or will be created only when a worker offering its task asks.
+    note = waiting_note(facts.row) if waiting_note and not _done(session, name) else None
     if note is None:
         return table
     rows = [r.model_copy(update={"note": note}) if r.waiting else r for r in table.rows]
     return table.model_copy(update={"rows": rows, "note": note})
+
+
+def _done(session: Session, name: str) -> bool:
+    counted = study_facts(session, name, counted=True)
+    return counted.row is not None and study_state(counted.row, counted.counts) == "done"
 
 
 def _with_planning(session: Session, table: TrialTable) -> TrialTable:
