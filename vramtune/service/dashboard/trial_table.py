@@ -77,23 +77,23 @@ def trial_table(
     per visit, since workers come and go without the study changing its revision.
     """
     check_sort(query.sort)
-    facts = study_facts(session, name)
+    # Counted only for the note: whether the study is done.
+    facts = study_facts(session, name, counted=waiting_note is not None)
     table = cache.by_revision(
         session, facts.study_id, query.key(), lambda: _table(session, facts, query)
     )
     table = _with_planning(session, table)
     # A done study's trials were all told: nothing of it waits (issue 43). A running one's
     # trials wait, or will be created only when a worker offering its task asks.
-    note = waiting_note(facts.row) if waiting_note and not _done(session, name) else None
+    note = waiting_note(facts.row) if waiting_note and not _done(facts) else None
     if note is None:
         return table
     rows = [r.model_copy(update={"note": note}) if r.waiting else r for r in table.rows]
     return table.model_copy(update={"rows": rows, "note": note})
 
 
-def _done(session: Session, name: str) -> bool:
-    counted = study_facts(session, name, counted=True)
-    return counted.row is not None and study_state(counted.row, counted.counts) == "done"
+def _done(facts: StudyFacts) -> bool:
+    return facts.row is not None and study_state(facts.row, facts.counts) == "done"
 
 
 def _with_planning(session: Session, table: TrialTable) -> TrialTable:
