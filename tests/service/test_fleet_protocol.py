@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import json
 import math
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -38,7 +39,7 @@ from vramtune.service.db.tables import (
     TrialRow,
     WorkerRow,
 )
-from vramtune.service.fleet import dispatch, predictions
+from vramtune.service.fleet import dispatch, predictions, reaper
 from vramtune.service.fleet.dispatch import next_assignment
 from vramtune.service.fleet.reaper import reap_once
 from vramtune.service.optuna.drafts import draft_trials
@@ -750,6 +751,43 @@ def test_handed_back_trial_waits_for_a_larger_card(env: Env) -> None:
     told = env.trials()[held["number"]]
     assert told.state == TrialState.COMPLETE and told.constraints["memory"] <= 0
     assert told.user_attrs["vramtune.handback"]["min_footprint_bytes"] == 6 * GIB
+
+
+def test_a_reaper_pass_looking_at_a_waiting_trial_does_not_hide_it_from_its_card(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reaper checks a waiting trial's live capacity while the larger card asks for work:
+    the card gets the trial. (The pass once held the trial's row locked while it looked, and a
+    ``next`` skips locked rows on PostgreSQL: the card was told there was no work.)"""
+    env.create_study(n_trials=1)
+    small = env.worker("small", 4 * GIB, "Sim 4G")
+    large = env.worker("large", 16 * GIB, "Sim 16G")
+    held = small.next()
+    assert held is not None
+    back = small.call(held, "handback", min_footprint_bytes=6 * GIB, plan=HALVED, reason="big")
+    assert back.json()["resolution"] == "waiting"
+
+    looking, asked = threading.Event(), threading.Event()
+    capacity = reaper.live_capacity
+
+    def live_capacity_while_the_card_asks(
+        session: Any, study: StudyRow, *args: Any, **kwargs: Any
+    ) -> int:
+        if study.name == env.study:  # other tests' waiting trials pass as they are
+            looking.set()
+            asked.wait(60)  # a limit on waiting, not a timing assertion
+        return capacity(session, study, *args, **kwargs)
+
+    monkeypatch.setattr(reaper, "live_capacity", live_capacity_while_the_card_asks)
+    with ThreadPoolExecutor(1) as pool:
+        passed = pool.submit(reap_once, env.state, expire_leases=False)
+        assert looking.wait(60)
+        try:
+            routed = large.next()
+        finally:
+            asked.set()
+        assert passed.result().infeasible == 0
+    assert routed is not None and routed["trial_id"] == held["trial_id"]
 
 
 def test_a_routed_then_pruned_trial_keeps_its_story_and_shows_both(env: Env) -> None:

@@ -157,16 +157,17 @@ def _waiting_trial_ids(state: AppState) -> list[int]:
 
 
 def _route_waiting(run: _Pass, trial_id: int) -> None:
-    """End a waiting trial as infeasible once no live worker's card can hold it."""
+    """End a waiting trial as infeasible once no live worker's card can hold it.
+
+    The trial is locked only once it is to end: a lock taken on every pass to look at it made
+    a worker's ``next`` skip it (SKIP LOCKED) whenever the two met, and that worker was told
+    there was no work while the trial waited for just its card (PostgreSQL).
+    """
     with fleet_transaction(run.state) as session:
-        trial = session.scalar(
-            select(TrialRow)
-            .where(TrialRow.trial_id == trial_id, TrialRow.status == "waiting")
-            .with_for_update(skip_locked=True)
-        )
-        if trial is None:
+        looked = session.get(TrialRow, trial_id)
+        if looked is None or looked.status != "waiting":
             return
-        study_row = session.get_one(StudyRow, trial.study_id)
+        study_row = session.get_one(StudyRow, looked.study_id)
         settings = run.state.settings
         capacity = live_capacity(
             session,
@@ -174,8 +175,18 @@ def _route_waiting(run: _Pass, trial_id: int) -> None:
             run.now,
             settings.worker_stale_s,
             settings.max_card_bytes,
-            min_cards=trial.min_world_size,
+            min_cards=looked.min_world_size,
         )
+        if capacity >= looked.min_bytes:
+            return
+        trial = session.scalar(
+            select(TrialRow)
+            .where(TrialRow.trial_id == trial_id, TrialRow.status == "waiting")
+            .with_for_update(skip_locked=True)
+            .execution_options(populate_existing=True)
+        )
+        if trial is None or trial.min_world_size != looked.min_world_size:
+            return  # taken meanwhile, or waiting for other cards now: the next pass looks again
         if capacity >= trial.min_bytes or _settled_in_optuna(run, trial):
             return
         cards = "" if trial.min_world_size == 1 else f" on each of {trial.min_world_size} cards"
