@@ -14,7 +14,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from vramtune.worker.device.memory import EVALUATION_PHASE, MemoryTracker
 from vramtune.worker.predictor import repeats
-from vramtune.worker.predictor.repeats import RepeatedCalls
+from vramtune.worker.predictor.repeats import RepeatedCalls, replayed
+from vramtune.worker.trial.repeated import repeated
 
 
 @contextmanager
@@ -125,3 +126,40 @@ def test_a_replayed_transient_is_counted_inside_an_outer_block(
     none, full = run(replay=False)
     assert (replayed, none) == (3, 0)
     assert fast == full
+
+
+def _chunked(hidden: torch.Tensor, targets: torch.Tensor, chunks: int) -> torch.Tensor:
+    """A loss summed over chunks of the rows, each chunk's call marked repeated (as the chunked
+    cross-entropy marks its own); the targets are real, as held-out data is."""
+    total = torch.zeros(())
+    for part, part_targets in zip(hidden.chunk(chunks), targets.chunk(chunks), strict=True):
+        total = total + repeated(_summed)(part, part_targets)
+    return total
+
+
+def _summed(part: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = part @ torch.ones(part.shape[-1], 50)
+    return torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_marked_calls_replay_in_a_trace_and_run_as_they_are_outside_one(replay: bool) -> None:
+    targets = torch.zeros(64, dtype=torch.long)  # real, made outside the trace
+
+    def evaluate(tracker: MemoryTracker) -> tuple[int, dict[str, int]]:
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        with fake, tracker:
+            hidden = torch.empty(64, 16)
+            with tracker.paused():  # the evaluation's warm-up: nothing counted
+                _chunked(hidden, targets, 16)
+            with tracker.phase(EVALUATION_PHASE):
+                _chunked(hidden, targets, 16)
+        return tracker.peak_bytes, dict(tracker.phase_peaks)
+
+    tracker = MemoryTracker()
+    with replayed(tracker) if replay else nullcontext({}) as calls:
+        counted = evaluate(tracker)
+    assert counted == evaluate(MemoryTracker())  # no replay: every chunk run
+    if replay:  # two alike run, uncounted and counted each, the other 14 replayed
+        assert (calls[_summed].run, calls[_summed].replayed) == (4, 28)
+    assert repeated(_summed) is _summed  # outside `replayed`: the call itself

@@ -450,6 +450,11 @@ class MemoryTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             return "backward"
         return "forward"
 
+    @property
+    def is_paused(self) -> bool:
+        """Whether nothing is counted now (inside `paused`)."""
+        return self._paused
+
     @contextmanager
     def paused(self) -> Iterator[None]:
         """Count nothing created inside the block: it is as if made before the tracker."""

@@ -29,7 +29,8 @@ every allocation event for the allocator model, which a replay does not make.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from vramtune.worker.device.memory import BlockCount, Excess, MemoryTracker
+from vramtune.worker.trial.repeated import replaying
 
 
 @dataclass(frozen=True)
@@ -118,10 +120,13 @@ class RepeatedCalls:
         call: Callable[..., Any],
         tracker: MemoryTracker,
         context: Callable[[], Hashable],
+        *,
+        by_shape: bool = False,
     ) -> None:
         self.call = call
         self.tracker = tracker
         self.context = context
+        self.by_shape = by_shape  # tensor arguments count by their shapes alone (`_signature`)
         self.seen: dict[Hashable, _Seen] = {}
         self.run = 0
         self.replayed = 0
@@ -129,7 +134,7 @@ class RepeatedCalls:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, _ = tree_flatten((args, kwargs))
-        signature = _signature(leaves, self.context())
+        signature = _signature(leaves, self.context(), self.by_shape)
         seen = self.seen.setdefault(signature, _Seen()) if signature is not None else None
         if seen is not None and seen.in_a_row >= REPLAY_AFTER and seen.counted is not None:
             self.replayed += 1
@@ -179,6 +184,9 @@ class RepeatedCalls:
         for index, given in enumerate(inputs):
             if isinstance(given, torch.Tensor) and _same_view(leaf, given):
                 return _Passed(index)
+        if storage is None and self.tracker.is_paused and _whole_storage(leaf):
+            # Nothing is counted now (an evaluation's warm-up): a new tensor is made uncounted.
+            return _Fresh(tuple(leaf.shape), leaf.dtype, leaf.device)
         return None
 
 
@@ -192,20 +200,26 @@ def _note(seen: _Seen, counted: _Counted | None) -> None:
         seen.counted, seen.in_a_row = counted, 1
 
 
-def _signature(leaves: list[Any], context: Hashable) -> Hashable | None:
-    """What decides a call's allocations: each argument's shape, strides, dtype and device (a
-    tensor), value (a plain value) or identity (any other object: a model, a list of keys),
-    and the context; None (never replayed) for a tensor that is not fake."""
+def _signature(leaves: list[Any], context: Hashable, by_shape: bool) -> Hashable | None:
+    """What decides a call's allocations: each argument's shape, strides, offset, dtype and
+    device (a tensor), value (a plain value) or identity (any other object: a model, a list of
+    keys), and the context; None (never replayed) for a tensor that is not fake.
+
+    `by_shape`: the caller says values and offsets decide nothing (a loop over the chunks of
+    one tensor, real held-out targets among them): a tensor counts by its shape, strides,
+    dtype and device, real or fake.
+    """
     described: list[Hashable] = [context]
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
-            if not isinstance(leaf, FakeTensor):
+            if not isinstance(leaf, FakeTensor) and not by_shape:
                 return None
+            offset = None if by_shape else leaf.storage_offset()
             described.append(
                 (
                     tuple(leaf.shape),
                     leaf.stride(),
-                    leaf.storage_offset(),
+                    offset,
                     leaf.dtype,
                     leaf.device,
                     leaf.requires_grad,
@@ -241,3 +255,30 @@ def _same_view(output: torch.Tensor, given: torch.Tensor) -> bool:
         and output.storage_offset() == given.storage_offset()
         and output.dtype == given.dtype
     )
+
+
+@contextmanager
+def replayed(tracker: MemoryTracker) -> Iterator[dict[Callable[..., Any], RepeatedCalls]]:
+    """Inside the block, the calls task code marks `repeated` (vramtune/worker/trial/repeated.py)
+    replay their repeats: one `RepeatedCalls` per marked function (yielded, by function), its
+    tensor arguments counted by their shapes. For a CPU trace only, as every replay here."""
+    calls: dict[Callable[..., Any], RepeatedCalls] = {}
+
+    def context() -> Hashable:
+        # What else decides a marked call's allocations: whether anything is counted (the
+        # evaluation's uncounted warm-up counts nothing), the phase and the modes.
+        return (
+            tracker.is_paused,
+            tracker.current_phase(),
+            torch.is_grad_enabled(),
+            torch.is_inference_mode_enabled(),
+            torch._C._is_any_autocast_enabled(),
+        )
+
+    def wrap(call: Callable[..., Any]) -> Callable[..., Any]:
+        if call not in calls:
+            calls[call] = RepeatedCalls(call, tracker, context, by_shape=True)
+        return calls[call]
+
+    with replaying(wrap):
+        yield calls

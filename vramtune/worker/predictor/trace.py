@@ -45,6 +45,7 @@ from vramtune.worker.predictor.conversion import BuildFailed, build_for_trace
 from vramtune.worker.predictor.emulation import answer_scalar_reads, cuda_emulation, prefer_foreach
 from vramtune.worker.predictor.evaluation import UNTRACED_BOUND, trace_evaluation
 from vramtune.worker.predictor.opmodel import real_kernel_storages
+from vramtune.worker.predictor.repeats import replayed
 from vramtune.worker.trial.offload import traced_host
 from vramtune.worker.trial.runner import CardSpec
 from vramtune.worker.trial.steps import (
@@ -257,9 +258,11 @@ def _run_steps(
             loss = train_step(task, model, optimizer, next_batch, batch_size, plan, device, sizes)
         tracker.label_training_state(model, optimizer)
     # The trainer's last loss is still alive when it evaluates: `loss` is kept until then.
-    part = evaluation_part(
-        lambda: evaluate_step(task, model, optimizer, config, plan, device), fake, tracker
-    )
+    # A CPU trace replays the calls the task marks repeated (a CUDA one keeps every event).
+    with nullcontext() if target.cuda else replayed(tracker):
+        part = evaluation_part(
+            lambda: evaluate_step(task, model, optimizer, config, plan, device), fake, tracker
+        )
     del loss
     return part
 

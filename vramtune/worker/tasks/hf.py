@@ -46,6 +46,7 @@ from vramtune.common.task_rules import BYTE_VOCAB, LORA_OVERRIDES, hf_problems
 from vramtune.worker.tasks.charlm import held_out_loss, training_windows
 from vramtune.worker.tasks.common import parse_config
 from vramtune.worker.tasks.extras import load, require
+from vramtune.worker.trial.repeated import repeated
 from vramtune.worker.trial.task import Batch, Config, Metric, TaskConfigError
 
 NAME = "hf-causal-lm"
@@ -459,7 +460,8 @@ def _chunked_loss(model: nn.Module, codes: torch.Tensor, targets: torch.Tensor) 
     chunks = max(1, math.ceil(head.out_features / hidden.shape[-1]))
     total = torch.zeros((), device=hidden.device)
     for part, part_targets in zip(flat.chunk(chunks), flat_targets.chunk(chunks), strict=True):
-        total = total + checkpoint(_summed_loss, head, part, part_targets, use_reentrant=False)
+        summed = repeated(_summed_loss)  # every chunk alike: a trace may replay the rest
+        total = total + checkpoint(summed, head, part, part_targets, use_reentrant=False)
     return total / flat_targets.numel()
 
 
