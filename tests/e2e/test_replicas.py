@@ -1,4 +1,7 @@
-"""Two server replicas on one PostgreSQL, sixteen workers: one worker per trial at a time."""
+"""One server of two processes (`vramtune serve --processes 2`) on PostgreSQL: one worker per
+trial at a time. Two replicas with sixteen workers are tested in
+tests/reliability/test_reliability_server.py (real workers, a live lease auditor) and
+tests/service/test_fleet_replicas.py (random and TPE)."""
 
 from __future__ import annotations
 
@@ -15,28 +18,10 @@ from vramtune.service.client import Client
 from vramtune.service.testing import ServerFactory, upgrade_database
 from vramtune.service.wire import TrialOut
 
-N_WORKERS = 16
-N_TRIALS = 48
-# Sixteen workers heartbeating two servers on two cores: slower periods than FAST_FLEET's, and
+# Workers heartbeating two server processes on two cores: slower periods than FAST_FLEET's, and
 # more patience (a bound on failure, not a timing assertion).
 FLEET = FAST_FLEET | {"lease_ttl_s": 8.0, "heartbeat_interval_s": 1.0, "worker_stale_s": 8.0}
 PATIENCE_S = 300.0
-
-
-@pytest.mark.slow
-def test_two_servers_sixteen_workers_share_one_study_without_double_assignment(
-    postgres_url: str, servers: ServerFactory, start_worker: WorkerFactory
-) -> None:
-    upgrade_database(postgres_url)
-    replicas = [servers(postgres_url, **FLEET) for _ in range(2)]
-    trials = _run_to_the_end(
-        [r.url for r in replicas], start_worker, N_TRIALS, N_WORKERS, max_steps=20
-    )
-    assert [t.state for t in trials] == ["COMPLETE"] * N_TRIALS
-    assert sorted(t.number for t in trials) == list(range(N_TRIALS))
-    assert len({t.id for t in trials}) == N_TRIALS
-    assert len({t.worker for t in trials}) > 1, "the work was shared"
-    _assert_one_lease_at_a_time(postgres_url, N_TRIALS)
 
 
 @pytest.mark.slow
