@@ -39,6 +39,7 @@ HEADS: tuple[tuple[str, str], ...] = (
     ("ForTokenClassification", "AutoModelForTokenClassification"),
     ("ForQuestionAnswering", "AutoModelForQuestionAnswering"),
     ("ForConditionalGeneration", "AutoModelForSeq2SeqLM"),
+    ("Model", "AutoModel"),  # a bare model ("BertModel"): no head, no loss of its own
 )
 """The ``architectures`` suffix → the Auto class whose head it is (first match wins)."""
 
@@ -51,10 +52,12 @@ class HFConfigError(ValueError):
 
 
 def is_hf_source(model: object) -> bool:
-    """``"hf:PATH"`` or a transformers ``PretrainedConfig`` (checked by name: no import)."""
+    """``"hf:PATH"`` or a transformers ``PretrainedConfig`` (checked by name: no import;
+    transformers 5 spells the class ``PreTrainedConfig``)."""
     if isinstance(model, str):
         return model.startswith(PREFIX)
-    return any(cls.__name__ == "PretrainedConfig" for cls in type(model).__mro__)
+    names = {"PretrainedConfig", "PreTrainedConfig"}
+    return any(cls.__name__ in names for cls in type(model).__mro__)
 
 
 def read_config(source: object) -> Any:
@@ -81,13 +84,17 @@ def hf_task(source: object, seq_len: int, optimizer: OptimizerSource = "adamw") 
     config.use_cache = False  # a training step keeps no key/value cache
     auto_class = _auto_class(config)
     names, batch = _example_batch(config, auto_class, seq_len)
+    # Each example is one sequence: say so, or the trace (which cannot read position ids to
+    # look for packed ones) builds a 4-D mask the real run does not (hf-causal-lm's reason).
+    from vramtune.worker.tasks.hf import _unpacked_sequences
 
     def build() -> nn.Module:
         model: nn.Module = _transformers_attr(auto_class).from_config(config, dtype=torch.float32)
         return model
 
     def own_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
-        out = model(**dict(zip(names, batch, strict=True)))
+        with _unpacked_sequences():
+            out = model(**dict(zip(names, batch, strict=True)))
         loss = getattr(out, "loss", None)
         # A bare encoder (AutoModel) has no loss: its output's mean stands for one.
         return loss if isinstance(loss, torch.Tensor) else out[0].float().mean()
