@@ -18,9 +18,9 @@ EXAMPLE = "examples/plain_task.py"
 CONFIG = "batch_size=16,width=32"
 
 
-def vramtune_fit(*args: str) -> subprocess.CompletedProcess[str]:
+def vramtune_fit(*args: str, target: str = EXAMPLE) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "vramtune", "fit", EXAMPLE, *args],
+        [sys.executable, "-m", "vramtune", "fit", target, *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -48,6 +48,7 @@ def test_the_table_and_the_budget_gate() -> None:
     table = done.stdout
     assert "plain-digits (batch_size=16, width=32) on CUDA cards: predicted peak" in table
     assert "fits as asked" in table and "does not fit" in table and "budget 8.00 GiB: fits" in table
+    assert "CUDA context: 384 MiB (outside the allocator; each card needs" in table
     over = vramtune_fit("--config", CONFIG, "--cards", "H100", "--budget", "4KiB")
     assert over.returncode == 1 and "budget 4.00 KiB: does not fit" in over.stdout
 
@@ -63,11 +64,85 @@ def test_the_table_and_the_budget_gate() -> None:
         (["--config", "batch_size"], "--config: expected KEY=VALUE, got 'batch_size'"),
         (["--config", CONFIG, "--cards", "8GiB,H1000"], "--cards: unknown card 'H1000'"),
         (["--config", CONFIG, "--budget", "lots"], "--budget: not a size: 'lots'"),
+        (["--config", CONFIG, "--world-size", "2"], "--strategy: ddp or fsdp2 is needed"),
+        (["--config", CONFIG, "--world-size", "0"], "--world-size: a number of ranks >= 1"),
+        (["--config", CONFIG, "--strategy", "ddp"], "--world-size: give the ranks"),
+        (["--config", CONFIG, "--strategy", "zero3"], "--strategy: invalid choice: 'zero3'"),
     ],
-    ids=["unknown-key", "missing-key", "not-key-value", "unknown-card", "budget"],
+    ids=[
+        "unknown-key",
+        "missing-key",
+        "not-key-value",
+        "unknown-card",
+        "budget",
+        "no-strategy",
+        "no-ranks",
+        "strategy-alone",
+        "unknown-strategy",
+    ],
 )
 def test_bad_input_is_named_and_exits_2(args: list[str], message: str) -> None:
     done = vramtune_fit(*args)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def tiny_llama(folder: Path) -> Path:
+    """A two-layer Llama config.json, written as a model repository holds one."""
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        vocab_size=128,
+        architectures=["LlamaForCausalLM"],
+    ).save_pretrained(folder)
+    return folder / "config.json"
+
+
+def test_an_hf_config_per_rank_as_json_with_progress_on_stderr(tmp_path: Path) -> None:
+    import vramtune
+
+    path = tiny_llama(tmp_path)
+    config = "batch_size=4,seq_len=16"
+    args = ["--config", config, "--world-size", "2", "--strategy", "fsdp2", "--device", "cpu"]
+    done = vramtune_fit(*args, "--cards", "T4", "--progress", "--json", target=f"hf:{path}")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)  # progress never reaches the JSON
+    assert "vramtune fit: [1/3] tracing the step of rank 0 of 2..." in done.stderr
+    expected = vramtune.fit(
+        f"hf:{path}",
+        config={"batch_size": 4, "seq_len": 16},
+        cards=[],
+        device="cpu",
+        world_size=2,
+        strategy="fsdp2",
+    )
+    assert (result["task"], result["world_size"], result["strategy"]) == (
+        "LlamaForCausalLM",
+        2,
+        "fsdp",
+    )
+    assert result["peak_bytes"] == expected.peak_bytes and result["cards"][0]["verdict"] == "fits"
+
+
+@pytest.mark.parametrize(
+    ("target", "args", "message"),
+    [
+        ("hf:missing/config.json", [], "TASK_FILE: no Hugging Face config at missing"),
+        ("hf:LLAMA", ["--config", "batch_size=4"], "--config: an hf: model needs seq_len"),
+        ("hf:LLAMA", ["--config", "batch_size=4,seq_len=8,width=2"], "takes no 'width'"),
+        ("hf:LLAMA", ["--config", "batch_size=4,seq_len=8", "--task", "x"], "--task: an hf:"),
+    ],
+    ids=["missing-file", "no-seq-len", "unknown-key", "task"],
+)
+def test_bad_hf_input_is_named_and_exits_2(
+    tmp_path: Path, target: str, args: list[str], message: str
+) -> None:
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")  # checked before it is read
+    done = vramtune_fit(*args, target=target.replace("LLAMA", str(folder)))
     assert done.returncode == 2 and message in done.stderr, done.stderr
 
 

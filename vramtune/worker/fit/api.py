@@ -180,11 +180,9 @@ def fit(
     """Predict a training step's peak memory and whether it fits each card.
 
     Args:
-        model: an ``nn.Module``, a builder ``() -> nn.Module``, a vramtune task (a
-            ``Task``/``PlainTask`` instance or class, a ``TrainerTask``...) with ``config``, or
-            a Hugging Face model from its config alone: ``"hf:PATH"`` (a local config.json or
-            its folder; nothing is downloaded) or a ``transformers.PretrainedConfig``, with
-            ``config={"batch_size": B, "seq_len": T}``.
+        model: an ``nn.Module``, a builder ``() -> nn.Module``, a vramtune task with
+            ``config``, or a Hugging Face config: ``"hf:PATH"`` (a local config.json) or a
+            ``PretrainedConfig``, with ``config={"batch_size": B, "seq_len": T}``.
         batch: an example batch (a tensor or tuple of tensors, first dimension = examples) or a
             builder ``(n) -> batch`` made with tensor factories; not with a task.
         optimizer: a name ("adamw", "adam", "sgd", "sgd-momentum", "rmsprop", "adagrad",
@@ -201,17 +199,14 @@ def fit(
             "8GiB", or `Card`s; None: every built-in card.
         plan: run the step under this plan (micro-batches, checkpointing, bf16...) rather than
             as asked; not with ``step``.
-        device: "cuda" predicts a CUDA card (its kernels and caching allocator; on a CPU-only
-            torch they are emulated) and counts its CUDA context; "cpu" the CPU's own run
-            (equal to it to the byte).
+        device: "cuda" predicts a CUDA card (its kernels and caching allocator, emulated on
+            a CPU-only torch; its CUDA context counted); "cpu" the CPU's run, to the byte.
         resizes: the plan rungs a card that does not fit may climb (one card only).
         margin: the fraction of each card's usable memory to keep free.
-        world_size: ranks of data parallelism; above 1, rank 0 is traced on a fake process
-            group (the worker's own per-rank prediction) and its peak is compared with each
-            card as asked (no plan is climbed).
+        world_size: ranks; above 1, rank 0 is traced (the ladder's per-rank trace) and
+            compared with each card as asked.
         strategy: with ``world_size`` above 1: "ddp" or "fsdp2" (alias "fsdp").
-        progress: called with a line before each trace that may take a while (the CLI's
-            ``--progress``).
+        progress: called with a line before each slow step (the CLI's ``--progress``).
 
     Raises:
         ValueError: bad arguments, each naming the argument (an unknown card or optimizer, a
