@@ -100,30 +100,33 @@ def tiny_llama(folder: Path) -> Path:
     return folder / "config.json"
 
 
-def test_an_hf_config_per_rank_as_json_with_progress_on_stderr(tmp_path: Path) -> None:
-    import vramtune
+def test_an_hf_config_per_rank_as_json_with_progress_on_stderr(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Its per-rank bytes are the ladder's own trace's (test_fit_hf_ranks.py): here the wiring,
+    # in this process (a second one would import torch and transformers again: 10 s at load).
+    from vramtune.service.cli.parser import build_parser
 
     path = tiny_llama(tmp_path)
-    config = "batch_size=4,seq_len=16"
-    args = ["--config", config, "--world-size", "2", "--strategy", "fsdp2", "--device", "cpu"]
-    done = vramtune_fit(*args, "--cards", "T4", "--progress", "--json", target=f"hf:{path}")
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout)  # progress never reaches the JSON
-    assert "vramtune fit: [1/3] tracing the step of rank 0 of 2..." in done.stderr
-    expected = vramtune.fit(
-        f"hf:{path}",
-        config={"batch_size": 4, "seq_len": 16},
-        cards=[],
-        device="cpu",
-        world_size=2,
-        strategy="fsdp2",
+    ranks = ["--world-size", "2", "--strategy", "fsdp2", "--cards", "T4,1KiB"]
+    shown = ["--device", "cpu", "--progress", "--json"]
+    args = build_parser().parse_args(
+        ["fit", f"hf:{path}", "--config", "batch_size=4,seq_len=16", *ranks, *shown]
     )
-    assert (result["task"], result["world_size"], result["strategy"]) == (
+    code = args.func(args)
+    done = capsys.readouterr()
+    assert code == 0, done.err
+    result = json.loads(done.out)  # progress never reaches the JSON
+    assert "vramtune fit: [1/4] tracing the step of rank 0 of 2..." in done.err
+    assert (result["task"], result["config"]) == (
         "LlamaForCausalLM",
-        2,
-        "fsdp",
+        {"batch_size": 4, "seq_len": 16},
     )
-    assert result["peak_bytes"] == expected.peak_bytes and result["cards"][0]["verdict"] == "fits"
+    assert (result["world_size"], result["strategy"], result["method"]) == (2, "fsdp", "trace")
+    assert result["cuda_context_bytes"] == 0 and result["card_bytes"] == result["peak_bytes"]
+    verdicts = [card["verdict"] for card in result["cards"]]
+    assert verdicts == ["fits", "does not fit"]
+    assert result["cards"][1]["short_by_bytes"] == result["peak_bytes"] - 1024
 
 
 @pytest.mark.parametrize(
