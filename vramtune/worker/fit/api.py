@@ -17,12 +17,14 @@ ladder, `largest_micro_batch` solves for the micro-batch.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import inspect
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+from pydantic import ValidationError
 from torch import nn
 
 from vramtune.common.plans import plan_in_words
@@ -175,6 +177,7 @@ def fit(
     margin: float = 0.0,
     world_size: int = 1,
     strategy: StrategyName | None = None,
+    lora: Mapping[str, Any] | None = None,
     progress: Progress | None = None,
 ) -> FitResult:
     """Predict a training step's peak memory and whether it fits each card.
@@ -206,6 +209,8 @@ def fit(
         world_size: ranks; above 1, rank 0 is traced (the ladder's per-rank trace) and
             compared with each card as asked.
         strategy: with ``world_size`` above 1: "ddp" or "fsdp2" (alias "fsdp").
+        lora: with a Hugging Face causal LM: LoRA adapters (``{"r": 16}``; QLoRA:
+            ``"quantized_base": "nf4"``), hf-causal-lm's ``finetune`` settings.
         progress: called with a line before each slow step (the CLI's ``--progress``).
 
     Raises:
@@ -222,6 +227,7 @@ def fit(
         loss=loss,
         batch_size=batch_size,
         config=config,
+        lora=lora,
     )
     own_step = getattr(task, "own_step", None) is not None
     plan = _with_ranks(plan or Plan(), world_size, strategy, runner, task, config)
@@ -349,12 +355,15 @@ def _resolve(
     loss: LossFunction | None,
     batch_size: int | None,
     config: Config | None,
+    lora: Mapping[str, Any] | None = None,
 ) -> tuple[TrialRunner, Task | None, Config]:
     """(the runner, its Task when it has one, the configuration) for what `fit` was given."""
     if hf_config.is_hf_source(model):
         if batch is not None or step is not None or loss is not None:
             raise ValueError("batch, step and loss: a Hugging Face config brings its own")
-        return _resolve_hf(model, optimizer, batch_size, config)
+        return _resolve_hf(model, optimizer, batch_size, config, _lora_settings(lora))
+    if lora is not None:
+        raise ValueError("lora: adapters go on a Hugging Face config (hf:PATH) here")
     if _is_model(model):
         if batch is None:
             raise ValueError("batch: give an example batch or a builder (n) -> batch")
@@ -378,7 +387,11 @@ def _resolve(
 
 
 def _resolve_hf(
-    model: object, optimizer: OptimizerSource, batch_size: int | None, config: Config | None
+    model: object,
+    optimizer: OptimizerSource,
+    batch_size: int | None,
+    config: Config | None,
+    lora: Any,
 ) -> tuple[TrialRunner, Task, Config]:
     """A Hugging Face config's model as a task: batch_size examples of seq_len tokens."""
     given = dict(config or {})
@@ -392,10 +405,28 @@ def _resolve_hf(
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"config: seq_len, the tokens per example (>= 1), got {seq_len!r}")
     try:
-        task = hf_config.hf_task(model, seq_len, optimizer)
+        task = hf_config.hf_task(model, seq_len, optimizer, lora)
     except hf_config.HFConfigError as error:
         raise ValueError(f"model: {error}") from error
     return TorchTaskRunner(task), task, {BATCH_SIZE: size, hf_config.SEQ_LEN: seq_len}
+
+
+def _lora_settings(lora: Mapping[str, Any] | None) -> Any:
+    """hf-causal-lm's LoRASettings for `lora`, or None; what is missing or wrong, named."""
+    if lora is None:
+        return None
+    if importlib.util.find_spec("peft") is None:
+        raise ValueError("lora: LoRA needs peft: pip install 'vramtune[peft]'")
+    from vramtune.worker.tasks.hf import LoRASettings
+
+    try:
+        settings = LoRASettings.model_validate(dict(lora))
+    except ValidationError as error:
+        said = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
+        raise ValueError(f"lora: {said}") from error
+    if settings.quantized_base != "none" and importlib.util.find_spec("torchao") is None:
+        raise ValueError("lora: a quantized base needs torchao: pip install 'vramtune[qlora]'")
+    return settings
 
 
 def _is_model(model: object) -> bool:

@@ -115,6 +115,12 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         help="with --world-size above 1: DDP (a whole model per rank) or FSDP2 (sharded)",
     )
     fit.add_argument(
+        "--lora",
+        metavar="KEY=VALUE,...",
+        help="with an hf: causal LM, LoRA adapters: r=16 (lora_alpha, lora_dropout, "
+        "target_modules=q_proj+v_proj); QLoRA: quantized_base=nf4 or int8",
+    )
+    fit.add_argument(
         "--progress",
         action="store_true",
         help="say on stderr what is being traced (the default when stderr is a terminal)",
@@ -135,14 +141,17 @@ def fit_command(args: argparse.Namespace) -> int:
         if not 0.0 <= args.margin < 1.0:
             raise BadInput(f"--margin: a fraction in [0, 1), got {args.margin}")
         check_ranks(args.world_size, args.strategy)
+        lora = parse_lora(args.lora)
         model: object = args.file
         if is_hf(args.file):
             check_hf(args.file, args.task, config)
+        elif lora is not None:
+            raise BadInput("--lora: adapters go on an hf: config (TASK_FILE hf:PATH)")
         else:
             task = load_task(args.file, args.task)
             check_config(task, config)
             model = task
-        result = run_fit(model, args, config, cards, progress)
+        result = run_fit(model, args, config, cards, lora, progress)
     except BadInput as error:
         print(f"vramtune fit: {error}", file=sys.stderr)
         return BAD_INPUT
@@ -167,6 +176,7 @@ ARGUMENTS = {
     "world_size": "--world-size",
     "strategy": "--strategy",
     "plan": "--world-size",
+    "lora": "--lora",
 }
 """`fit`'s argument names as the command line spells them, for its errors."""
 
@@ -176,6 +186,7 @@ def run_fit(
     args: argparse.Namespace,
     config: dict[str, Any],
     cards: list[Card] | None,
+    lora: dict[str, Any] | None,
     progress: Progress | None,
 ) -> FitResult:
     """`fit` on the checked arguments; its errors become BadInput naming the option."""
@@ -192,6 +203,7 @@ def run_fit(
             margin=args.margin,
             world_size=args.world_size,
             strategy=args.strategy,
+            lora=lora,
             progress=progress,
         )
     except TaskConfigError as error:
@@ -270,7 +282,18 @@ def check_hf(path: str, task: str | None, config: dict[str, Any]) -> None:
         raise BadInput(f"--config: an hf: model needs {', '.join(missing)}")
 
 
-def parse_config(text: str) -> dict[str, Any]:
+def parse_lora(text: str | None) -> dict[str, Any] | None:
+    """``r=16,target_modules=q_proj+v_proj`` as LoRA settings (the names joined by "+": the
+    comma separates settings), or None."""
+    if text is None:
+        return None
+    lora = parse_config(text, option="--lora")
+    if isinstance(lora.get("target_modules"), str):
+        lora["target_modules"] = lora["target_modules"].replace("+", ",")
+    return lora
+
+
+def parse_config(text: str, option: str = "--config") -> dict[str, Any]:
     """``a=1,b=x`` as a dict, each value a YAML scalar (1 → int, 0.1 → float, x → str)."""
     config: dict[str, Any] = {}
     for item in (part.strip() for part in text.split(",")):
@@ -278,7 +301,7 @@ def parse_config(text: str) -> dict[str, Any]:
             continue
         key, equals, value = item.partition("=")
         if not equals or not key.strip():
-            raise BadInput(f"--config: expected KEY=VALUE, got {item!r}")
+            raise BadInput(f"{option}: expected KEY=VALUE, got {item!r}")
         try:
             config[key.strip()] = yaml.safe_load(value) if value.strip() else ""
         except yaml.YAMLError:

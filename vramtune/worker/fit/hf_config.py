@@ -78,11 +78,17 @@ def read_config(source: object) -> Any:
         raise HFConfigError(f"{path} is not a config transformers can read: {error}") from error
 
 
-def hf_task(source: object, seq_len: int, optimizer: OptimizerSource = "adamw") -> ModuleTask:
-    """A `ModuleTask` of the config's model, token-id batches of `seq_len` and its own loss."""
+def hf_task(
+    source: object, seq_len: int, optimizer: OptimizerSource = "adamw", lora: Any = None
+) -> ModuleTask:
+    """A `ModuleTask` of the config's model, token-id batches of `seq_len` and its own loss;
+    with `lora` (`vramtune.worker.tasks.hf.LoRASettings`) in the adapters hf-causal-lm trains
+    (the base frozen, quantized for QLoRA): a causal LM only, as that task's adapters are."""
     config = read_config(source)
     config.use_cache = False  # a training step keeps no key/value cache
     auto_class = _auto_class(config)
+    if lora is not None and auto_class != "AutoModelForCausalLM":
+        raise ValueError(f"lora: adapters go on a causal LM here, not an {auto_class} model")
     names, batch = _example_batch(config, auto_class, seq_len)
     # Each example is one sequence: say so, or the trace (which cannot read position ids to
     # look for packed ones) builds a 4-D mask the real run does not (hf-causal-lm's reason).
@@ -90,7 +96,12 @@ def hf_task(source: object, seq_len: int, optimizer: OptimizerSource = "adamw") 
 
     def build() -> nn.Module:
         model: nn.Module = _transformers_attr(auto_class).from_config(config, dtype=torch.float32)
-        return model
+        if lora is None:
+            return model
+        from vramtune.worker.tasks.hf import with_finetune
+
+        conv1d = any(type(module).__name__ == "Conv1D" for module in model.modules())
+        return with_finetune(model, lora, conv1d)
 
     def own_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
         with _unpacked_sequences():
@@ -99,8 +110,11 @@ def hf_task(source: object, seq_len: int, optimizer: OptimizerSource = "adamw") 
         # A bare encoder (AutoModel) has no loss: its output's mean stands for one.
         return loss if isinstance(loss, torch.Tensor) else out[0].float().mean()
 
-    name = (getattr(config, "architectures", None) or [config.model_type])[0]
-    return ModuleTask(build, batch, optimizer, loss=own_loss, name=str(name))
+    name = str((getattr(config, "architectures", None) or [config.model_type])[0])
+    if lora is not None:
+        base = "" if lora.quantized_base == "none" else f", {lora.quantized_base} base"
+        name += f" + LoRA r={lora.r}{base}"
+    return ModuleTask(build, batch, optimizer, loss=own_loss, name=name)
 
 
 def _auto_class(config: Any) -> str:

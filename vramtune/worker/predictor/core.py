@@ -238,7 +238,10 @@ def _hashable(value: object) -> Hashable:
 def _task_key(task: Task, config: Config) -> tuple[Hashable, ...]:
     names = sorted(set(task.shape_params))
     shapes = tuple((name, _hashable(config.get(name))) for name in names)
-    return (type(task).__module__, type(task).__qualname__, task.name, shapes)
+    # A task whose model is not its configuration's (vramtune.fit's ModuleTask: a module in
+    # hand) carries a token of its own: two models of one class must not share predictions.
+    token = getattr(task, "cache_token", None)
+    return (type(task).__module__, type(task).__qualname__, task.name, token, shapes)
 
 
 def _batch_size(task: Task, config: Config) -> int:
