@@ -68,6 +68,8 @@ def test_the_table_and_the_budget_gate() -> None:
         (["--config", CONFIG, "--world-size", "0"], "--world-size: a number of ranks >= 1"),
         (["--config", CONFIG, "--strategy", "ddp"], "--world-size: give the ranks"),
         (["--config", CONFIG, "--strategy", "zero3"], "--strategy: invalid choice: 'zero3'"),
+        (["--config", CONFIG, "--lora", "r=8"], "--lora: adapters go on an hf: config"),
+        (["--config", CONFIG, "--lora", "r"], "--lora: expected KEY=VALUE, got 'r'"),
     ],
     ids=[
         "unknown-key",
@@ -79,6 +81,8 @@ def test_the_table_and_the_budget_gate() -> None:
         "no-ranks",
         "strategy-alone",
         "unknown-strategy",
+        "lora-on-a-task",
+        "lora-not-key-value",
     ],
 )
 def test_bad_input_is_named_and_exits_2(args: list[str], message: str) -> None:

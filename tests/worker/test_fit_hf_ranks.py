@@ -150,3 +150,41 @@ def test_the_cuda_context_is_counted_against_each_card_and_progress_is_told() ->
     # The CPU has no context: the peak alone is what it needs.
     cpu = vramtune.fit(Net(), (x, y), loss=cross_entropy, cards=[], device="cpu")
     assert cpu.cuda_context_bytes == 0 and cpu.card_bytes == cpu.peak_bytes
+
+
+def test_qlora_on_an_hf_config_is_the_real_cpu_runs_peak(tmp_path: Path) -> None:
+    pytest.importorskip("peft")
+    pytest.importorskip("torchao")
+    from vramtune.worker.tasks.hf import LoRASettings
+
+    path = tiny_llama(tmp_path)
+    lora = {"r": 8, "quantized_base": "nf4"}
+    result = vramtune.fit(f"hf:{path}", config=HF_CONFIG, cards=[], device="cpu", lora=lora)
+    settings = LoRASettings.model_validate(lora)
+    task = hf_config.hf_task(f"hf:{path}", HF_CONFIG["seq_len"], lora=settings)
+    measured = run_trial(task, HF_CONFIG, steps=2).measured
+    assert result.task == "LlamaForCausalLM + LoRA r=8, nf4 base" and result.method == "trace"
+    assert result.peak_bytes == measured.training_peak_bytes
+
+
+def test_bad_lora_names_itself(tmp_path: Path) -> None:
+    pytest.importorskip("peft")
+    path = tiny_llama(tmp_path / "llama")
+    with pytest.raises(ValueError, match="lora: r: Input should be greater than or equal to 1"):
+        vramtune.fit(f"hf:{path}", config=HF_CONFIG, lora={"r": 0})
+    with pytest.raises(ValueError, match="lora: adapters go on a Hugging Face config"):
+        vramtune.fit(Net(), example(), lora={"r": 8})
+    classifier = transformers.BertConfig(architectures=["BertForSequenceClassification"])
+    with pytest.raises(ValueError, match="lora: adapters go on a causal LM here"):
+        vramtune.fit(classifier, config=HF_CONFIG, lora={"r": 8})
+
+
+def test_two_models_of_one_class_are_two_predictions() -> None:
+    x = torch.randn(8, 32)
+
+    def wide(width: int) -> nn.Module:
+        return nn.Sequential(nn.Linear(32, width), nn.GELU(), nn.Linear(width, 10))
+
+    narrow = vramtune.fit(wide(64), (x,), cards=[], device="cpu")
+    broad = vramtune.fit(wide(4096), (x,), cards=[], device="cpu")  # no cache cleared between
+    assert broad.breakdown["parameters"] > 30 * narrow.breakdown["parameters"]
