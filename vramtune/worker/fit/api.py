@@ -193,8 +193,8 @@ def fit(
         step: your own ``step(model, batch, optimizer)``, traced as written in the loop
             ``for batch in batches: out = step(model, batch, optimizer)``; None: vramtune's step
             (``loss(model, batch).backward(); optimizer.step()``), which plans can resize.
-        loss: ``loss(model, batch)`` for vramtune's step (default: the model's output, its
-            ``.loss`` or mean).
+        loss: ``loss(model, batch)`` for vramtune's step (default: the output's ``.loss``
+            or mean).
         batch_size: the batch to predict; default the example batch's (required with a builder).
             With several ranks, the global batch: each rank runs batch_size / world_size.
         config: a task's configuration (its batch size and shape parameters).
@@ -209,8 +209,7 @@ def fit(
         world_size: ranks; above 1, rank 0 is traced (the ladder's per-rank trace) and
             compared with each card as asked.
         strategy: with ``world_size`` above 1: "ddp" or "fsdp2" (alias "fsdp").
-        lora: with a Hugging Face causal LM: LoRA adapters (``{"r": 16}``; QLoRA:
-            ``"quantized_base": "nf4"``), hf-causal-lm's ``finetune`` settings.
+        lora: LoRA on a Hugging Face causal LM: ``{"r": 16}``, QLoRA ``"quantized_base"``.
         progress: called with a line before each slow step (the CLI's ``--progress``).
 
     Raises:
