@@ -121,7 +121,7 @@ def test_an_hf_config_per_rank_as_json_with_progress_on_stderr(
     done = capsys.readouterr()
     assert code == 0, done.err
     result = json.loads(done.out)  # progress never reaches the JSON
-    assert "vramtune fit: [1/4] tracing the step of rank 0 of 2..." in done.err
+    assert "vramtune fit: [1/3] the step, rank 0 of 2..." in done.err
     assert (result["task"], result["config"]) == (
         "LlamaForCausalLM",
         {"batch_size": 4, "seq_len": 16},

@@ -140,11 +140,16 @@ def test_the_cuda_context_is_counted_against_each_card_and_progress_is_told() ->
     told: list[str] = []
     x, y = example()
     asked = vramtune.fit(Net(), (x, y), loss=cross_entropy, cards=[], progress=told.append)
-    assert told == ["[1/2] tracing the step...", "[2/2] telling its phases apart..."]
+    assert told == ["[1/1] the step...", "[1/1] the step: tracing batch 8..."]
     assert asked.cuda_context_bytes == CUDA_CONTEXT_BYTES
     assert asked.card_bytes == asked.peak_bytes + CUDA_CONTEXT_BYTES
     exact, short = f"{asked.card_bytes}B", f"{asked.card_bytes - 1}B"
-    result = vramtune.fit(Net(), (x, y), loss=cross_entropy, cards=[exact, short], resizes=())
+    told.clear()
+    result = vramtune.fit(
+        Net(), (x, y), loss=cross_entropy, cards=[exact, short], resizes=(), progress=told.append
+    )
+    # The second card searches for its largest micro-batch: each trace of it is told.
+    assert f"[3/3] {short}: tracing micro-batch 1 of 8..." in told
     assert [c.verdict for c in result.cards] == ["fits", "does not fit"]
     assert result.cards[1].short_by_bytes == 1
     # The CPU has no context: the peak alone is what it needs.

@@ -40,6 +40,7 @@ from vramtune.worker.fit.adapter import (
 from vramtune.worker.fit.cards import CARDS, CUDA_CONTEXT_BYTES, Card, card_named
 from vramtune.worker.plan.policy import HandBack, RunAsPlanned, choose_plan, expected_slowdown
 from vramtune.worker.predictor import footprint, largest_micro_batch, phase_peaks, predict
+from vramtune.worker.predictor.core import traces_told
 from vramtune.worker.predictor.trace import CannotTrace, OwnStep
 from vramtune.worker.run.training import TorchTaskRunner
 from vramtune.worker.tasks.registry import as_runner
@@ -235,11 +236,28 @@ def fit(
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin: a fraction in [0, 1), got {margin}")
     chosen = [c if isinstance(c, Card) else card_named(c) for c in _cards_or_all(cards)]
-    say = _Steps(progress, 2 + len(chosen))
+    say = _Steps(progress, 1 + len(chosen))
+    with traces_told(say.tracing):
+        return _fit(runner, task, config, plan, chosen, device, resizes, margin, say, started)
+
+
+def _fit(
+    runner: TrialRunner,
+    task: Task | None,
+    config: Config,
+    plan: Plan,
+    chosen: list[Card],
+    device: Device,
+    resizes: Sequence[Resize],
+    margin: float,
+    say: _Steps,
+    started: float,
+) -> FitResult:
+    """`fit` on checked arguments: the step's prediction, its phases, then card by card."""
+    own_step = getattr(task, "own_step", None) is not None
     reference = _spec(Card("reference", 10**18, 10**18), device)  # no limit: the step alone
-    say("tracing the step" + (f" of rank 0 of {plan.world_size}" if plan.world_size > 1 else ""))
+    say("the step" + (f", rank 0 of {plan.world_size}" if plan.world_size > 1 else ""))
     prediction = _predict(runner, task, config, plan, reference)
-    say("telling its phases apart")
     phases = (
         phase_peaks(task, config, plan, reference)
         if task is not None and plan.world_size == 1
@@ -248,7 +266,7 @@ def fit(
     context = CUDA_CONTEXT_BYTES if device == "cuda" else 0
     answers = []
     for card in chosen:
-        say(f"{card.name}: the largest micro-batch and a plan")
+        say(card.name)
         answers.append(
             _card_fit(runner, task, config, plan, prediction, card, device, resizes, margin)
         )
@@ -277,15 +295,30 @@ def fit(
 
 
 class _Steps:
-    """Numbers each progress line ("[3/9] T4: ..."); silent without a `progress`."""
+    """Numbers each progress line ("[3/9] T4..."), and within a step names each trace it
+    starts ("[3/9] T4: tracing micro-batch 16 of 64..."); silent without a `progress`."""
 
     def __init__(self, progress: Progress | None, total: int) -> None:
         self.progress = progress
         self.total = total
         self.done = 0
+        self.step = ""
 
     def __call__(self, what: str) -> None:
         self.done += 1
+        self.step = what
+        self._tell(what)
+
+    def tracing(self, task: Task, config: Config, plan: Plan) -> None:
+        """The predictor's listener: a trace of this micro-batch and plan starts now."""
+        batch = int(config.get(getattr(task, "batch_size_param", ""), 0))
+        micro = plan.micro_batch or batch
+        size = f"micro-batch {micro} of {batch}" if micro != batch else f"batch {batch}"
+        rungs = plan_in_words(plan.model_copy(update={"micro_batch": None, "accumulation": 1}))
+        flags = "" if rungs == "as asked" else f", {rungs}"
+        self._tell(f"{self.step}: tracing {size}{flags}")
+
+    def _tell(self, what: str) -> None:
         if self.progress is not None:
             self.progress(f"[{self.done}/{self.total}] {what}...")
 

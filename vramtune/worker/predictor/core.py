@@ -15,7 +15,9 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +75,20 @@ class _LRU(OrderedDict[Hashable, Any]):
 
 _PREDICTIONS = _LRU()
 _PROBE_POINTS = _LRU()
+
+TraceListener = Callable[[Task, Config, Plan], None]
+_LISTENER: ContextVar[TraceListener | None] = ContextVar("trace_listener", default=None)
+
+
+@contextmanager
+def traces_told(listener: TraceListener) -> Iterator[None]:
+    """Tell `listener` each trace `predict` starts inside this context (not a cached answer):
+    `vramtune fit`'s progress names the micro-batch a long search is tracing."""
+    token = _LISTENER.set(listener)
+    try:
+        yield
+    finally:
+        _LISTENER.reset(token)
 
 
 def clear_cache() -> None:
@@ -286,6 +302,9 @@ def predict(
     cached: _Point | None = _PREDICTIONS.get_fresh(key)
     if cached is not None:
         return cached.prediction.model_copy(update={"seconds": time.perf_counter() - started})
+    listener = _LISTENER.get()
+    if listener is not None:
+        listener(task, config, plan)
     try:
         trace = trace_training(task, config, plan, target)
     except CannotTrace as error:
