@@ -142,15 +142,7 @@ def fit_command(args: argparse.Namespace) -> int:
             raise BadInput(f"--margin: a fraction in [0, 1), got {args.margin}")
         check_ranks(args.world_size, args.strategy)
         lora = parse_lora(args.lora)
-        model: object = args.file
-        if is_hf(args.file):
-            check_hf(args.file, args.task, config)
-        elif lora is not None:
-            raise BadInput("--lora: adapters go on an hf: config (TASK_FILE hf:PATH)")
-        else:
-            task = load_task(args.file, args.task)
-            check_config(task, config)
-            model = task
+        model = model_of(args, config, lora)
         result = run_fit(model, args, config, cards, lora, progress)
     except BadInput as error:
         print(f"vramtune fit: {error}", file=sys.stderr)
@@ -167,6 +159,18 @@ def fit_command(args: argparse.Namespace) -> int:
     else:
         print(format_result(result, budget))
     return OVER_BUDGET if over else 0
+
+
+def model_of(args: argparse.Namespace, config: dict[str, Any], lora: object) -> object:
+    """What `fit` predicts: the hf: config as given (its file checked), or the file's task."""
+    if is_hf(args.file):
+        check_hf(args.file, args.task, config)
+        return args.file
+    if lora is not None:
+        raise BadInput("--lora: adapters go on an hf: config (TASK_FILE hf:PATH)")
+    task = load_task(args.file, args.task)
+    check_config(task, config)
+    return task
 
 
 ARGUMENTS = {
