@@ -167,3 +167,28 @@ def test_the_keys_a_task_reads_are_its_shapes_batch_and_literal_reads() -> None:
     runner = discover([str(ROOT / EXAMPLE)], entry_points=False).runners["plain-digits"]
     # width: a shape parameter; lr: read by build_optimizer as config.get("lr", 0.1).
     assert config_keys(runner.task) == {"batch_size", "width", "lr"}  # type: ignore[attr-defined]
+
+
+def test_progress_rewrites_one_line_on_a_terminal_and_writes_lines_elsewhere() -> None:
+    import io
+
+    from vramtune.worker.fit.cli import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal, log = Terminal(), io.StringIO()
+    for stream in (terminal, log):
+        shown = Progress(stream)
+        shown("[1/2] the step...")
+        shown("[2/2] T4: tracing micro-batch 8 of 64...")
+        shown.close()
+    assert terminal.getvalue() == (
+        "\rvramtune fit: [1/2] the step...\x1b[K"
+        "\rvramtune fit: [2/2] T4: tracing micro-batch 8 of 64...\x1b[K\r\x1b[K"
+    )
+    assert log.getvalue().splitlines() == [
+        "vramtune fit: [1/2] the step...",
+        "vramtune fit: [2/2] T4: tracing micro-batch 8 of 64...",
+    ]
