@@ -7,7 +7,8 @@ What a user touches is importable from here; every other module is internal and 
   ``Batch`` and ``Config`` types and ``check_task`` (the contract's rules, for a user's tests).
 - The service: ``Client`` (REST), ``StudySpec`` (what a study is created from), ``ApiError``.
 - The predictor: ``predict``, ``largest_micro_batch``, ``Plan``, ``Prediction``.
-- Will it fit?: ``fit`` (a model or task, card by card) with ``FitResult`` and ``CardFit``;
+- Will it fit?: ``fit`` (a model, a task or a Hugging Face config; one card or a rank of
+  several) with ``FitResult`` and ``CardFit``;
   the card table ``CARDS`` of ``Card``, extended by ``register_card``.
 
 Names load on first use (PEP 562), so ``import vramtune`` on a server-only install, which has

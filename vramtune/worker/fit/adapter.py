@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -25,6 +26,7 @@ from vramtune.worker.predictor.trace import OwnStep
 from vramtune.worker.trial.task import Batch, Config, TaskConfigError
 
 BATCH_SIZE = "batch_size"
+_ADAPTERS = itertools.count()
 DEFAULT_LR = 1e-3
 
 ModelSource = nn.Module | Callable[[], nn.Module]
@@ -112,6 +114,9 @@ class ModuleTask(PlainTask):
         if step is not None:
             self.own_step = step
         self.name = name or _name_of(model)
+        # The predictor caches by task name and configuration, which a module in hand does not
+        # describe (Net(64), then Net(4096), in one notebook): each adapter is a model of its own.
+        self.cache_token = next(_ADAPTERS)
 
     def example_size(self) -> int | None:
         """The example batch's size (its first dimension); None for a builder."""

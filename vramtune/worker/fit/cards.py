@@ -2,13 +2,16 @@
 
 Each built-in card has its **nominal** memory, the size on NVIDIA's datasheet (a "24 GB" card
 has 24 GiB of memory chips: NVIDIA counts these sizes in binary units), and its **usable**
-memory: the nominal size less `RESERVED_BYTES`, what a training process cannot have for its
-tensors. That allowance covers the CUDA context and loaded kernels (300-400 MiB with lazy
-module loading, more without: /work/shared/FACTS.md, "CUDA caching allocator and the card"),
-the cuBLAS/cuDNN workspaces (8-32 MiB a handle) and the memory the driver keeps back (ECC on
-GDDR cards, firmware): nvidia-smi shows every card below its nominal size. It is a fixed,
-deliberately round figure, not a measurement of any one card: a size given instead of a name
-(``8GiB``, what ``nvidia-smi --query-gpu=memory.free`` says on your machine) is used as it is.
+memory: the nominal size less `RESERVED_BYTES`, what a training process can never have. That
+allowance covers the cuBLAS/cuDNN workspaces (8-32 MiB a handle), kernels loaded past the
+context's and the memory the driver keeps back (ECC on GDDR cards, firmware): nvidia-smi shows
+every card below its nominal size. The CUDA context itself (300-400 MiB with lazy module
+loading, more without: /work/shared/FACTS.md, "CUDA caching allocator and the card") is
+`CUDA_CONTEXT_BYTES`, which `fit` counts against the usable memory beside the predicted peak,
+so the answer shows it. Both are fixed, deliberately round figures, not measurements of any one
+card: a size given instead of a name (``8GiB``, what ``nvidia-smi --query-gpu=memory.free``
+says on your machine before the run) is the usable memory as it is, the context still to come
+out of it.
 
 Torch-free: the command line parses cards before it imports the predictor.
 """
@@ -21,8 +24,14 @@ from dataclasses import dataclass
 from vramtune.worker.device.gpu import parse_size
 
 GIB = 1024**3
-RESERVED_BYTES = GIB
-"""Nominal less usable: context, kernels, workspaces and the driver's share (module docstring)."""
+MIB = 1024**2
+CUDA_CONTEXT_BYTES = 384 * MIB
+"""The CUDA context and loaded kernels of a training process with lazy module loading (the top
+of the 300-400 MiB FACTS.md gives): outside the caching allocator, so no trace sees it. `fit`
+counts it against every card on top of the predicted peak and shows it on its own line."""
+RESERVED_BYTES = GIB - CUDA_CONTEXT_BYTES
+"""Nominal less usable: the workspaces, the driver's share and room for kernels loaded beyond
+the context's (module docstring); with `CUDA_CONTEXT_BYTES`, a round 1 GiB."""
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,9 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +75,20 @@ class _LRU(OrderedDict[Hashable, Any]):
 
 _PREDICTIONS = _LRU()
 _PROBE_POINTS = _LRU()
+
+TraceListener = Callable[[Task, Config, Plan], None]
+_LISTENER: ContextVar[TraceListener | None] = ContextVar("trace_listener", default=None)
+
+
+@contextmanager
+def traces_told(listener: TraceListener) -> Iterator[None]:
+    """Tell `listener` each trace `predict` starts inside this context (not a cached answer):
+    `vramtune fit`'s progress names the micro-batch a long search is tracing."""
+    token = _LISTENER.set(listener)
+    try:
+        yield
+    finally:
+        _LISTENER.reset(token)
 
 
 def clear_cache() -> None:
@@ -238,7 +254,10 @@ def _hashable(value: object) -> Hashable:
 def _task_key(task: Task, config: Config) -> tuple[Hashable, ...]:
     names = sorted(set(task.shape_params))
     shapes = tuple((name, _hashable(config.get(name))) for name in names)
-    return (type(task).__module__, type(task).__qualname__, task.name, shapes)
+    # A task whose model is not its configuration's (vramtune.fit's ModuleTask: a module in
+    # hand) carries a token of its own: two models of one class must not share predictions.
+    token = getattr(task, "cache_token", None)
+    return (type(task).__module__, type(task).__qualname__, task.name, token, shapes)
 
 
 def _batch_size(task: Task, config: Config) -> int:
@@ -283,6 +302,9 @@ def predict(
     cached: _Point | None = _PREDICTIONS.get_fresh(key)
     if cached is not None:
         return cached.prediction.model_copy(update={"seconds": time.perf_counter() - started})
+    listener = _LISTENER.get()
+    if listener is not None:
+        listener(task, config, plan)
     try:
         trace = trace_training(task, config, plan, target)
     except CannotTrace as error:

@@ -230,13 +230,7 @@ class HFCausalLMTask:
         lora = settings.lora()
         if lora is None:
             return model
-        conv1d = settings.model_type == "gpt2"
-        if lora.quantized_base != "none":
-            if conv1d:
-                _conv1d_as_linear(model)
-                conv1d = False
-            _quantize_base(model, lora.quantized_base)
-        return _with_lora(model, lora, conv1d)
+        return with_finetune(model, lora, conv1d=settings.model_type == "gpt2")
 
     def build_optimizer(self, model: nn.Module, config: Config) -> torch.optim.Optimizer:
         """AdamW over the trainable parameters (a frozen base keeps no state); foreach spelled
@@ -321,6 +315,18 @@ class HFCausalLMTask:
     def checkpoint_modules(self, model: nn.Module) -> Sequence[nn.Module]:
         """Not used: `enable_checkpointing` turns on transformers' own."""
         return ()
+
+
+def with_finetune(model: nn.Module, lora: LoRASettings, conv1d: bool) -> nn.Module:
+    """`model` in LoRA adapters, the base frozen; for QLoRA its linear layers quantized first
+    (GPT-2's Conv1D layers, `conv1d`, made the nn.Linear layers torchao quantizes). Also the
+    path of `vramtune.fit`'s ``lora=`` on a Hugging Face config."""
+    if lora.quantized_base != "none":
+        if conv1d:
+            _conv1d_as_linear(model)
+            conv1d = False
+        _quantize_base(model, lora.quantized_base)
+    return _with_lora(model, lora, conv1d)
 
 
 def _with_lora(model: nn.Module, lora: LoRASettings, conv1d: bool) -> nn.Module:
