@@ -476,12 +476,16 @@ def replay(
     events: Iterable[tuple[int, int]],
     preallocated: Iterable[int] = (),
     settings: AllocatorSettings = DEFAULT_SETTINGS,
+    *,
+    capacity: int | None = None,
+    allowed: int | None = None,
 ) -> AllocatorPeaks:
     """Peaks of the allocator over `events` ((key, +bytes) malloc, (key, -bytes) free).
 
-    `preallocated` are blocks allocated first and never freed (the cuBLAS workspaces).
+    `preallocated` are blocks allocated first and never freed (the cuBLAS workspaces);
+    `capacity` and `allowed` are the card's limits (see `CachingAllocatorModel`).
     """
-    model = CachingAllocatorModel(settings=settings)
+    model = CachingAllocatorModel(settings=settings, capacity=capacity, allowed=allowed)
     for index, nbytes in enumerate(preallocated):
         if nbytes > 0:
             model.malloc(-1 - index, nbytes)
