@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from vramtune.service.wire import CardConstants, CardInfo
 from vramtune.worker.device.alloc_conf import parse
+from vramtune.worker.predictor import CPU_TARGET, EMULATED_CUDA_TARGET, from_trace
 from vramtune.worker.predictor.allocator import (
     CachingAllocatorModel,
     replay,
     round_request,
     segment_size,
 )
+from vramtune.worker.predictor.core import allocator_capacity
+from vramtune.worker.predictor.trace import Trace, TrainingPart
+from vramtune.worker.trial.runner import CardSpec
 
 MiB = 2**20
 
@@ -183,3 +188,18 @@ def test_garbage_collection_frees_the_blocks_older_than_average_above_the_thresh
     # A threshold the reserve is under collects nothing; one far below frees both, pass by pass.
     assert _aged("garbage_collection_threshold:0.5", allowed=200 * MiB).reserved == 114 * MiB
     assert _aged("garbage_collection_threshold:0.1", allowed=200 * MiB).reserved == 72 * MiB
+
+
+def test_a_prediction_near_the_cards_capacity_gets_the_reserve_after_the_retry() -> None:
+    info = CardInfo(model="test", total_bytes=2**30, free_bytes=2**30)
+    constants = {"cuda_context_bytes": 500 * MiB, "other_bytes": 424 * MiB}
+    card = CardSpec(info=info, device="cuda:0", constants=constants)
+    assert allocator_capacity(card, EMULATED_CUDA_TARGET) == 100 * MiB
+    assert allocator_capacity(card, CPU_TARGET) is None
+    assert allocator_capacity(CardSpec(info=info, device="cpu"), EMULATED_CUDA_TARGET) is None
+    events = [(1, 40 * MiB), (2, 40 * MiB), (1, -40 * MiB), (3, 50 * MiB)]
+    trace = Trace(0, {}, events, 0.0, {}, TrainingPart(0, len(events), None))
+    none = CardConstants()
+    unlimited = from_trace(trace, EMULATED_CUDA_TARGET, none, 0.0)
+    near = from_trace(trace, EMULATED_CUDA_TARGET, none, 0.0, capacity=100 * MiB)
+    assert (unlimited.peak_reserved_bytes, near.peak_reserved_bytes) == (130 * MiB, 90 * MiB)
