@@ -6,7 +6,9 @@ cache the process held when recording began, every request in order, and what th
 allocator did. The model must make the same decisions: the same segments (or, with expandable
 segments, the same page maps) in the same order, so the same reserved peak to the byte. That
 holds for every committed trace, the default settings' and `expandable_segments:True`'s alike,
-so no tolerance is granted; a new trace that misses must be explained, not absorbed.
+so no tolerance is granted; a new trace that misses must be explained, not absorbed. The runs
+that freed their cache mid-run did so as the allocator's retry before an OOM: replayed without
+those releases at the card's capacity, the model frees its cache at the same allocations.
 """
 
 from __future__ import annotations
