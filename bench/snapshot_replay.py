@@ -208,11 +208,15 @@ def _map(segments: dict[int, tuple[int, bool, int]], address: int, size: int, st
     segments[address] = (size, small, stream)
 
 
-def replay(data: dict[str, Any]) -> dict[str, Any]:
-    """The model's answer for one derived trace: peaks and the segments it would allocate."""
+def replay(data: dict[str, Any], capacity: int | None = None) -> dict[str, Any]:
+    """The model's answer for one derived trace: peaks and the segments it would allocate.
+
+    With a `capacity` (what cudaMalloc could give) the releases after the first event are left
+    out: the model must make them itself, as the retry before an OOM.
+    """
     recorded = data["settings"]
     settings = AllocatorSettings() if recorded is None else AllocatorSettings.from_dict(recorded)
-    model = CachingAllocatorModel(settings=settings)
+    model = CachingAllocatorModel(settings=settings, capacity=capacity)
     key = 0
     for small, stream, blocks in data["initial"]:
         seeded: list[tuple[int | None, int]] = []
@@ -222,20 +226,26 @@ def replay(data: dict[str, Any]) -> dict[str, Any]:
         model.seed_segment(seeded, bool(small), stream)
     streams = data.get("streams")
     allocation = 0
-    for event in data["events"]:
+    for index, event in enumerate(data["events"]):
         if event > 0:
             model.malloc(key, event, streams[allocation] if streams else 0)
             key += 1
             allocation += 1
         elif event < 0:
             model.free(-1 - event)
-        else:
+        elif capacity is None or index == 0:
             model.release_cached()
     return {
         "peak_reserved": model.peak_reserved,
         "peak_allocated": model.peak_allocated,
         "segments": model.segment_sizes,
+        "ooms": model.ooms,
     }
+
+
+def releases(data: dict[str, Any]) -> int:
+    """The releases of cached segments after the trace's start (empty_cache or OOM retries)."""
+    return sum(1 for event in data["events"][1:] if event == 0)
 
 
 def _slug(repository: str, path: str) -> str:
@@ -305,6 +315,8 @@ def _report_command(_: argparse.Namespace) -> None:
                 "segments_match": model["segments"] == real["segments"],
                 "real_peak_allocated_rounded": real["peak_allocated_rounded"],
                 "model_peak_allocated": model["peak_allocated"],
+                "releases": releases(data),
+                "releases_as_retries": _as_retries(data),
             }
         )
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -317,20 +329,43 @@ def _report_command(_: argparse.Namespace) -> None:
         "segments; allocated is the rounded requested bytes (real) against the model's "
         "block bytes, which also count a block's unsplit rest.",
         "",
+        "Releases: the runs of segment frees after the start; 'retries' where the model, "
+        "given the card's capacity (the real peak reserved, the least the card could have "
+        "had) and not the releases, frees the cache itself before a cudaMalloc that would "
+        "fail and reaches the same segments and peak.",
+        "",
         "| trace | allocations | real peak reserved | model | error | segments | "
-        "real peak allocated | model |",
-        "|---|---:|---:|---:|---:|---|---:|---:|",
+        "real peak allocated | model | releases |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---|",
     ]
     for row in rows:
         real, model = row["real_peak_reserved"], row["model_peak_reserved"]
         error = (model - real) / real * 100 if real else 0.0
+        retries = row["releases_as_retries"]
+        released = f"{row['releases']}" + (
+            "" if retries is None else " (retries)" if retries else " (not retries)"
+        )
         lines.append(
             f"| {row['trace']} | {row['allocations']} | {real:,} | {model:,} | {error:+.2f} % | "
             f"{'same' if row['segments_match'] else 'differ'} ({row['real_segments']}) | "
-            f"{row['real_peak_allocated_rounded']:,} | {row['model_peak_allocated']:,} |"
+            f"{row['real_peak_allocated_rounded']:,} | {row['model_peak_allocated']:,} | "
+            f"{released} |"
         )
     (RESULTS / "snapshot_replay.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def _as_retries(data: dict[str, Any]) -> bool | None:
+    # None without releases; else whether the model at the card's capacity makes them itself.
+    if not releases(data):
+        return None
+    real = data["real"]
+    model = replay(data, capacity=real["peak_reserved"])
+    return (model["segments"], model["peak_reserved"], model["ooms"]) == (
+        real["segments"],
+        real["peak_reserved"],
+        0,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

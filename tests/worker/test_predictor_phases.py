@@ -27,7 +27,7 @@ from vramtune.worker.tasks.charlm import CharTransformerTask
 from vramtune.worker.tasks.digits import DigitsCNNTask, DigitsMLPTask
 from vramtune.worker.tasks.quadratic import QuadraticTask
 from vramtune.worker.trial.runner import plan_for_micro_batch
-from vramtune.worker.trial.steps import micro_batch_sizes, traced_micro_batch_sizes
+from vramtune.worker.trial.steps import micro_batch_sizes, traced_micro_batch_sizes, train_step
 from vramtune.worker.trial.task import Config
 
 
@@ -193,3 +193,29 @@ def test_the_warm_up_runs_once_per_process(monkeypatch: pytest.MonkeyPatch) -> N
     warm_up(warm_up_workloads())
     warm_up_in_background(warm_up_workloads()).join()
     assert traced == []
+
+
+class _SquareTask:
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return model(batch[0]).square().mean()
+
+
+def test_the_steps_loss_accumulator_is_not_counted_as_forward() -> None:
+    # A wide layer on one example: its forward allocates a few KiB, its backward the 256 KiB
+    # weight gradient. The step's loss accumulator is made after backward, with the gradient
+    # held; were it a forward allocation, the forward phase's peak (the lines
+    # largest_micro_batch fits) would be the gradients' level.
+    model = nn.Linear(256, 256)  # made before the tracker: the parameters are not counted
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with MemoryTracker() as tracker:
+        train_step(
+            _SquareTask(),  # type: ignore[arg-type]
+            model,
+            optimizer,
+            lambda size: (torch.ones(size, 256),),
+            1,
+            Plan(),
+            torch.device("cpu"),
+        )
+    assert tracker.phase_peaks["forward"] < 16 * 1024
+    assert tracker.phase_peaks["backward"] >= 256 * 256 * 4

@@ -6,7 +6,9 @@ cache the process held when recording began, every request in order, and what th
 allocator did. The model must make the same decisions: the same segments (or, with expandable
 segments, the same page maps) in the same order, so the same reserved peak to the byte. That
 holds for every committed trace, the default settings' and `expandable_segments:True`'s alike,
-so no tolerance is granted; a new trace that misses must be explained, not absorbed.
+so no tolerance is granted; a new trace that misses must be explained, not absorbed. The runs
+that freed their cache mid-run did so as the allocator's retry before an OOM: replayed without
+those releases at the card's capacity, the model frees its cache at the same allocations.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from typing import Any
 
 import pytest
 
-from bench.snapshot_replay import derive, load_snapshot, replay
+from bench.snapshot_replay import derive, load_snapshot, releases, replay
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "snapshots"
 TRACES = sorted(DATA.glob("*.json"))
+# the traces whose cache was freed mid-run (a run of segment frees after the start)
+RELEASING = [path for path in TRACES if releases(json.loads(path.read_text()))]
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -48,6 +52,26 @@ def test_a_real_trace_replays_to_its_reserved_peak(path: Path) -> None:
     assert model["peak_reserved"] == real["peak_reserved"]
     # the model counts whole blocks, the trace only rounded requests: never fewer bytes
     assert model["peak_allocated"] >= real["peak_allocated_rounded"]
+
+
+@pytest.mark.parametrize("path", RELEASING, ids=[path.stem for path in RELEASING])
+def test_a_release_mid_run_was_the_retry_before_an_oom(path: Path) -> None:
+    # Without the recorded releases and given the card's capacity (the real peak reserved:
+    # the least the card could have had), the model frees the cache itself where cudaMalloc
+    # would fail, and so at the same allocations as the real run: same segments, same peak.
+    data = _load(path)
+    real = data["real"]
+    model = replay(data, capacity=real["peak_reserved"])
+    assert model["ooms"] == 0
+    assert model["segments"] == real["segments"]
+    assert model["peak_reserved"] == real["peak_reserved"]
+    unlimited = replay(data, capacity=1 << 62)  # no limit: the releases never happen
+    assert unlimited["peak_reserved"] > real["peak_reserved"]
+
+
+def test_the_suite_has_a_run_that_retried_near_the_card_limit() -> None:
+    assert len(RELEASING) >= 2
+    assert any((_load(path)["settings"] or {}).get("expandable_segments") for path in RELEASING)
 
 
 def test_a_snapshot_loads_as_plain_data_and_any_class_is_refused() -> None:

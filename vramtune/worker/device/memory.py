@@ -39,13 +39,17 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode_stack,
+    is_traceable_wrapper_subclass,
+)
 from torch.utils._pytree import tree_leaves
 
 CUDA_ALLOCATION_ROUNDING = 512
@@ -533,6 +537,17 @@ class MemoryTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if label is not None:
             return label
         return "activations" if record.phase == "forward" else "temporaries"
+
+
+@contextmanager
+def attributed_to(phase: str) -> Iterator[None]:
+    """Attribute storages created inside the block to `phase` in every tracker entered on this
+    thread: for code that holds no tracker (the trainer's step). No tracker: no effect."""
+    trackers = [m for m in _get_current_dispatch_mode_stack() if isinstance(m, MemoryTracker)]
+    with ExitStack() as stack:
+        for tracker in trackers:
+            stack.enter_context(tracker.phase(phase))
+        yield
 
 
 _RESIZE_WATCHERS: list[MemoryTracker] = []

@@ -44,7 +44,12 @@ from vramtune.service.wire import Plan, Prediction, TrainBudget
 from vramtune.worker.device.memory import Excess
 from vramtune.worker.integrations.hf_trainer_trace import TrainerTrace, trace_trainer
 from vramtune.worker.predictor import CannotTrace, from_trace, target_for
-from vramtune.worker.predictor.core import card_constants, divisors, largest_divisor_on_lines
+from vramtune.worker.predictor.core import (
+    allocator_capacity,
+    card_constants,
+    divisors,
+    largest_divisor_on_lines,
+)
 from vramtune.worker.run.training import TrainingDiverged, meter_for, release_device_memory
 from vramtune.worker.trial.runner import (
     CardSpec,
@@ -334,7 +339,13 @@ class TrainerTask:
             return _unpredictable(error.reason, started)
         self._note(traced, evaluation_key, evaluated=known is None)
         constants = card_constants(card) if target.cuda else card_constants(None)
-        prediction = from_trace(traced.trace, target, constants, time.perf_counter() - started)
+        prediction = from_trace(
+            traced.trace,
+            target,
+            constants,
+            time.perf_counter() - started,
+            capacity=allocator_capacity(card, target),
+        )
         if len(self._predictions) >= PREDICTIONS_KEPT:
             self._predictions.clear()  # a bound, not a policy: a study revisits few shapes
         self._predictions[key] = prediction
@@ -342,14 +353,16 @@ class TrainerTask:
 
     def _key(self, config: Config, plan: Plan, card: CardSpec) -> tuple[Any, ...]:
         """What a prediction depends on: the configuration, the micro-batch the Trainer runs,
-        the plan's flags it takes, the card."""
+        the plan's flags it takes, the card (and what its allocator can reserve)."""
+        target = target_for(card)
         return (
             tuple(sorted((k, repr(v)) for k, v in config.items())),
             self.micro_batch(config, plan),
             plan.checkpointing,
             plan.bf16,
-            target_for(card),
+            target,
             card.device,
+            allocator_capacity(card, target),
         )
 
     def predictions_solved(

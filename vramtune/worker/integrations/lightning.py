@@ -48,6 +48,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from vramtune.service.wire import Plan, Prediction, TrainBudget
 from vramtune.worker.device.memory import MemoryLimitExceeded, MemoryTracker, round_up
 from vramtune.worker.predictor.core import (
+    allocator_capacity,
     card_constants,
     divisors,
     from_trace,
@@ -167,7 +168,14 @@ class LightningTask:
         started = time.perf_counter()
         target = target_for(card)
         constants = card_constants(card) if target.cuda else card_constants(None)
-        key = (self._shape_key(config), self._plan_key(config, plan), target, str(constants))
+        capacity = allocator_capacity(card, target)
+        key = (
+            self._shape_key(config),
+            self._plan_key(config, plan),
+            target,
+            str(constants),
+            capacity,
+        )
         if key not in self._predictions:
             try:
                 trace = trace_lightning(self, config, plan, target)
@@ -179,7 +187,7 @@ class LightningTask:
                     reason=f"cannot trace: {error.reason}"[:4096],
                     seconds=time.perf_counter() - started,
                 )
-            self._predictions[key] = from_trace(trace, target, constants, 0.0)
+            self._predictions[key] = from_trace(trace, target, constants, 0.0, capacity=capacity)
         return self._predictions[key].model_copy(update={"seconds": time.perf_counter() - started})
 
     def largest_micro_batch(

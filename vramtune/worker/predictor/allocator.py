@@ -19,9 +19,20 @@ expandable segments, the whole pages inside free blocks unmapped). Checked again
 tests/worker/test_snapshot_replay.py replays public snapshots (bench/snapshot_replay.py) and
 every one, default, expandable and ten-stream alike, gets the same segments to the byte.
 
-Not modelled: `garbage_collection_threshold` (it needs the card's capacity and the blocks'
-ages), blocks used on a second stream (`record_stream`), and the retry that frees cached blocks
-when cudaMalloc fails near the card's limit (a replay sees its segment frees as a release).
+Near the card's limit (given `capacity`, what cudaMalloc can give; `allowed`, the memory fraction
+set): c10's malloc runs `garbage_collect_cached_blocks` before a cudaMalloc when a memory
+fraction is set and `garbage_collection_threshold` is: above threshold x the allowed memory,
+whole free large blocks at least as old as the average (age: the large pool's free-block
+searches since the block was freed, c10's `gc_count`) go back, pass after pass, until the
+reserve is under the threshold. A cudaMalloc that would not fit is retried after
+`release_available_cached_blocks` (with `max_split_size`: one whole block as large as the
+request, else the largest oversize ones) and then after `release_cached_blocks` (every whole
+free segment; with expandable segments, the free pages); only then is it an OOM, counted in
+`ooms`. The two public runs that freed their cache mid-run were such retries, and replayed
+with the card's capacity instead of their recorded releases they get the same segments.
+
+Not modelled: blocks used on a second stream (`record_stream`), CUDA graphs' private pools,
+and the free-memory callbacks c10 calls before any of this.
 """
 
 from __future__ import annotations
@@ -84,6 +95,12 @@ class _Block:
     next: _Block | None = None
     stream: int = 0
     unmapped: int = 0  # expandable segments: bytes of the block's pages given back
+    gc_base: int = 0  # its pool's free-block searches when it last entered the free list
+
+    @property
+    def whole(self) -> bool:
+        """The block is its whole segment (c10's `!is_split()`): it can be given back."""
+        return self.prev is None and self.next is None
 
     def order(self) -> tuple[int, int, int]:
         """Best-fit order of the free lists: size, then address."""
@@ -105,9 +122,20 @@ class AllocatorPeaks:
 
 @dataclass
 class CachingAllocatorModel:
-    """Replays allocations and frees; tracks allocated and reserved bytes and their peaks."""
+    """Replays allocations and frees; tracks allocated and reserved bytes and their peaks.
+
+    `capacity` is what cudaMalloc can give the allocator: the card's memory less what the CUDA
+    context and other processes hold. `allowed` is `set_per_process_memory_fraction`'s limit
+    (the fraction of the card's total, c10's `allowed_memory_maximum`); only with it does
+    `garbage_collection_threshold` act. None: no limit. An allocation that fits neither even
+    after the allocator gave back its cache would raise OutOfMemoryError: it is counted in
+    `ooms` and made anyway, so the peaks then exceed the limit.
+    """
 
     settings: AllocatorSettings = DEFAULT_SETTINGS
+    capacity: int | None = None
+    allowed: int | None = None
+    ooms: int = 0
     allocated: int = 0
     reserved: int = 0
     peak_allocated: int = 0
@@ -120,11 +148,16 @@ class CachingAllocatorModel:
     _segments: int = 0
     # expandable_segments: the last block of each pool's one segment (its mapped end)
     _tails: dict[tuple[bool, int], _Block] = field(default_factory=dict)
+    # free-block searches per pool (small, large; all streams share one): the blocks' age clock
+    _searches: dict[bool, int] = field(default_factory=lambda: {False: 0, True: 0})
 
     def malloc(self, key: int, nbytes: int, stream: int = 0) -> None:
         """Allocate `nbytes` for the storage called `key`."""
         size = round_request(nbytes, self.settings)
         small = size <= SMALL_SIZE
+        self._searches[small] += 1  # get_free_block counts its calls on the pool
+        if self.settings.expandable_segments and self._limit() is not None:
+            self._make_room_expandable(size, small, stream)
         block = self._take_free(size, small, stream)
         if block is None:
             block = (
@@ -200,9 +233,117 @@ class CachingAllocatorModel:
             return
         for pool in self._free.values():
             for _, block in list(pool):
-                if block.prev is None and block.next is None:
-                    self._remove_free(block)
-                    self.reserved -= block.size
+                if block.whole:
+                    self._release(block)
+
+    def _release(self, block: _Block) -> None:
+        # c10's release_block: a free block that is its whole segment goes back to CUDA.
+        self._remove_free(block)
+        self.reserved -= block.size
+
+    def _limit(self) -> int | None:
+        limits = [limit for limit in (self.capacity, self.allowed) if limit is not None]
+        return min(limits) if limits else None
+
+    def _fits(self, nbytes: int) -> bool:
+        limit = self._limit()
+        return limit is None or self.reserved + nbytes <= limit
+
+    def _make_room(self, size: int, small: bool, stream: int, total: int) -> None:
+        """Before cudaMalloc'ing `total` bytes: garbage collection, then the retries.
+
+        c10's malloc: garbage_collect_cached_blocks when a memory fraction is set; then
+        alloc_block, and where it fails, release_available_cached_blocks and alloc_block again,
+        then release_cached_blocks (every whole free segment) and alloc_block once more.
+        """
+        self._collect_garbage()
+        if self._fits(total):
+            return
+        if self._release_available(size, small, stream) and self._fits(total):
+            return
+        self.release_cached()
+        if not self._fits(total):
+            self.ooms += 1
+
+    def _collect_garbage(self) -> None:
+        """c10's garbage_collect_cached_blocks: above `threshold` x the allowed memory, give
+        back whole free large blocks at least as old as the average (in free-block searches of
+        the large pool since the block was freed), pass after pass, until the reserve is back
+        under the threshold. The allocator runs it only with a memory fraction set."""
+        threshold = self.settings.garbage_collection_threshold
+        if self.allowed is None or threshold <= 0.0 or self.settings.expandable_segments:
+            return
+        gc_threshold = int(threshold * self.allowed)
+        if self.reserved <= gc_threshold:
+            return
+        target = self.reserved - gc_threshold
+        clock = self._searches[False]
+        candidates = [
+            block
+            for (small, _), pool in self._free.items()
+            if not small
+            for _, block in pool
+            if block.whole
+        ]
+        total_age = sum(clock - block.gc_base for block in candidates)
+        reclaimed = 0
+        freed = True
+        while reclaimed < target and freed and candidates:
+            average = total_age / len(candidates)  # fixed for the pass, as in c10
+            freed = False
+            for block in list(candidates):
+                age = clock - block.gc_base
+                if age >= average:
+                    freed = True
+                    reclaimed += block.size
+                    total_age -= age
+                    candidates.remove(block)
+                    self._release(block)
+
+    def _release_available(self, size: int, small: bool, stream: int) -> bool:
+        """c10's release_available_cached_blocks: with max_split_size set, give back one whole
+        block at least as large as the request (and the limit), else the largest blocks above
+        the limit until as many bytes are back; False when that is not enough."""
+        limit = self.settings.max_split_size
+        if limit is None or self.settings.expandable_segments:
+            return False
+        key = max(size, limit)
+        pool = self._free.get((small, stream), [])
+        index = bisect.bisect_left(pool, (key, -1, -1), key=lambda entry: entry[0])
+        if index < len(pool):
+            block = pool[index][1]
+            if block.whole:
+                self._release(block)
+            return True
+        released = 0
+        for _, block in reversed(pool[:index]):
+            if released >= key or block.size < limit:
+                break
+            if block.whole:
+                self._release(block)
+                released += block.size
+        return released >= key
+
+    def _make_room_expandable(self, size: int, small: bool, stream: int) -> None:
+        # With expandable segments the retry unmaps the free pages (release_cached_blocks)
+        # and maps the request's pages again.
+        if not self._fits(self._pages_needed(size, small, stream)):
+            self.release_cached()
+            if not self._fits(self._pages_needed(size, small, stream)):
+                self.ooms += 1
+
+    def _pages_needed(self, size: int, small: bool, stream: int) -> int:
+        # The bytes an expandable pool maps to serve the request (see _grow and _remap).
+        page = SMALL_SEGMENT if small else LARGE_SEGMENT
+        wanted = -(-size // page) * page
+        index = self._find_free(size, small, stream)
+        if index is not None:
+            return min(self._free[(small, stream)][index][1].unmapped, wanted)
+        tail = self._tails.get((small, stream))
+        if tail is None or not tail.free:
+            return -(-size // page) * page
+        grown = -(-max(0, size - tail.size) // page) * page
+        return grown + min(tail.unmapped, wanted)
 
     def _remap(self, block: _Block, size: int) -> None:
         # Map back as many of the block's given-back pages as the request needs.
@@ -214,6 +355,11 @@ class CachingAllocatorModel:
         self.segment_sizes.append(mapped)
 
     def _take_free(self, size: int, small: bool, stream: int) -> _Block | None:
+        index = self._find_free(size, small, stream)
+        return None if index is None else self._free[(small, stream)].pop(index)[1]
+
+    def _find_free(self, size: int, small: bool, stream: int) -> int | None:
+        # c10's get_free_block: the index of the best-fit free block, or None.
         pool = self._free.get((small, stream), [])
         index = bisect.bisect_left(pool, (size, -1, -1), key=lambda entry: entry[0])
         tail = self._tails.get((small, stream))
@@ -232,10 +378,11 @@ class CachingAllocatorModel:
                 return None
             if size >= limit and block.size >= size + self.settings.max_non_split_rounding:
                 return None
-        return pool.pop(index)[1]
+        return index
 
     def _new_segment(self, size: int, small: bool, stream: int) -> _Block:
         total = SMALL_SEGMENT if small else segment_size(size)
+        self._make_room(size, small, stream, total)
         self._segments += 1
         self.reserved += total
         self.peak_reserved = max(self.peak_reserved, self.reserved)
@@ -313,6 +460,7 @@ class CachingAllocatorModel:
         return first
 
     def _insert_free(self, block: _Block) -> None:
+        block.gc_base = self._searches[block.small]  # c10's insert_into_blocks
         pool = self._free.setdefault(block.pool, [])
         bisect.insort(pool, (block.order(), block), key=lambda entry: entry[0])
 
@@ -328,12 +476,16 @@ def replay(
     events: Iterable[tuple[int, int]],
     preallocated: Iterable[int] = (),
     settings: AllocatorSettings = DEFAULT_SETTINGS,
+    *,
+    capacity: int | None = None,
+    allowed: int | None = None,
 ) -> AllocatorPeaks:
     """Peaks of the allocator over `events` ((key, +bytes) malloc, (key, -bytes) free).
 
-    `preallocated` are blocks allocated first and never freed (the cuBLAS workspaces).
+    `preallocated` are blocks allocated first and never freed (the cuBLAS workspaces);
+    `capacity` and `allowed` are the card's limits (see `CachingAllocatorModel`).
     """
-    model = CachingAllocatorModel(settings=settings)
+    model = CachingAllocatorModel(settings=settings, capacity=capacity, allowed=allowed)
     for index, nbytes in enumerate(preallocated):
         if nbytes > 0:
             model.malloc(-1 - index, nbytes)

@@ -271,14 +271,30 @@ def _plan_key(task: Task, config: Config, plan: Plan) -> tuple[Hashable, ...]:
 
 
 def _prediction_key(
-    task: Task, config: Config, plan: Plan, target: Target, constants: CardConstants
+    task: Task, config: Config, plan: Plan, target: Target, card: CardSpec | None
 ) -> tuple[Hashable, ...]:
+    constants = card_constants(card) if target.cuda else CardConstants()
     return (
         _task_key(task, config),
         _plan_key(task, config, plan),
         target,
         constants.model_dump_json(),
+        allocator_capacity(card, target),
     )
+
+
+def allocator_capacity(card: CardSpec | None, target: Target) -> int | None:
+    """What cudaMalloc can give the caching allocator on `card`: its memory less the CUDA
+    context and what else the constants count outside the allocator. Near it the allocator
+    frees its cache and retries before an OOM, which the model follows (allocator.py). None
+    off a CUDA card (the CPU card, a simulated one, none given)."""
+    if card is None or not target.cuda or not card.device.startswith("cuda"):
+        return None
+    if card.info.simulated:
+        return None
+    constants = card_constants(card)
+    outside = constants.cuda_context_bytes + constants.other_bytes
+    return max(card.info.total_bytes - outside, 0)
 
 
 def predict(
@@ -298,7 +314,7 @@ def predict(
     wait_for_warm_up()  # instead of paying the one-time cost twice
     target = target or target_for(card)
     constants = card_constants(card) if target.cuda else CardConstants()
-    key = _prediction_key(task, config, plan, target, constants)
+    key = _prediction_key(task, config, plan, target, card)
     cached: _Point | None = _PREDICTIONS.get_fresh(key)
     if cached is not None:
         return cached.prediction.model_copy(update={"seconds": time.perf_counter() - started})
@@ -309,7 +325,10 @@ def predict(
         trace = trace_training(task, config, plan, target)
     except CannotTrace as error:
         return _bounded_evaluation(_probe(task, config, plan, card, error.reason, started))
-    prediction = from_trace(trace, target, constants, time.perf_counter() - started)
+    capacity = allocator_capacity(card, target)
+    prediction = from_trace(
+        trace, target, constants, time.perf_counter() - started, capacity=capacity
+    )
     _PREDICTIONS.put(key, _Point(prediction, trace.phase_peaks))
     return prediction
 
@@ -346,15 +365,20 @@ def phase_peaks(
     """The raw live-bytes peak of each phase (forward, backward, optimizer, evaluation...) of
     the prediction made just before with these arguments (cached), or none (a probe)."""
     target = target or target_for(card)
-    constants = card_constants(card) if target.cuda else CardConstants()
-    point: _Point | None = _PREDICTIONS.get(_prediction_key(task, config, plan, target, constants))
+    point: _Point | None = _PREDICTIONS.get(_prediction_key(task, config, plan, target, card))
     return point.phases if point is not None else {}
 
 
 def from_trace(
-    trace: Trace, target: Target, constants: CardConstants, seconds: float
+    trace: Trace,
+    target: Target,
+    constants: CardConstants,
+    seconds: float,
+    *,
+    capacity: int | None = None,
 ) -> Prediction:
-    """A prediction from a trace: live bytes on the CPU card, the allocator model on CUDA.
+    """A prediction from a trace: live bytes on the CPU card, the allocator model on CUDA
+    (given `capacity`, `allocator_capacity`: with the retry that frees the cache near it).
 
     The peaks are the whole run's, evaluation included (what the plan must fit); the training
     steps' footprint and the evaluation's ride beside them, for a calibration fitted like
@@ -372,8 +396,8 @@ def from_trace(
             training_peak_bytes=trace.training.peak_bytes,
             evaluation_peak_bytes=evaluation,
         )
-    whole = _on_card(trace.events, constants)
-    training = _on_card(trace.events[: trace.training.events], constants)
+    whole = _on_card(trace.events, constants, capacity)
+    training = _on_card(trace.events[: trace.training.events], constants, capacity)
     return Prediction(
         peak_allocated_bytes=whole[0],
         peak_reserved_bytes=whole[1],
@@ -395,14 +419,19 @@ def _evaluation_peak(trace: Trace) -> int | None:
     return trace.phase_peaks.get(EVALUATION_PHASE, 0)
 
 
-def _on_card(events: list[tuple[int, int]], constants: CardConstants) -> tuple[int, int]:
+def _on_card(
+    events: list[tuple[int, int]], constants: CardConstants, capacity: int | None = None
+) -> tuple[int, int]:
     """(allocated, reserved) of these allocation events through the caching-allocator model.
 
     The model follows this process's PYTORCH_CUDA_ALLOC_CONF: the worker predicts for the card
     it drives, whose real runs allocate under the same settings.
     """
     peaks = replay(
-        events, preallocated=[constants.cublas_workspace_bytes], settings=alloc_conf.from_environ()
+        events,
+        preallocated=[constants.cublas_workspace_bytes],
+        settings=alloc_conf.from_environ(),
+        capacity=capacity,
     )
     return peaks.allocated + constants.other_bytes, peaks.reserved + constants.other_bytes
 

@@ -366,7 +366,9 @@ def _first_step_state(
     step: the prediction is then higher than the run, never lower.
     """
     optimizer.zero_grad(set_to_none=True)
-    total = torch.zeros((), device=device)  # made in the forward phase, as train_step makes it
+    # The accumulator step 1 returns is made after its backward: in that phase, as train_step's
+    with tracker.phase("backward"):
+        total = torch.zeros((), device=device)
     with tracker.phase("setup"), torch.no_grad():
         _zero_gradients(model)
     optimizer.step()

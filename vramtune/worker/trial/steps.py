@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from vramtune.service.wire import Plan
+from vramtune.worker.device.memory import attributed_to
 from vramtune.worker.trial.offload import host_for, offload_activations, offload_optimizer, offloads
 from vramtune.worker.trial.optimizers import swapped_optimizer
 from vramtune.worker.trial.runner import (
@@ -146,13 +147,19 @@ def train_step(
     """
     if not accumulating:
         optimizer.zero_grad(set_to_none=True)
-    total = torch.zeros((), device=device)
+    # Accumulating, the zeros stand for the accumulator the untraced first micro-batch left
+    # after its backward, and are counted in that phase (as the category it falls in).
+    with attributed_to("backward") if accumulating else nullcontext():
+        total = torch.zeros((), device=device)
     for size in sizes if sizes is not None else micro_batch_sizes(batch_size, plan):
         batch = next_batch(size)
         with autocast_for(plan, device), offload_activations(plan, device):
             loss = task.loss(model, batch) * (size / batch_size)
         torch.autograd.backward(loss)
-        total = total + loss.detach().float()
+        # Made after backward, with every gradient held: the forward phase's peak (the lines
+        # largest_micro_batch fits) is the forward's own allocations, not this level.
+        with attributed_to("backward"):
+            total = total + loss.detach().float()
         del batch, loss
     optimizer.step()
     return total
