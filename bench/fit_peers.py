@@ -314,6 +314,9 @@ def run(cases: list[Case]) -> tuple[list[Row], dict[str, str]]:
             continue
         row = Row(case.label, case.task.name, case.batch, measured, steps[-1])
         row.estimates["vramtune"] = vramtune_estimate(case)
+        row.estimates["vramtune"].error = _error(
+            row.estimates["vramtune"].predicted_bytes, measured
+        )
         rows.append(row)
         print(f"{case.label:32s} {measured / MiB:9.2f} MiB  vramtune {_cell(row, 'vramtune')}")
     installed = versions()
