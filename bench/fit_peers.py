@@ -17,9 +17,11 @@ What is compared:
 - torch-kitsune: ``kitsune.predict.predict_memory(model, input_shape, batch_size, optimizer=
   "adamw", training=True)``'s tensor part: parameters + gradients + optimizer state +
   activations, without the 15 % it adds for the CUDA allocator's overhead (``overhead_bytes``,
-  recorded in the JSON). It takes one input shape and feeds ``torch.randn`` of it: a model of
-  two inputs gets the first input's shape, a token model float noise; when its forward passes
-  fail it falls back to per-layer formulas (the paths that failed are noted per case).
+  recorded in the JSON), for every case; for the LoRA case its own ``estimate_lora_memory`` on
+  the base model is noted beside it. It takes one input shape and feeds ``torch.randn`` of it:
+  a model of two inputs gets the first input's shape, a token model float noise; when its
+  forward passes fail it falls back to per-layer formulas (the paths that failed are noted per
+  case).
 - vram-check: ``vram_check.analyze(model, batch_size, dtype="fp32", optimizer="adamw",
   training=True)``'s ``estimate.total_bytes`` (trainable parameters x (4 + 4 + 8 bytes) and
   activations of 2 x the parameter bytes per example), plus its ``frozen["frozen_bytes"]``
@@ -204,6 +206,23 @@ def kitsune(model: nn.Module, inputs: Any, batch: int) -> tuple[int, str, dict[s
     return tensor_part, "; ".join(n for n in notes if n), parts
 
 
+LORA_BASES = {"gpt-lora": ("gpt", 8, ("qkv", "proj", "fc", "out"))}
+"""A LoRA case's base architecture, rank and target layers, for kitsune's own LoRA estimator."""
+
+
+def kitsune_lora(case: Case, inputs: Any) -> int:
+    """A LoRA case's figure from kitsune's `estimate_lora_memory` on the base model (its tensor
+    part, like the compared one), as a note: the table keeps `predict_memory` for every case."""
+    from kitsune.predict import LoRAConfig, estimate_lora_memory
+
+    base_name, rank, targets = LORA_BASES[case.task.name]
+    (base_task,) = [t for t in ZOO if t.name == base_name]
+    base = base_task.build_model(case.config)
+    config = LoRAConfig(rank=rank, target_modules=targets, optimizer="adamw")
+    result = estimate_lora_memory(base, tuple(inputs.shape[1:]), case.batch, config=config)
+    return result.total_bytes - result.overhead_bytes
+
+
 def vram_check(model: nn.Module, inputs: Any, batch: int) -> tuple[int, str, dict[str, int]]:
     """vram-check's training estimate, with the frozen weights it reports beside it."""
     from vram_check import analyze
@@ -273,7 +292,7 @@ def _import_peers(installed: dict[str, str | None]) -> dict[str, str]:
 
 
 def peer_estimates(
-    case: Case, installed: dict[str, str | None], broken: dict[str, str]
+    case: Case, installed: dict[str, str | None], broken: dict[str, str], measured: int
 ) -> dict[str, Estimate]:
     """Each peer on the case's model (built once, on the CPU) and its example batch."""
     torch.manual_seed(0)
@@ -297,6 +316,18 @@ def peer_estimates(
             continue
         found[name] = Estimate(name, predicted, time.perf_counter() - started, load, note=note)
         found[name].parts = parts
+    kitsune_row = found["torch-kitsune"]
+    if case.task.name in LORA_BASES and kitsune_row.predicted_bytes is not None:
+        try:
+            lora = kitsune_lora(case, inputs)
+            kitsune_row.parts["lora_estimator_tensor_part"] = lora
+            also = (
+                f"its LoRA estimator (`estimate_lora_memory`, tensor part): {lora / MiB:,.2f} "
+                f"MiB ({_pct(_error(lora, measured))})"
+            )
+        except Exception as error:  # recorded beside its predict_memory figure
+            also = f"its LoRA estimator failed: {type(error).__name__}: {error}"[:200]
+        kitsune_row.note = "; ".join(n for n in (kitsune_row.note, also) if n)
     return found
 
 
@@ -323,7 +354,7 @@ def run(cases: list[Case]) -> tuple[list[Row], dict[str, str]]:
     broken = _import_peers(installed)
     by_label = {c.label: c for c in cases}
     for row in rows:
-        row.estimates |= peer_estimates(by_label[row.case], installed, broken)
+        row.estimates |= peer_estimates(by_label[row.case], installed, broken, row.measured_bytes)
         for estimate in row.estimates.values():
             estimate.error = _error(estimate.predicted_bytes, row.measured_bytes)
         print(f"{row.case:32s} " + " | ".join(_cell(row, t) for t in PEERS), flush=True)
