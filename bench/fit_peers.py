@@ -344,7 +344,11 @@ def run(cases: list[Case]) -> tuple[list[Row], dict[str, str]]:
             failed[case.label] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
             continue
         row = Row(case.label, case.task.name, case.batch, measured, steps[-1])
-        row.estimates["vramtune"] = vramtune_estimate(case)
+        try:
+            row.estimates["vramtune"] = vramtune_estimate(case)
+        except Exception as error:  # recorded like a peer's failure: the case stays
+            why = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:160]}"
+            row.estimates["vramtune"] = Estimate("vramtune", None, None, _load(), note=why)
         row.estimates["vramtune"].error = _error(
             row.estimates["vramtune"].predicted_bytes, measured
         )
