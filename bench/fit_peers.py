@@ -391,8 +391,17 @@ def summary(rows: list[Row], installed: dict[str, str | None]) -> dict[str, dict
     return found
 
 
-def _pct(value: float | None) -> str:
-    return "—" if value is None else f"{100 * value:+.3g} %"
+def _pct(value: float | None, sign: bool = True) -> str:
+    if value is None:
+        return "—"
+    places = 0 if abs(value) >= 1 else 1 if abs(value) >= 0.01 else 4
+    return f"{100 * value:{'+' if sign else ''},.{places}f} %"
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "—"
+    return f"{value:.3f} s" if value >= 0.01 else f"{1000 * value:.2f} ms"
 
 
 def _cell(row: Row, tool: str) -> str:
@@ -401,7 +410,7 @@ def _cell(row: Row, tool: str) -> str:
         return "—" if estimate is None else f"— ({estimate.note})"
     return (
         f"{estimate.predicted_bytes / MiB:,.2f} ({_pct(estimate.error)}) · "
-        f"{estimate.seconds:.3f} s · L {estimate.load_1m}"
+        f"{_seconds(estimate.seconds)} · L {estimate.load_1m}"
     )
 
 
@@ -416,9 +425,9 @@ def _summary_line(tool: str, stats: dict[str, Any]) -> str:
     median, worst = stats["median_abs_error"], stats["worst_abs_error"]
     return (
         f"| {tool} | {stats['version']} | {stats['predicted']} / {stats['cases']} "
-        f"| {100 * median:.3g} % | {100 * worst:.3g} % "
+        f"| {_pct(median, sign=False)} | {_pct(worst, sign=False)} "
         f"| {stats['within']} / {stats['predicted']} | {stats['under_predicted']} "
-        f"| {stats['seconds_median']:.3f} (max {stats['seconds_max']:.2f}) "
+        f"| {_seconds(stats['seconds_median'])} (max {_seconds(stats['seconds_max'])}) "
         f"| {stats['load_1m_min']} to {stats['load_1m_max']} | {REFERENCE[tool]} |"
     )
 
