@@ -394,7 +394,8 @@ def summary(rows: list[Row], installed: dict[str, str | None]) -> dict[str, dict
 def _pct(value: float | None, sign: bool = True) -> str:
     if value is None:
         return "—"
-    places = 0 if abs(value) >= 1 else 1 if abs(value) >= 0.01 else 4
+    size = abs(value)
+    places = 0 if size >= 1 else 1 if size >= 0.01 else 2 if size >= 1e-4 else 4
     return f"{100 * value:{'+' if sign else ''},.{places}f} %"
 
 
