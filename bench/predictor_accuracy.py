@@ -41,8 +41,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.zoo import ZOO, ZooTask  # noqa: E402
+from vramtune.common.memory import calibrated_bytes  # noqa: E402
 from vramtune.service.calibration import fit_calibration  # noqa: E402
-from vramtune.service.wire import CardInfo, Plan, Prediction, calibrated_bytes  # noqa: E402
+from vramtune.service.wire import CardInfo, Plan, Prediction  # noqa: E402
 from vramtune.worker.device.memory import MemoryTracker  # noqa: E402
 from vramtune.worker.predictor import (  # noqa: E402
     EMULATED_CUDA_TARGET,
@@ -213,13 +214,20 @@ class CpuRow:
     breakdown: dict[str, int] = field(default_factory=dict)
 
 
-def run_cpu_case(case: Case) -> CpuRow:
-    """Real CPU run (tracked) against the fake-cpu and the emulated-CUDA predictions."""
+def measure_cpu(case: Case) -> tuple[int, list[float]]:
+    """The real CPU run's tracked peak (live tensor bytes) over `REAL_STEPS_CPU` training steps
+    through the trainer's code path, and each step's seconds."""
     device = torch.device("cpu")
     case.task.batches(case.config, 1, device, seed=0)  # load a task's data before measuring
     tracker = MemoryTracker(device_type="cpu")
     with tracker:
         step_seconds = _steps(case, device, REAL_STEPS_CPU, lambda: None)
+    return tracker.peak_bytes, step_seconds
+
+
+def run_cpu_case(case: Case) -> CpuRow:
+    """Real CPU run (tracked) against the fake-cpu and the emulated-CUDA predictions."""
+    measured, step_seconds = measure_cpu(case)
     prediction, cpu_s = _timed_predict(case, None)
     emulated, _ = (
         _timed_predict(case, None, target=EMULATED_CUDA_TARGET) if EMULATE[0] else (prediction, 0)
@@ -229,9 +237,9 @@ def run_cpu_case(case: Case) -> CpuRow:
         architecture=case.task.name,
         batch=case.batch,
         plan=case.plan_name,
-        measured_bytes=tracker.peak_bytes,
+        measured_bytes=measured,
         predicted_bytes=prediction.peak_allocated_bytes,
-        exact=prediction.peak_allocated_bytes == tracker.peak_bytes,
+        exact=prediction.peak_allocated_bytes == measured,
         method=prediction.method,
         emulated_allocated_bytes=emulated.peak_allocated_bytes,
         emulated_reserved_bytes=emulated.peak_reserved_bytes,

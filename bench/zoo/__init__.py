@@ -1,5 +1,6 @@
-"""A model zoo for the predictor benchmark: eleven architectures as vramtune tasks."""
+"""A model zoo for the predictor benchmarks: eleven architectures as vramtune tasks (`ZOO`),
+and three more for bench/fit_peers.py (`EXTRAS`: frozen stages, LoRA, two inputs)."""
 
-from bench.zoo.tasks import ZOO, ZooTask
+from bench.zoo.tasks import EXTRAS, ZOO, ZooTask
 
-__all__ = ["ZOO", "ZooTask"]
+__all__ = ["EXTRAS", "ZOO", "ZooTask"]

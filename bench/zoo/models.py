@@ -289,3 +289,37 @@ class DropoutTransformer(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.head(self.blocks(self.dropout(self.embed(idx))).mean(dim=1))
         return out
+
+
+class TwoInputs(nn.Module):
+    """Two inputs of two kinds: an image through a convolution tower and a caption's tokens
+    through an embedding, mean-pooled, concatenated, classified."""
+
+    def __init__(self, vocab: int, width: int, classes: int) -> None:
+        super().__init__()
+        self.image = nn.Sequential(conv_bn(3, width), conv_bn(width, 2 * width, 2))
+        self.tokens = nn.Embedding(vocab, 2 * width)
+        self.text = AttentionBlock(2 * width, 2, 0.0, False)
+        self.head = nn.Linear(4 * width, classes)
+
+    def forward(self, images: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        seen = self.image(images).mean(dim=(2, 3))
+        read = self.text(self.tokens(idx)).mean(dim=1)
+        out: torch.Tensor = self.head(torch.cat([seen, read], dim=1))
+        return out
+
+
+def frozen_stages(model: ConvNet, trained: int) -> ConvNet:
+    """`model` with every stage but the last `trained` frozen (their BatchNorms still update
+    their running statistics: the module stays in training mode)."""
+    for stage in list(model.stages)[: len(model.stages) - trained]:
+        stage.requires_grad_(False)
+    return model
+
+
+def with_lora(model: nn.Module, rank: int, targets: list[str]) -> nn.Module:
+    """`model` wrapped by peft's LoRA on the named linear layers (the base frozen)."""
+    from peft import LoraConfig, get_peft_model  # the [peft] extra: only this model needs it
+
+    wrapped: nn.Module = get_peft_model(model, LoraConfig(r=rank, target_modules=targets))  # type: ignore[arg-type]
+    return wrapped

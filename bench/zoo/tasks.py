@@ -61,7 +61,7 @@ class ZooTask:
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         """Cross-entropy over classes, tokens or pixels; MSE for reconstructions."""
         inputs, targets = batch
-        output = model(inputs)
+        output = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
         if self.loss_kind == "reconstruction":
             return F.mse_loss(output, targets)
         if self.loss_kind == "tokens":
@@ -109,6 +109,16 @@ def _tokens(classes: int | None = None) -> Inputs:
 def _reconstruction(config: Config, n: int, device: torch.device) -> Batch:
     x = torch.randn(n, int(config["inputs"]), device=device)
     return x, x
+
+
+def _image_and_caption(classes: int) -> Inputs:
+    def make(config: Config, n: int, device: torch.device) -> Batch:
+        side, vocab, time = int(config["resolution"]), int(config["vocab"]), int(config["time"])
+        images = torch.randn(n, 3, side, side, device=device)
+        idx = torch.randint(0, vocab, (n, time), device=device)
+        return (images, idx), torch.randint(0, classes, (n,), device=device)
+
+    return make
 
 
 def _children(attribute: str) -> Callable[[nn.Module], Sequence[nn.Module]]:
@@ -233,3 +243,42 @@ ZOO: list[ZooTask] = [
     ),
 ]
 """Eleven architectures; `cpu`/`gpu` hold their shape parameters for each benchmark mode."""
+
+EXTRAS: list[ZooTask] = [
+    ZooTask(
+        "cnn-frozen-stages",
+        lambda c: models.frozen_stages(models.ConvNet(c["width"], c["depth"], 10), trained=1),
+        _images(10),
+        cpu={"width": 16, "depth": 3, "resolution": 32},
+        gpu={"width": 64, "depth": 4, "resolution": 128},
+        cpu_batches=(8, 32),
+        gpu_batches=(64, 256),
+    ),
+    ZooTask(
+        "gpt-lora",
+        lambda c: models.with_lora(
+            models.GPT(c["vocab"], c["width"], c["width"] // 64, c["depth"], c["time"], 0.0),
+            rank=8,
+            targets=["qkv", "proj", "fc", "out"],
+        ),
+        _tokens(),
+        cpu={"vocab": 2048, "width": 128, "depth": 2, "time": 128},
+        gpu={"vocab": 50304, "width": 768, "depth": 12, "time": 512},
+        cpu_batches=(2, 8),
+        gpu_batches=(8, 24),
+        loss_kind="tokens",
+    ),
+    ZooTask(
+        "two-inputs",
+        lambda c: models.TwoInputs(c["vocab"], c["width"], 10),
+        _image_and_caption(10),
+        cpu={"width": 16, "resolution": 32, "vocab": 1000, "time": 32},
+        gpu={"width": 64, "resolution": 128, "vocab": 32000, "time": 256},
+        cpu_batches=(8, 32),
+        gpu_batches=(64, 256),
+    ),
+]
+"""What the zoo leaves to other benchmarks: frozen stages (BatchNorm still updating), peft's
+LoRA on the GPT (its tied embedding frozen with the base; needs the [peft] extra) and a model
+of two inputs (an image and a caption). Kept out of `ZOO` so predictor_accuracy's cases stay
+as they are."""
