@@ -159,9 +159,9 @@ class Options:
     time_factor: float = 20.0
     trial_minutes: float = 10.0
     heartbeat_s: float = 10.0
-    lease_ttl_s: float = 60.0
-    worker_stale_s: float = 60.0
-    reaper_s: float = 10.0
+    lease_ttl_s: float = 30.0  # the server's defaults, as the heartbeat's 10 s: simulated
+    worker_stale_s: float = 30.0
+    reaper_s: float = 2.0
     report_every_min: float = 5.0
     handback_share: float = 0.2
     infeasible_share: float = 0.02
@@ -246,7 +246,8 @@ class SimWorker:
             except httpx.TransportError as error:
                 ledger.errors[f"{name}: {type(error).__name__}"] += 1
             else:
-                ledger.timed(name, began, time.monotonic() - began)
+                idle = " (no work)" if answer.status_code == 204 else ""
+                ledger.timed(name + idle, began, time.monotonic() - began)
                 if answer.status_code < 300:
                     return None if answer.status_code == 204 else answer.json()
                 if answer.status_code == 409:
@@ -332,7 +333,7 @@ class SimWorker:
                 finally:
                     self.busy -= 1
             if assignment is None:
-                await self.pause(IDLE_POLL_S)
+                await self.pause(IDLE_POLL_S, in_drain=True)
                 continue
             self.busy += 1
             self.held.add(assignment["trial_id"])
@@ -345,11 +346,16 @@ class SimWorker:
                 self.held.discard(assignment["trial_id"])
                 self.busy -= 1
 
-    async def pause(self, simulated_s: float) -> bool:
-        """Wait `simulated_s` (no time in the drain); True when the worker leaves meanwhile."""
-        seconds = 0.0 if self.sim.draining.is_set() else self.sim.options.real(simulated_s)
+    async def pause(self, simulated_s: float, in_drain: bool = False) -> bool:
+        """Wait `simulated_s` (in the drain: no time, unless `in_drain`, an idle poll); True
+        when the worker leaves meanwhile."""
+        sim = self.sim
+        seconds = sim.options.real(simulated_s)
+        if sim.draining.is_set() and not in_drain:
+            seconds = 0.0
         waits = [asyncio.ensure_future(self.leaving.wait())]
-        waits.append(asyncio.ensure_future(self.sim.draining.wait()))
+        if not in_drain:
+            waits.append(asyncio.ensure_future(self.sim.draining.wait()))
         try:
             await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
         finally:

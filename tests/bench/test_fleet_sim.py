@@ -13,9 +13,10 @@ def test_a_tiny_churning_fleet_finishes_every_trial_exactly_once() -> None:
     options = fleet_sim.Options(
         cards=8,
         time_factor=30,
+        lease_ttl_s=60,  # 2 s real: well above the heartbeat's batch window of 0.5 s
         trial_minutes=1,
         warmup_min=1,
-        window_min=4,
+        window_min=3,
         leave_per_hour=10,
         death_per_hour=10,
         database="sqlite",
