@@ -172,7 +172,7 @@ class Options:
     database: str = "postgresql"
     replicas: int = 1
     seed: int = 48
-    client_pool: int = 200
+    client_pool: int = 1024
 
     def real(self, simulated_s: float) -> float:
         """Real seconds for simulated ones."""
@@ -230,6 +230,7 @@ class SimWorker:
         self.leaving = asyncio.Event()
         self.beat_now = asyncio.Event()
         self.rng = random.Random(sim.rng.random())
+        self.first = True  # its first trial is under way already (see run_trial)
 
     # ------------------------------------------------------------ the calls
 
@@ -420,6 +421,8 @@ class SimWorker:
         await self.call("start", "POST", f"/trials/{trial_id}/start", start)
         sim.ledger.trials_started += 1
         minutes = trial_minutes(self.rng, sim.options.trial_minutes)
+        if self.first:  # joined part-way through: the fleet's trials do not end in step
+            minutes, self.first = max(0.1, minutes * self.rng.random()), False
         step, left = 0, minutes
         every = sim.options.report_every_min or math.inf
         while left > 0:
