@@ -536,7 +536,13 @@ class Simulation:
         index = len(ledger.alive)
         ledger.alive.append((kind.cards, alive[1], None))
         living = asyncio.create_task(worker.live())
-        done, _ = await asyncio.wait([living], timeout=options.real(ends_in))
+        try:
+            done, _ = await asyncio.wait([living], timeout=options.real(ends_in))
+        except asyncio.CancelledError:  # the run ends: the worker with it
+            living.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await living
+            raise
         if done or self.draining.is_set():
             if living.done() and living.exception() is not None:
                 ledger.errors[f"worker: {type(living.exception()).__name__}"] += 1
