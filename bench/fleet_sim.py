@@ -780,7 +780,10 @@ def percentile(values: list[float], q: float) -> float:
 
 def run(options: Options) -> dict[str, Any]:
     """One run: database, server(s), study, the simulated fleet, the figures, the accounting."""
-    budget = math.ceil(expected_trials(options) * 1.5)
+    # With room for the trials in flight when the window ends (up to two a card, one leased
+    # ahead): a budget spent inside the window left the fleet polling for work.
+    cards = sum(kind.cards for kind in fleet_of(options.cards, parse_mix(options.mix)))
+    budget = math.ceil(expected_trials(options) * 1.3) + 2 * cards
     with contextlib.ExitStack() as stack:
         directory = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fleet_sim_")))
         url = stack.enter_context(database(options.database, directory))
