@@ -551,7 +551,11 @@ class Simulation:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await living
             raise
-        if done or self.draining.is_set():
+        if not done and self.draining.is_set():  # no churn in the drain: it lives on
+            with contextlib.suppress(Exception):
+                await living
+            done = {living}
+        if done:
             if living.done() and living.exception() is not None:
                 ledger.errors[f"worker: {type(living.exception()).__name__}"] += 1
             ledger.alive[index] = (kind.cards, alive[1], time.monotonic())
