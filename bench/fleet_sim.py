@@ -1021,6 +1021,15 @@ def render(results: list[dict[str, Any]]) -> str:
             f"{acc['duplicated']}, stuck {acc['stuck']}**. Client errors: "
             f"{r['errors'] or 'none'}.",
         ]
+        if acc["stuck"] or acc["lost"]:
+            lines += [
+                "",
+                f"**The accounting did not pass: the drain did not end within {DRAIN_LIMIT_S:g} "
+                "s.** Its trials still running or never asked count as stuck or lost here "
+                "whatever the cause; the client errors above (timeouts) say whether the server "
+                "was overloaded by the drain, which sends the rest of the budget through every "
+                "worker with no time between calls.",
+            ]
     chosen = sizing_basis(results)
     if chosen is not None:
         o = chosen["options"]
@@ -1063,11 +1072,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(flag, type=type(value), default=value, help=f"default {value}")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     parser.add_argument("--name", default="fleet_sim", help="NAME.md and NAME.json in --out")
+    parser.add_argument(
+        "--render-only", action="store_true", help="rewrite NAME.md from NAME.json, run nothing"
+    )
     args = parser.parse_args(argv)
+    path = args.out / f"{args.name}.json"
+    if args.render_only:
+        document = json.loads(path.read_text())
+        write_report(args.out, args.name, document, render(document["runs"]))
+        return 0
     options = Options(**{k: getattr(args, k) for k in asdict(defaults)})
     parse_mix(options.mix)  # refused before anything starts
     result = run(options)
-    path = args.out / f"{args.name}.json"
     kept = json.loads(path.read_text())["runs"] if path.exists() else []
     runs = [r for r in kept if key_of(r) != key_of(result)] + [result]
     runs.sort(
