@@ -699,6 +699,18 @@ def test_the_servers_own_reaper_reoffers_an_abandoned_trial(
         assert [t.state for t in env.trials()] == [TrialState.COMPLETE]
 
 
+def _waiting_for_a_larger_card(env: Env) -> tuple[SimWorker, SimWorker, dict[str, Any]]:
+    """A 4 GiB and a 16 GiB worker; the small one leases a trial and hands it back as needing
+    6 GiB: it waits for the large card. (small, large, the small one's assignment.)"""
+    small = env.worker("small", 4 * GIB, "Sim 4G")
+    large = env.worker("large", 16 * GIB, "Sim 16G")
+    held = small.next()
+    assert held is not None
+    back = small.call(held, "handback", min_footprint_bytes=6 * GIB, plan=HALVED, reason="big")
+    assert back.json()["resolution"] == "waiting"
+    return small, large, held
+
+
 def test_a_restarted_server_routes_a_waiting_trial_to_the_card_it_waits_for(
     migrated_url: str, start_server: ServerFactory
 ) -> None:
@@ -711,12 +723,7 @@ def test_a_restarted_server_routes_a_waiting_trial_to_the_card_it_waits_for(
     with http, client_side_state(migrated_url) as state:
         env = Env(http, state, "restart-routing", "quadratic")
         env.create_study(n_trials=1)
-        small = env.worker("small", 4 * GIB, "Sim 4G")
-        large = env.worker("large", 16 * GIB, "Sim 16G")
-        held = small.next()
-        assert held is not None
-        back = small.call(held, "handback", min_footprint_bytes=6 * GIB, plan=HALVED, reason="big")
-        assert back.json()["resolution"] == "waiting"
+        _, large, held = _waiting_for_a_larger_card(env)
 
         server.kill()
         time.sleep(1.5 * stale_s)
@@ -733,12 +740,7 @@ def test_a_restarted_server_routes_a_waiting_trial_to_the_card_it_waits_for(
 
 def test_handed_back_trial_waits_for_a_larger_card(env: Env) -> None:
     env.create_study(n_trials=2)
-    small = env.worker("small", 4 * GIB, "Sim 4G")
-    large = env.worker("large", 16 * GIB, "Sim 16G")
-    held = small.next()
-    assert held is not None
-    back = small.call(held, "handback", min_footprint_bytes=6 * GIB, plan=HALVED, reason="big")
-    assert back.json()["resolution"] == "waiting"
+    small, large, held = _waiting_for_a_larger_card(env)
     other = small.next()  # the waiting trial is not for this card: a new one is asked
     assert other is not None and other["trial_id"] != held["trial_id"]
     routed = large.next()  # the waiting trial comes first for a card that holds it
@@ -760,12 +762,7 @@ def test_a_reaper_pass_looking_at_a_waiting_trial_does_not_hide_it_from_its_card
     the card gets the trial. (The pass once held the trial's row locked while it looked, and a
     ``next`` skips locked rows on PostgreSQL: the card was told there was no work.)"""
     env.create_study(n_trials=1)
-    small = env.worker("small", 4 * GIB, "Sim 4G")
-    large = env.worker("large", 16 * GIB, "Sim 16G")
-    held = small.next()
-    assert held is not None
-    back = small.call(held, "handback", min_footprint_bytes=6 * GIB, plan=HALVED, reason="big")
-    assert back.json()["resolution"] == "waiting"
+    _, large, held = _waiting_for_a_larger_card(env)
 
     looking, asked = threading.Event(), threading.Event()
     capacity = reaper.live_capacity
