@@ -90,25 +90,14 @@ def test_bad_input_is_named_and_exits_2(args: list[str], message: str) -> None:
     assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
-def tiny_llama(folder: Path) -> Path:
-    """A two-layer Llama config.json, written as a model repository holds one."""
-    transformers = pytest.importorskip("transformers")
-    transformers.LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        vocab_size=128,
-        architectures=["LlamaForCausalLM"],
-    ).save_pretrained(folder)
-    return folder / "config.json"
-
-
 def test_an_hf_config_per_rank_as_json_with_progress_on_stderr(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Its per-rank bytes are the ladder's own trace's (test_fit_hf_ranks.py): here the wiring,
     # in this process (a second one would import torch and transformers again: 10 s at load).
+    pytest.importorskip("transformers")
+    from test_fit_hf_ranks import tiny_llama
+
     from vramtune.service.cli.parser import build_parser
 
     path = tiny_llama(tmp_path)
